@@ -1,0 +1,122 @@
+"""The artifact: a directory `NAME.kiln/` with manifest.json, the model, and provenance.json.
+
+It is written into a temporary sibling directory and renamed into place, so a crash, a full
+disk or a failed verification never leaves a partial artifact behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+from kiln.hardware import cpu_info
+from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+# Weights above this size go to the external data file, keeping model.onnx small to inspect.
+EXTERNAL_THRESHOLD = 1 << 26
+
+
+@dataclass
+class Artifact:
+    """A compiled model on disk."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_FILE
+
+    def provenance(self) -> dict[str, Any]:
+        return json.loads((self.path / "provenance.json").read_text())
+
+    def session(self, **kwargs: Any):
+        from kiln.runtime import Session
+
+        return Session(self.path, **kwargs)
+
+
+def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
+    """Compiled node name → its op, original nodes and the passes that made it."""
+    return {
+        node.name or "": {
+            "op_type": f"{node.domain}::{node.op_type}" if node.domain else node.op_type,
+            "origin": sorted(split_origins(node.metadata_props.get(ORIGIN_KEY, ""))),
+            "passes": sorted(split_origins(node.metadata_props.get(PASS_KEY, ""))),
+        }
+        for node in all_nodes(model.graph)
+    }
+
+
+def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any]) -> Artifact:
+    """Write atomically: everything goes to a temporary sibling, then one rename."""
+    destination = Path(destination)
+    parent = destination.resolve().parent
+    if not parent.is_dir():
+        raise KilnError(f"{destination}: the directory {parent} does not exist.")
+    manifest = {"format_version": FORMAT_VERSION, **manifest}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+    try:
+        size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+        if size > EXTERNAL_THRESHOLD:
+            ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
+        else:
+            ir.save(model, tmp / MODEL_FILE)
+        _write_json(tmp / "provenance.json", provenance_map(model))
+        _write_json(tmp / "manifest.json", manifest)
+        if destination.exists():
+            if not (destination / "manifest.json").is_file():
+                raise KilnError(
+                    f"{destination}: exists and is not a Kiln artifact; refusing to replace it."
+                )
+            shutil.rmtree(destination)
+        tmp.rename(destination)
+    except OSError as exc:
+        raise KilnError(f"{destination}: could not write the artifact ({exc.strerror or exc}).") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Artifact(destination, manifest)
+
+
+def read_artifact(path: str | Path) -> Artifact:
+    """Open an artifact directory, checking its format and the hardware it was built for."""
+    path = Path(path)
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise KilnError(f"{path}: not a Kiln artifact (no manifest.json). Build one with kiln optimize.")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KilnError(f"{manifest_path}: corrupted manifest ({exc}).") from None
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise KilnError(
+            f"{path}: artifact format {version}, this Kiln reads format {FORMAT_VERSION}. "
+            "Rebuild it with kiln optimize."
+        )
+    if not (path / MODEL_FILE).is_file():
+        raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
+    built_on = manifest.get("hardware", {}).get("fingerprint")
+    if built_on and built_on != cpu_info().fingerprint:
+        warnings.warn(
+            f"{path} was built on other hardware ({manifest['hardware'].get('cpu', '?')}); "
+            "it will run, but its tuning may not suit this machine.",
+            stacklevel=2,
+        )
+    return Artifact(path, manifest)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,120 @@
+"""`kiln bench`: build the engines, time them interleaved, and report every figure."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kiln import __version__
+from kiln.bench.engines import ENGINES, engine_runner, parse_engines
+from kiln.bench.latency import flatten, interleave, round_ratios, stats
+from kiln.hardware import cpu_info
+from kiln.ir.inputs import default_dims, synthesize
+
+
+def _kiln_runner(model: str, say: Callable[[str], None]):
+    """The Kiln engine and the original model: from an artifact, or compiled here in memory."""
+    from kiln.backends import get_backend
+    from kiln.backends.ort import OrtOptions
+    from kiln.compiler import optimize_model
+    from kiln.ir import load_model
+
+    if Path(model).is_dir():
+        from kiln.runtime import Session
+
+        session = Session(model)
+        original = load_model(session.artifact.manifest["source"]["path"]).model
+        return original, lambda feeds: (lambda: session.run(None, feeds))
+    say(f"compiling {model}")
+    result = optimize_model(load_model(model), progress=say)
+    exe = get_backend("ort").compile(result.model, OrtOptions())
+    return result.loaded.model, lambda feeds: (lambda: exe.run(feeds))
+
+
+def run_bench(
+    model: str,
+    against: str,
+    batch: int,
+    rounds: int,
+    runs: int,
+    say: Callable[[str], None],
+    command: str = "",
+) -> dict:
+    engines = parse_engines(against)
+    original, kiln_for = _kiln_runner(model, say)
+    feeds = synthesize(original, {**default_dims(original), "batch": batch})
+    runners = {}
+    for name in engines:
+        say(f"preparing engine {name}")
+        runners[name] = engine_runner(name, original, feeds)
+    runners["kiln"] = kiln_for(feeds)
+    say("timing, interleaved")
+    samples = interleave(
+        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"round {r}/{rounds}")
+    )
+    baseline = engines[0] if engines else "kiln"
+    ratios = round_ratios(samples, baseline)
+    cpu = cpu_info()
+    return {
+        "command": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": model,
+        "batch": batch,
+        "rounds": rounds,
+        "runs_per_round": runs,
+        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features},
+        "versions": _versions(),
+        "baseline": baseline,
+        "engines": {
+            name: {
+                "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
+                **stats(flatten(samples[name]), batch).to_json(),
+                "speedup_vs_baseline": ratios[name],
+            }
+            for name in runners
+        },
+    }
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+
+    return {
+        "kiln": __version__,
+        "python": platform.python_version(),
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxscript": onnxscript.__version__,
+    }
+
+
+def print_bench(result: dict, console: Console) -> None:
+    console.print(f"[dim]{result['command']}[/dim]")
+    console.print(
+        f"[dim]{result['date']} · {result['machine']['cpu']} · {result['machine']['cores']} cores · "
+        + " ".join(f"{k} {v}" for k, v in result["versions"].items())
+        + "[/dim]"
+    )
+    table = Table(
+        "engine", "P50 ms", "P90 ms", "P99 ms", "jitter", "samples/s", f"× vs {result['baseline']}",
+        title=f"kiln bench {result['model']} (batch {result['batch']}, "
+        f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
+    )
+    for name, e in result["engines"].items():
+        table.add_row(
+            name,
+            f"{e['p50_ms']:.2f}",
+            f"{e['p90_ms']:.2f}",
+            f"{e['p99_ms']:.2f}",
+            f"{e['jitter']:.2f}",
+            f"{e['throughput']:.1f}",
+            f"{e['speedup_vs_baseline']:.2f}",
+        )
+    console.print(table)

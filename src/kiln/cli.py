@@ -1,0 +1,375 @@
+"""The `kiln` command line. Every error the user can cause is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kiln import __version__
+from kiln.errors import KilnError
+
+app = typer.Typer(
+    help="Kiln: compile, verify and benchmark neural-network models for this machine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+zoo_app = typer.Typer(help="Built-in model architectures (seeded weights, authored in code).")
+app.add_typer(zoo_app, name="zoo")
+console = Console()
+err = Console(stderr=True)
+
+ModelArg = Annotated[str, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+
+def _progress() -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+
+
+def _emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=float) + "\n")
+
+
+# ---------------------------------------------------------------- zoo
+
+
+@zoo_app.command("list")
+def zoo_list(as_json: JsonOpt = False) -> None:
+    """List the built-in models."""
+    from kiln import zoo
+
+    entries = [zoo.entry(n) for n in zoo.names()]
+    if as_json:
+        _emit_json([{"name": e.name, "description": e.description, "tiny": e.tiny} for e in entries])
+        return
+    table = Table("name", "description", title="Kiln model zoo")
+    for e in entries:
+        table.add_row(e.name, e.description)
+    console.print(table)
+
+
+@zoo_app.command("info")
+def zoo_info(name: str, as_json: JsonOpt = False) -> None:
+    """Show a zoo model's inputs, outputs, size and FLOPs against the published figure."""
+    from kiln import zoo
+    from kiln.cost.flops import count_flops
+
+    e = zoo.entry(name)
+    model = zoo.build(name)
+    gflops = count_flops(model, e.dims) / 1e9
+    params = sum(int(np.prod(t.dims)) for t in model.graph.initializer)
+    info = {
+        "name": e.name,
+        "description": e.description,
+        "dims": e.dims,
+        "parameters": params,
+        "nodes": len(model.graph.node),
+        "opset": next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+        "gflops": gflops,
+        "published_gflops": e.published_gflops,
+        "published_source": e.published_source,
+        "deviation": (gflops / e.published_gflops - 1) if e.published_gflops else None,
+        "inputs": [_value_info(v) for v in model.graph.input],
+        "outputs": [_value_info(v) for v in model.graph.output],
+    }
+    if as_json:
+        _emit_json(info)
+        return
+    table = Table(show_header=False, title=f"zoo:{e.name}")
+    for key in ("description", "dims", "parameters", "nodes", "opset", "inputs", "outputs"):
+        table.add_row(key, str(info[key]))
+    table.add_row("GFLOPs (2×MAC)", f"{gflops:.3f}")
+    if e.published_gflops:
+        table.add_row("published", f"{e.published_gflops:.3f} ({e.published_source})")
+        table.add_row("deviation", f"{info['deviation']:+.2%}")
+    console.print(table)
+
+
+def _value_info(v) -> str:
+    dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    import onnx
+
+    return f"{v.name}: {onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)}{dims}"
+
+
+@zoo_app.command("export")
+def zoo_export(
+    name: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .onnx file.")],
+) -> None:
+    """Write a zoo model to an ONNX file (external data beside it when large)."""
+    import onnx
+
+    from kiln import zoo
+
+    model = zoo.build(name)
+    large = model.ByteSize() > (1 << 30)
+    onnx.save(model, str(output), save_as_external_data=large, location=output.name + ".data")
+    console.print(f"wrote {output}")
+
+
+# ---------------------------------------------------------------- optimize
+
+
+@app.command()
+def optimize(
+    model: Annotated[
+        str | None, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Artifact directory (NAME.kiln).")
+    ] = None,
+    inputs: Annotated[
+        str | None, typer.Option("--inputs", help="Reference inputs (.npz) for verification.")
+    ] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,
+    skip: Annotated[
+        list[str], typer.Option("--skip-pass", help="Leave this pass out (repeatable).")
+    ] = [],  # noqa: B006
+    show_pipeline: Annotated[
+        bool, typer.Option("--show-pipeline", help="Print the pass pipeline and exit.")
+    ] = False,
+    rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (0: no timing).")] = 5,
+    runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
+
+    Lossless by default: outputs match the original within fp32 tolerance, checked on
+    reference inputs. A pass that breaks the outputs is found by bisection and dropped.
+    """
+    from kiln.passes import default_pipeline, format_pipeline
+
+    pipeline = default_pipeline()
+    known = {s.name for s in pipeline}
+    for name in skip:
+        if name not in known:
+            raise KilnError(f"unknown pass '{name}' in --skip-pass; see --show-pipeline.")
+    pipeline = [s for s in pipeline if s.name not in skip]
+    if show_pipeline:
+        console.print(format_pipeline(pipeline), highlight=False)
+        return
+    if model is None:
+        raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
+    from kiln.compiler import optimize_model, save_result
+    from kiln.ir import load_model
+
+    with _progress() as progress:
+        task = progress.add_task(f"loading {model}")
+        say = lambda msg: progress.update(task, description=msg)  # noqa: E731
+        loaded = load_model(model)
+        result = optimize_model(
+            loaded, pipeline=pipeline, inputs=inputs, verify=not no_verify, progress=say
+        )
+        bench = None
+        if rounds > 0:
+            bench = _time_against_original(result, rounds, runs, say)
+        say("writing the artifact")
+        artifact = save_result(result, output, benchmark=bench)
+    summary = _optimize_summary(result, artifact, bench)
+    if as_json:
+        _emit_json(summary)
+    else:
+        _print_optimize(summary)
+
+
+def _time_against_original(result, rounds: int, runs: int, say) -> dict:
+    from kiln.bench import interleave, round_ratios, stats
+    from kiln.bench.engines import engine_runner
+    from kiln.bench.latency import flatten
+    from kiln.compiler import reference_feeds
+    from kiln.backends import get_backend
+    from kiln.backends.ort import OrtOptions
+
+    feeds = result.feeds[0] if result.feeds else reference_feeds(result.loaded.model, None)[0][0]
+    exe = get_backend("ort").compile(result.model, OrtOptions())
+    runners = {
+        "ort": engine_runner("ort", result.loaded.model, feeds),
+        "kiln": lambda: exe.run(feeds),
+    }
+    say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
+    samples = interleave(runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}"))
+    ratios = round_ratios(samples, "ort")
+    return {
+        "rounds": rounds,
+        "runs_per_round": runs,
+        "original_ort": stats(flatten(samples["ort"])).to_json(),
+        "artifact": stats(flatten(samples["kiln"])).to_json(),
+        "speedup": ratios["kiln"],
+    }
+
+
+def _optimize_summary(result, artifact, bench) -> dict:
+    manifest = artifact.manifest
+    return {
+        "artifact": str(artifact.path),
+        "source": manifest["source"],
+        "passes": manifest["passes"],
+        "dropped_passes": manifest["dropped_passes"],
+        "nodes": manifest["nodes"],
+        "verification": manifest["verification"],
+        "benchmark": bench,
+    }
+
+
+def _print_optimize(summary: dict) -> None:
+    table = Table(title=f"kiln optimize → {summary['artifact']}", show_header=True)
+    table.add_column("what")
+    table.add_column("result", overflow="fold")
+    for p in summary["passes"]:
+        if p["rewrites"]:
+            table.add_row(f"pass {p['name']}", f"{p['rewrites']} rewrites")
+    for name in summary["dropped_passes"]:
+        table.add_row(f"pass {name}", "[red]dropped: broke the outputs (bisected)[/red]")
+    nodes = summary["nodes"]
+    table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
+    verification = summary["verification"]
+    if verification is None:
+        table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")
+    else:
+        table.add_row(
+            "verification",
+            ("[green]passed[/green]" if verification["ok"] else "[red]FAILED[/red]")
+            + f" ({verification['precision']}, inputs: {verification['inputs']})",
+        )
+        for o in verification["outputs"]:
+            table.add_row(
+                f"  output {o['name']}",
+                f"max abs {o['max_abs']:.2e} (bound {o['bound']:.1e}), max rel {o['max_rel']:.2e}",
+            )
+    bench = summary["benchmark"]
+    if bench:
+        for key, label in (("original_ort", "original, ORT_ENABLE_ALL"), ("artifact", "artifact")):
+            s = bench[key]
+            table.add_row(
+                label,
+                f"P50 {s['p50_ms']:.2f} ms  P99 {s['p99_ms']:.2f} ms  jitter {s['jitter']:.2f}",
+            )
+        table.add_row(
+            "speedup",
+            f"{bench['speedup']:.2f}× (median of per-round P50 ratios, {bench['rounds']} rounds)",
+        )
+    console.print(table)
+
+
+# ---------------------------------------------------------------- run
+
+
+@app.command()
+def run(
+    artifact: Annotated[Path, typer.Argument(help="A NAME.kiln artifact directory.")],
+    inputs: Annotated[Path, typer.Option("--inputs", help=".npz with one array per input.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write outputs (.npz).")],
+) -> None:
+    """Run an artifact on inputs from an .npz file and write its outputs to another."""
+    from kiln.ir.inputs import read_inputs
+    from kiln.runtime import Session
+
+    session = Session(artifact)
+    feeds = read_inputs(str(inputs), session._interface)
+    outputs = session.run(None, feeds)
+    tmp = output.with_name(output.name + ".tmp.npz")
+    np.savez(tmp, **dict(zip(session.output_names, outputs, strict=True)))
+    tmp.replace(output)
+    console.print(f"wrote {len(outputs)} outputs to {output}")
+
+
+# ---------------------------------------------------------------- bench
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact.")],
+    against: Annotated[
+        str, typer.Option(help="Comma-separated engines: ort, ort-basic, ort-transformers.")
+    ] = "ort,ort-basic",
+    batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
+    runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 20,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Kiln against other engines, interleaved in one process: P50/P90/P99, jitter, throughput.
+
+    Speedups are medians of per-round P50 ratios against the first engine in --against.
+    """
+    from kiln.bench.report import run_bench
+
+    with _progress() as progress:
+        task = progress.add_task("preparing")
+        say = lambda msg: progress.update(task, description=msg)  # noqa: E731
+        result = run_bench(model, against, batch, rounds, runs, say, command=" ".join(sys.argv))
+    if output:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        _emit_json(result)
+        return
+    from kiln.bench.report import print_bench
+
+    print_bench(result, console)
+
+
+# ---------------------------------------------------------------- doctor
+
+
+@app.command()
+def doctor(as_json: JsonOpt = False) -> None:
+    """Python, Kiln and engine versions; CPU model, ISA features and cores."""
+    from kiln.backends import BACKENDS
+    from kiln.hardware import cpu_info
+
+    cpu = cpu_info()
+    engines = {}
+    for name, cls in BACKENDS.items():
+        backend = cls()
+        engines[name] = backend.describe() if backend.available() else {"available": "no"}
+    info = {
+        "python": platform.python_version(),
+        "kiln": __version__,
+        "platform": platform.platform(),
+        "cpu": cpu.to_json(),
+        "hardware_fingerprint": cpu.fingerprint,
+        "engines": engines,
+    }
+    if as_json:
+        _emit_json(info)
+        return
+    table = Table(show_header=False, title="kiln doctor")
+    table.add_row("python", info["python"])
+    table.add_row("kiln", __version__)
+    table.add_row("platform", info["platform"])
+    table.add_row("cpu", cpu.model)
+    table.add_row("cores", f"{cpu.physical_cores} physical, {cpu.logical_cores} logical")
+    table.add_row("ISA features", " ".join(cpu.features) or "(none of interest)")
+    for name, desc in engines.items():
+        table.add_row(f"engine {name}", " ".join(f"{k}={v}" for k, v in desc.items()))
+    console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KilnError as exc:
+        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing was written.")
+        sys.exit(130)

@@ -1,0 +1,191 @@
+"""`kiln.compile`: load → passes → verify (bisect on failure) → artifact.
+
+The original runs in ONNX Runtime with basic optimisation in fp32 and is the reference; the
+compiled model must match it within the precision's tolerance on the same inputs. A failing
+pipeline is bisected to the first guilty pass, which is dropped and reported.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln import __version__
+from kiln.artifact import Artifact, write_artifact
+from kiln.backends import get_backend
+from kiln.backends.ort import OrtOptions
+from kiln.errors import KilnError
+from kiln.hardware import cpu_info
+from kiln.ir import load_model, stamp_origins
+from kiln.ir.inputs import default_dims, read_inputs, synthesize
+from kiln.ir.load import LoadedModel
+from kiln.passes import PassReport, PassSpec, default_pipeline, run_pipeline
+from kiln.passes.simplify import count_nodes
+from kiln.verify import Verification, compare
+
+REFERENCE_OPTIONS = OrtOptions(optimization="basic")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CompileResult:
+    """Everything `compile` learned; `artifact` is None only when nothing was written."""
+
+    loaded: LoadedModel
+    model: ir.Model
+    reports: list[PassReport]
+    verification: Verification | None
+    dropped: list[str] = field(default_factory=list)
+    nodes_before: int = 0
+    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+    artifact: Artifact | None = None
+
+
+def copy_model(model: ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+
+
+def reference_feeds(model: ir.Model, inputs: str | None, sets: int = 2) -> tuple[list, str]:
+    if inputs:
+        return [read_inputs(inputs, model)], inputs
+    dims = default_dims(model)
+    return [synthesize(model, dims, seed=seed) for seed in range(sets)], "synthesized"
+
+
+def run_reference(model: ir.Model, feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    exe = get_backend("ort").compile(model, REFERENCE_OPTIONS)
+    return [exe.run(f) for f in feeds]
+
+
+def optimize_model(
+    loaded: LoadedModel,
+    *,
+    pipeline: list[PassSpec] | None = None,
+    inputs: str | None = None,
+    verify: bool = True,
+    options: OrtOptions | None = None,
+    progress: Progress | None = None,
+) -> CompileResult:
+    """Run the pipeline on a copy of the loaded model; verify and bisect unless told not to."""
+    say = progress or (lambda _msg: None)
+    pipeline = pipeline if pipeline is not None else default_pipeline()
+    original = loaded.model
+    stamp_origins(original)
+    nodes_before = count_nodes(original)
+    options = options or OrtOptions()
+    feeds, source = reference_feeds(original, inputs) if verify else ([], "none")
+    reference: list[list[np.ndarray]] = []
+    if verify:
+        say("running the original in ONNX Runtime (reference)")
+        reference = run_reference(original, feeds)
+
+    def attempt(specs: list[PassSpec]) -> tuple[ir.Model, list[PassReport], Verification | None]:
+        model = copy_model(original)
+        reports = run_pipeline(model, specs, on_step=lambda s: say(f"pass {s.name}"))
+        if not verify:
+            return model, reports, None
+        say("verifying against the original")
+        names = [v.name for v in model.graph.outputs]
+        exe = get_backend("ort").compile(model, options)
+        return model, reports, compare(names, reference, [exe.run(f) for f in feeds], source)
+
+    dropped: list[str] = []
+    active = list(pipeline)
+    model, reports, verification = attempt(active)
+    while verification is not None and not verification.ok and active:
+        guilty = _bisect(active, attempt, say)
+        dropped.append(guilty.name)
+        active = [s for s in active if s is not guilty]
+        say(f"pass {guilty.name} broke the outputs; dropped it")
+        model, reports, verification = attempt(active)
+    return CompileResult(loaded, model, reports, verification, dropped, nodes_before, feeds)
+
+
+def _bisect(pipeline: list[PassSpec], attempt, say: Progress) -> PassSpec:
+    """Smallest failing prefix: the pass that ends it is the guilty one."""
+    low, high = 0, len(pipeline)  # prefix of `low` passes verifies; of `high` fails
+    while high - low > 1:
+        middle = (low + high) // 2
+        say(f"bisecting: trying the first {middle} passes")
+        _, _, verification = attempt(pipeline[:middle])
+        if verification is None or verification.ok:
+            low = middle
+        else:
+            high = middle
+    return pipeline[high - 1]
+
+
+def build_manifest(result: CompileResult, options: OrtOptions) -> dict:
+    loaded, cpu = result.loaded, cpu_info()
+    model = result.model
+    return {
+        "kiln_version": __version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"name": loaded.name, "path": loaded.source, "fingerprint": loaded.fingerprint},
+        "hardware": {"fingerprint": cpu.fingerprint, "cpu": cpu.model, "features": cpu.features},
+        "passes": [
+            {"name": r.name, "rewrites": r.rewrites, "nodes_created": r.nodes_created}
+            for r in result.reports
+        ],
+        "dropped_passes": result.dropped,
+        "nodes": {"before": result.nodes_before, "after": count_nodes(model)},
+        "precision": {"default": "fp32", "nodes": {}},
+        "buckets": [],
+        "inputs": [_spec(v) for v in model.graph.inputs],
+        "outputs": [_spec(v) for v in model.graph.outputs],
+        "dims": default_dims(model),
+        "backend": {"name": "ort", "options": options.to_json()},
+        "verification": result.verification.to_json() if result.verification else None,
+        "benchmark": None,
+    }
+
+
+def _spec(value: ir.Value) -> dict:
+    return {
+        "name": value.name,
+        "dtype": value.dtype.numpy().name if value.dtype is not None else None,
+        "shape": [d if isinstance(d, int) else str(d.value) for d in (value.shape or [])],
+    }
+
+
+def compile(
+    model: str | Path,
+    output: str | Path | None = None,
+    *,
+    target: str = "cpu",
+    precision: str = "fp32",
+    inputs: str | None = None,
+    verify: bool = True,
+    pipeline: list[PassSpec] | None = None,
+    progress: Progress | None = None,
+) -> Artifact:
+    """Compile a model (path or `zoo:NAME`) into a verified artifact directory."""
+    if target != "cpu":
+        raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
+    if precision != "fp32":
+        raise KilnError(f"precision '{precision}' is not supported yet; use precision='fp32'.")
+    loaded = load_model(str(model))
+    result = optimize_model(
+        loaded, pipeline=pipeline, inputs=inputs, verify=verify, progress=progress
+    )
+    return save_result(result, output)
+
+
+def save_result(result: CompileResult, output: str | Path | None, benchmark=None) -> Artifact:
+    if result.verification is not None and not result.verification.ok:
+        worst = result.verification.worst()
+        raise KilnError(
+            f"{result.loaded.source}: the compiled model does not match the original even "
+            f"with every pass dropped (output '{worst.name}' max abs error {worst.max_abs:.3g}). "
+            "Nothing was written."
+        )
+    options = OrtOptions()
+    manifest = build_manifest(result, options)
+    manifest["benchmark"] = benchmark
+    destination = Path(output) if output else Path(f"{result.loaded.name}.kiln")
+    return write_artifact(destination, result.model, manifest)

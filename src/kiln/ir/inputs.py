@@ -1,0 +1,136 @@
+"""Reference inputs: synthesised from the model's input specs, or read from the user's file.
+
+Synthesised inputs follow what the model will see in use: token ids inside the vocabulary
+(the table the ids index), masks of ones, segment ids of zeros, images in [0, 1].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+
+DEFAULT_DIMS = {"batch": 1, "batch_size": 1, "N": 1, "seq": 128, "sequence": 128}
+
+
+def default_dims(model: ir.Model) -> dict[str, int]:
+    """Values for symbolic dims: the zoo's `kiln.dims` metadata, else common defaults."""
+    dims = dict(DEFAULT_DIMS)
+    if "kiln.dims" in model.metadata_props:
+        dims.update(json.loads(model.metadata_props["kiln.dims"]))
+    return dims
+
+
+def input_shape(value: ir.Value, dims: dict[str, int]) -> tuple[int, ...]:
+    shape = value.shape
+    if shape is None:
+        raise KilnError(f"input '{value.name}' has no shape; give reference inputs with --inputs.")
+    out = []
+    for dim in shape:
+        if isinstance(dim, int):
+            out.append(dim)
+        else:
+            out.append(dims.get(str(dim.value) if dim.value else "", 1))
+    return tuple(out)
+
+
+def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
+    """Rows of the embedding table an id input indexes, following casts and reshapes."""
+    frontier, seen = [value], set()
+    while frontier:
+        current = frontier.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for user, index in current.uses():
+            if user.op_type == "Gather" and index == 1:
+                table = user.inputs[0]
+                if table is not None and table.shape is not None and isinstance(table.shape[0], int):
+                    return table.shape[0]
+            if user.op_type in {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}:
+                frontier.extend(user.outputs)
+    return None
+
+
+def synthesize(
+    model: ir.Model, dims: dict[str, int] | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """One set of plausible inputs for every graph input that is not an initializer."""
+    dims = {**default_dims(model), **(dims or {})}
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for value in model.graph.inputs:
+        if value.name in model.graph.initializers:
+            continue
+        shape = input_shape(value, dims)
+        dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
+        name = (value.name or "").lower()
+        if np.issubdtype(dtype, np.integer):
+            if "mask" in name:
+                feeds[value.name] = np.ones(shape, dtype)
+            elif "type" in name or "segment" in name:
+                feeds[value.name] = np.zeros(shape, dtype)
+            else:
+                high = _vocab_size(model, value) or 100
+                feeds[value.name] = rng.integers(0, high, size=shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[value.name] = np.ones(shape, dtype)
+        else:
+            feeds[value.name] = rng.random(shape, dtype=np.float32).astype(dtype)
+    return feeds
+
+
+def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
+    """Read an .npz of inputs and check names, dtypes and ranks against the model."""
+    file = Path(path)
+    if not file.is_file():
+        raise KilnError(f"{path}: no such inputs file. Give an .npz with one array per input.")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            feeds = {key: data[key] for key in data.files}
+    except (ValueError, OSError, EOFError) as exc:
+        raise KilnError(f"{path}: not a readable .npz file ({exc}).") from None
+    check_feeds(model, feeds, where=path)
+    return feeds
+
+
+def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inputs") -> None:
+    """Raise KilnError naming the first input that is missing or of the wrong dtype or rank."""
+    expected = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
+    names = {v.name for v in expected}
+    unknown = sorted(set(feeds) - names)
+    if unknown:
+        raise KilnError(
+            f"{where}: unknown input '{unknown[0]}'; the model's inputs are {sorted(names)}."
+        )
+    for value in expected:
+        if value.name not in feeds:
+            raise KilnError(f"{where}: missing input '{value.name}' (expected {describe(value)}).")
+        array = feeds[value.name]
+        if value.dtype is not None and array.dtype != value.dtype.numpy():
+            raise KilnError(
+                f"{where}: input '{value.name}' has dtype {array.dtype}, "
+                f"expected {describe(value)}."
+            )
+        if value.shape is not None:
+            if array.ndim != len(value.shape):
+                raise KilnError(
+                    f"{where}: input '{value.name}' has shape {list(array.shape)}, "
+                    f"expected {describe(value)}."
+                )
+            for got, want in zip(array.shape, value.shape):
+                if isinstance(want, int) and got != want:
+                    raise KilnError(
+                        f"{where}: input '{value.name}' has shape {list(array.shape)}, "
+                        f"expected {describe(value)}."
+                    )
+
+
+def describe(value: ir.Value) -> str:
+    dtype = value.dtype.numpy().name if value.dtype is not None else "?"
+    dims = [d if isinstance(d, int) else str(d.value or "?") for d in (value.shape or [])]
+    return f"{dtype}{dims}"

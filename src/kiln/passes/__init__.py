@@ -1,0 +1,19 @@
+"""Graph passes and the pipeline that runs them."""
+
+from kiln.passes.base import KilnPass
+from kiln.passes.pipeline import (
+    PassReport,
+    PassSpec,
+    default_pipeline,
+    format_pipeline,
+    run_pipeline,
+)
+
+__all__ = [
+    "KilnPass",
+    "PassReport",
+    "PassSpec",
+    "default_pipeline",
+    "format_pipeline",
+    "run_pipeline",
+]

@@ -1,0 +1,86 @@
+"""The pass pipeline: data you can print, reorder and bisect.
+
+`run_pipeline` runs each pass under provenance tracking and reports what it did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from kiln.ir.provenance import PassTracker
+from kiln.passes.base import KilnPass
+from kiln.passes.rules import FUSIONS, FusionPass
+from kiln.passes.simplify import CleanupPass, SimplifyPass, count_nodes
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One step of a pipeline: a name, its stage, and how to make the pass."""
+
+    name: str
+    stage: str
+    make: Callable[[], KilnPass]
+    doc: str
+
+
+@dataclass
+class PassReport:
+    name: str
+    stage: str
+    rewrites: int
+    nodes_created: int
+    nodes_after: int
+    seconds: float
+
+
+def _spec(make: Callable[[], KilnPass]) -> PassSpec:
+    instance = make()
+    return PassSpec(instance.name, instance.stage, make, instance.summary)
+
+
+def default_pipeline() -> list[PassSpec]:
+    """simplify → fuse → cleanup. Precision and layout stages arrive with their issues."""
+    specs = [_spec(SimplifyPass)]
+    specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
+    specs.append(_spec(CleanupPass))
+    return specs
+
+
+def format_pipeline(pipeline: list[PassSpec]) -> str:
+    width = max(len(spec.name) for spec in pipeline)
+    return "\n".join(
+        f"{i:2d}. {spec.name:<{width}}  [{spec.stage}]  {spec.doc}"
+        for i, spec in enumerate(pipeline, 1)
+    )
+
+
+def run_pipeline(
+    model: ir.Model,
+    pipeline: list[PassSpec],
+    on_step: Callable[[PassSpec], None] | None = None,
+) -> list[PassReport]:
+    """Run every pass in place, stamping provenance; return one report per pass."""
+    reports = []
+    for spec in pipeline:
+        if on_step is not None:
+            on_step(spec)
+        tracker = PassTracker(model, spec.name)
+        start = time.perf_counter()
+        kiln_pass = spec.make()
+        kiln_pass(model)
+        created = tracker.finish()
+        reports.append(
+            PassReport(
+                name=spec.name,
+                stage=spec.stage,
+                rewrites=kiln_pass.count,
+                nodes_created=created,
+                nodes_after=count_nodes(model),
+                seconds=time.perf_counter() - start,
+            )
+        )
+    return reports

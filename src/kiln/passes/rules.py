@@ -1,0 +1,134 @@
+"""Fusion passes built from onnxscript rewrite rules: each entry is data, a name and a guarantee.
+
+Where onnxscript's `ort_fusions` have the rule we use it; Kiln's own rules live in
+`kiln.passes.kiln_rules` in the same rule style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter.ort_fusions import (
+    attention,
+    bias_gelu,
+    erfgelu,
+    fused_matmul_rule_sets,
+    gelu,
+    mha,
+    mha_bias,
+    mha_scale,
+    sdpa,
+    sdpa_via_mha,
+    skip_normalization,
+    softmax,
+)
+from onnxscript.rewriter.rules.common import _fuse_batchnorm, _fuse_pad_into_conv
+
+from kiln.passes.base import KilnPass
+
+RuleSource = Callable[[], list[pattern.RewriteRule]]
+
+
+@dataclass(frozen=True)
+class FusionSpec:
+    name: str
+    guarantee: str
+    rules: RuleSource
+    infer_shapes: bool = False  # some rules need shapes of the values they match
+
+
+def _rules(*sets: pattern.RewriteRuleSet | list) -> RuleSource:
+    def collect() -> list[pattern.RewriteRule]:
+        out: list[pattern.RewriteRule] = []
+        for item in sets:
+            out.extend(item.rules if isinstance(item, pattern.RewriteRuleSet) else item)
+        return out
+
+    return collect
+
+
+FUSIONS: list[FusionSpec] = [
+    FusionSpec(
+        "fold-batchnorm",
+        "BatchNormalization after Conv/ConvTranspose/Gemm folded into its weights; "
+        "Pad folded into Conv pads.",
+        _rules(_fuse_batchnorm.rules, _fuse_pad_into_conv.rules),
+    ),
+    FusionSpec(
+        "fuse-gelu",
+        "Erf and tanh GELU formulas become one com.microsoft Gelu/FastGelu node.",
+        _rules(erfgelu.rules, gelu.gelu_rules),
+    ),
+    FusionSpec(
+        "fuse-skip-layernorm",
+        "Add + LayerNormalization become SkipLayerNormalization (bias folded in).",
+        _rules(skip_normalization.skip_layer_normalization_ruleset),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-sdpa",
+        "Scaled dot-product attention (Q·Kᵀ, scale, mask, softmax, ·V) is recognised as one "
+        "SDPA unit for the attention fusions that follow.",
+        _rules(sdpa.sdpa_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-mha",
+        "SDPA with its head reshapes/transposes becomes com.microsoft MultiHeadAttention.",
+        _rules(mha.mha_rules_no_past, mha.mha_rules_with_past),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-mha-bias",
+        "Projection biases and the scale move into MultiHeadAttention.",
+        _rules(mha_scale._mha_scale_rules, mha_bias.mha_bias_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-packed-attention",
+        "Three Q/K/V projections of one input + MultiHeadAttention become one Attention node.",
+        _rules(attention.attention_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-bias-gelu",
+        "Add(bias) + Gelu becomes BiasGelu.",
+        _rules(bias_gelu.bias_gelu_rules),
+    ),
+    FusionSpec(
+        "sdpa-to-mha",
+        "Any SDPA left unfused is expressed as MultiHeadAttention so it runs as one kernel.",
+        _rules(sdpa_via_mha._rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-matmul",
+        "Transposes and scalar scales around MatMul fold into FusedMatMul; softmax "
+        "upcast/downcast pairs are removed.",
+        _rules(fused_matmul_rule_sets.fused_matmul_rule_sets(), softmax.rules),
+    ),
+]
+
+
+class FusionPass(KilnPass):
+    """A pass that applies one FusionSpec's rules to the whole model, subgraphs included."""
+
+    stage = "fuse"
+
+    def __init__(self, spec: FusionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.name = spec.name
+        self.summary = spec.guarantee
+
+    def apply(self, model: ir.Model) -> int:
+        rules = self.spec.rules()
+        if not rules:
+            return 0
+        if self.spec.infer_shapes:
+            common.ShapeInferencePass()(model)
+        return pattern.RewriteRuleSet(rules).apply_to_model(model)

@@ -1,0 +1,79 @@
+"""Numerical verification of a compiled model against the original.
+
+fp32 tolerance: max |ref - new| ≤ 1e-4 · scale, where scale is the largest |ref| of that
+output (floored at 1e-3 so near-zero outputs are not held to an impossible bound). Integer and
+boolean outputs must match exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+FP32_TOLERANCE = 1e-4
+SCALE_FLOOR = 1e-3
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    max_abs: float
+    max_rel: float
+    scale: float
+    bound: float
+    ok: bool
+
+
+@dataclass
+class Verification:
+    ok: bool
+    precision: str
+    inputs: str  # "synthesized" or the user's file
+    outputs: list[OutputCheck]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def worst(self) -> OutputCheck | None:
+        failing = [o for o in self.outputs if not o.ok]
+        return max(failing or self.outputs, key=lambda o: o.max_abs / o.bound, default=None)
+
+
+def check_output(name: str, ref: np.ndarray, new: np.ndarray, tol: float) -> OutputCheck:
+    if ref.shape != new.shape:
+        return OutputCheck(name, float("inf"), float("inf"), 0.0, 0.0, False)
+    if not np.issubdtype(ref.dtype, np.floating):
+        same = bool(np.array_equal(ref, new))
+        return OutputCheck(name, 0.0 if same else float("inf"), 0.0, 0.0, 0.0, same)
+    ref64, new64 = ref.astype(np.float64), new.astype(np.float64)
+    both_nan = np.isnan(ref64) & np.isnan(new64)
+    diff = np.where(both_nan, 0.0, np.abs(ref64 - new64))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    finite = np.isfinite(ref64)
+    scale = max(float(np.abs(ref64[finite]).max()) if finite.any() else 0.0, SCALE_FLOOR)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    rel = diff / np.maximum(np.abs(ref64), scale * 1e-3)
+    max_rel = float(rel.max()) if rel.size else 0.0
+    bound = tol * scale
+    return OutputCheck(name, max_abs, max_rel, scale, bound, max_abs <= bound)
+
+
+def compare(
+    names: list[str],
+    reference: list[list[np.ndarray]],
+    candidate: list[list[np.ndarray]],
+    inputs: str,
+    precision: str = "fp32",
+    tol: float = FP32_TOLERANCE,
+) -> Verification:
+    """Compare outputs over several input sets; each output keeps its worst case."""
+    worst: dict[str, OutputCheck] = {}
+    for ref_set, new_set in zip(reference, candidate, strict=True):
+        for name, ref, new in zip(names, ref_set, new_set, strict=True):
+            check = check_output(name, ref, new, tol)
+            prior = worst.get(name)
+            if prior is None or (not check.ok, check.max_abs) > (not prior.ok, prior.max_abs):
+                worst[name] = check
+    outputs = [worst[n] for n in names]
+    return Verification(all(o.ok for o in outputs), precision, inputs, outputs)
