@@ -163,7 +163,7 @@ def optimize(
             raise KilnError(f"unknown pass '{name}' in --skip-pass; see --show-pipeline.")
     pipeline = [s for s in pipeline if s.name not in skip]
     if show_pipeline:
-        console.print(format_pipeline(pipeline), highlight=False)
+        console.print(format_pipeline(pipeline), highlight=False, markup=False)
         return
     if model is None:
         raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
