@@ -365,10 +365,15 @@ def doctor(as_json: JsonOpt = False) -> None:
 
 
 def main() -> None:
+    from rich.text import Text
+
     try:
         app()
     except KilnError as exc:
-        err.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+        # A Text, not markup: paths and messages may hold '[...]' or ':name:'. soft_wrap keeps
+        # the message on one line whatever the terminal's width.
+        line = Text.assemble(("error:", "bold red"), " ", " ".join(str(exc).splitlines()))
+        err.print(line, highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted; nothing was written.")

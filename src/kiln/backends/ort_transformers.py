@@ -31,7 +31,11 @@ def transformers_optimize(model: ir.Model, model_type: str | None = None) -> onn
         path = Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
         try:
-            optimized = optimize_model(str(path), model_type=kind, num_heads=0, hidden_size=0)
+            # opt_level=0: Python fusions only. Its ORT pre-pass imports torch just to read a
+            # version; ORT_ENABLE_ALL at session creation does that pre-pass's work anyway.
+            optimized = optimize_model(
+                str(path), model_type=kind, num_heads=0, hidden_size=0, opt_level=0
+            )
         except Exception as exc:  # the optimizer raises bare errors on graphs it cannot read
             raise KilnError(f"ONNX Runtime's transformers optimizer failed: {exc}") from None
         proto = optimized.model

@@ -7,6 +7,7 @@ Synthesised inputs follow what the model will see in use: token ids inside the v
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -89,45 +90,53 @@ def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
     file = Path(path)
     if not file.is_file():
         raise KilnError(f"{path}: no such inputs file. Give an .npz with one array per input.")
+    if not zipfile.is_zipfile(file):
+        raise KilnError(
+            f"{path}: not an .npz file. Save the inputs with numpy.savez(path, NAME=array, ...), "
+            "one array per model input."
+        )
     try:
         with np.load(file, allow_pickle=False) as data:
             feeds = {key: data[key] for key in data.files}
-    except (ValueError, OSError, EOFError) as exc:
-        raise KilnError(f"{path}: not a readable .npz file ({exc}).") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KilnError(f"{path}: cannot read the .npz file ({reason}).") from None
     check_feeds(model, feeds, where=path)
     return feeds
 
 
 def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inputs") -> None:
-    """Raise KilnError naming the first input that is missing or of the wrong dtype or rank."""
+    """Raise KilnError naming the first input that is unknown, missing, or of the wrong dtype
+    or shape."""
     expected = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     names = {v.name for v in expected}
     unknown = sorted(set(feeds) - names)
     if unknown:
         raise KilnError(
-            f"{where}: unknown input '{unknown[0]}'; the model's inputs are {sorted(names)}."
+            f"{where}: unknown input '{unknown[0]}'; the model's inputs are {sorted(names)}. "
+            "Name each array after a model input."
         )
     for value in expected:
         if value.name not in feeds:
-            raise KilnError(f"{where}: missing input '{value.name}' (expected {describe(value)}).")
-        array = feeds[value.name]
-        if value.dtype is not None and array.dtype != value.dtype.numpy():
             raise KilnError(
-                f"{where}: input '{value.name}' has dtype {array.dtype}, "
+                f"{where}: missing input '{value.name}' (expected {describe(value)}). "
+                "Give one array per model input."
+            )
+        array = np.asarray(feeds[value.name])
+        if value.dtype is not None and array.dtype != value.dtype.numpy():
+            want = value.dtype.numpy().name
+            raise KilnError(
+                f"{where}: input '{value.name}' has dtype {array.dtype}, expected "
+                f"{describe(value)}. Convert it with .astype('{want}')."
+            )
+        if value.shape is not None and (
+            array.ndim != len(value.shape)
+            or any(isinstance(w, int) and g != w for g, w in zip(array.shape, value.shape))
+        ):
+            raise KilnError(
+                f"{where}: input '{value.name}' has shape {list(array.shape)}, "
                 f"expected {describe(value)}."
             )
-        if value.shape is not None:
-            if array.ndim != len(value.shape):
-                raise KilnError(
-                    f"{where}: input '{value.name}' has shape {list(array.shape)}, "
-                    f"expected {describe(value)}."
-                )
-            for got, want in zip(array.shape, value.shape):
-                if isinstance(want, int) and got != want:
-                    raise KilnError(
-                        f"{where}: input '{value.name}' has shape {list(array.shape)}, "
-                        f"expected {describe(value)}."
-                    )
 
 
 def describe(value: ir.Value) -> str:

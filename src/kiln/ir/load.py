@@ -13,7 +13,6 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import DecodeError
 
 from kiln.errors import KilnError
 
@@ -44,16 +43,27 @@ def resolve_source(source: str) -> tuple[onnx.ModelProto, str, Path | None]:
     if not path.exists():
         raise KilnError(f"{source}: no such file. Give a path to an .onnx file or zoo:NAME.")
     if path.is_dir():
-        raise KilnError(f"{source}: is a directory, not an ONNX model file.")
+        raise KilnError(f"{source}: is a directory, not an ONNX model file. Give the .onnx file.")
     try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as exc:
+        with path.open("rb") as file:
+            head = file.read(4096)
+        proto = onnx.load(str(path), load_external_data=False) if head else None
+    except OSError as exc:
+        raise KilnError(f"{source}: cannot read the file ({exc.strerror or exc}).") from None
+    except Exception:  # whatever the parser raises, these bytes are not a model
+        proto = None
+    if proto is None or not proto.HasField("graph"):
+        if not head:
+            raise KilnError(f"{source}: is empty, not an ONNX model. Re-export or re-download it.")
+        if _looks_like_text(head):
+            raise KilnError(
+                f"{source}: is a text file, not an ONNX model. Give the binary .onnx file "
+                "your exporter wrote."
+            )
         raise KilnError(
-            f"{source}: not a readable ONNX model (protobuf parse failed: "
-            f"{_first_line(exc)}). Is the file truncated or of another format?"
-        ) from None
-    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
-        raise KilnError(f"{source}: not an ONNX model (no graph found in the file).")
+            f"{source}: is not a valid ONNX model (the protobuf is truncated, corrupted or "
+            "of another format). Re-export or re-download it."
+        )
     stem = path.name[: -len(".onnx")] if path.name.endswith(".onnx") else path.stem
     return proto, stem, path.parent
 
@@ -79,6 +89,11 @@ def fingerprint(model: ir.Model) -> str:
 
 
 def _check_opsets(proto: onnx.ModelProto, source: str) -> None:
+    if not proto.opset_import:
+        raise KilnError(
+            f"{source}: declares no opsets (opset_import is empty); the file may be truncated. "
+            "Re-export or re-download it."
+        )
     for opset in proto.opset_import:
         if opset.domain in ("", "ai.onnx"):
             if opset.version > MAX_OPSET:
@@ -95,12 +110,33 @@ def _check_opsets(proto: onnx.ModelProto, source: str) -> None:
 
 def _graphs(graph: onnx.GraphProto):
     yield graph
-    for node in graph.node:
+    yield from _subgraphs(graph.node)
+
+
+def _subgraphs(nodes):
+    for node in nodes:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from _graphs(attr.g)
             for sub in attr.graphs:
                 yield from _graphs(sub)
+
+
+def _tensors(proto: onnx.ModelProto):
+    """Every tensor that may hold external data: weights, sparse weights, constant attributes."""
+    graphs = [*_graphs(proto.graph), *(g for f in proto.functions for g in _subgraphs(f.node))]
+    for graph in graphs:
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield from (sparse.values, sparse.indices)
+    nodes = [n for g in graphs for n in g.node] + [n for f in proto.functions for n in f.node]
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
 
 
 def _check_ops(proto: onnx.ModelProto, source: str) -> None:
@@ -117,11 +153,17 @@ def _check_ops(proto: onnx.ModelProto, source: str) -> None:
                 version = versions.get("", versions.get("ai.onnx", MAX_OPSET))
                 known = onnx.defs.has(node.op_type, "") and _defined_at(node.op_type, version)
             if not known:
-                where = f"{domain}::{node.op_type}" if domain else node.op_type
+                node_name = node.name or node.output[0]
+                if domain in ("", "ai.onnx"):
+                    raise KilnError(
+                        f"{source}: node '{node_name}' uses operator '{node.op_type}', which is "
+                        f"not in ONNX opset {version}. Re-export the model with standard ONNX "
+                        "operators."
+                    )
                 raise KilnError(
-                    f"{source}: node '{node.name or node.output[0]}' uses operator {where}, "
-                    "which neither ONNX nor ONNX Runtime defines. Replace it or register a "
-                    "custom-op library."
+                    f"{source}: node '{node_name}' uses operator '{node.op_type}' from domain "
+                    f"'{domain}', which no engine Kiln drives knows. Re-export the model with "
+                    "standard ONNX operators."
                 )
 
 
@@ -134,27 +176,46 @@ def _defined_at(op_type: str, version: int) -> bool:
 
 
 def _check_external_data(proto: onnx.ModelProto, base_dir: Path, source: str) -> None:
-    """Refuse external-data locations that escape the model's directory or are missing."""
+    """Refuse external data that escapes the model's directory, is missing or is too short."""
     base = base_dir.resolve()
-    for graph in _graphs(proto.graph):
-        for tensor in graph.initializer:
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            target = (base / location).resolve()
-            if os.path.isabs(location) or not target.is_relative_to(base):
-                raise KilnError(
-                    f"{source}: weight '{tensor.name}' points to external data '{location}' "
-                    "outside the model's directory; refusing to read it. Keep external data "
-                    "files next to the model."
-                )
-            if not target.is_file():
-                raise KilnError(
-                    f"{source}: weight '{tensor.name}' needs external data file '{location}', "
-                    f"which is missing from {base_dir}."
-                )
+    for tensor in _tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        what = f"weight '{tensor.name}'" if tensor.name else "a constant tensor"
+        target = (base / location).resolve()
+        if not location or os.path.isabs(location) or not target.is_relative_to(base):
+            raise KilnError(
+                f"{source}: {what} points to external data '{location}' outside the model's "
+                "directory; refusing to read it. Keep external data files next to the model."
+            )
+        if not target.is_file():
+            raise KilnError(
+                f"{source}: {what} needs external data file '{location}', which does not "
+                f"exist (looked for {base_dir / location}). Put it next to the model."
+            )
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info.get("length", target.stat().st_size - offset))
+        except ValueError:
+            raise KilnError(
+                f"{source}: {what} has a malformed external data offset or length. "
+                "Re-export the model."
+            ) from None
+        size = target.stat().st_size
+        if offset < 0 or length < 0 or offset + length > size:
+            raise KilnError(
+                f"{source}: {what} needs bytes {offset}..{offset + length} of external data "
+                f"file '{location}', which has only {size}; the file is truncated. Re-export "
+                "or re-download it."
+            )
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(c.isprintable() or c in "\t\r\n" for c in text)
+

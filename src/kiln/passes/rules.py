@@ -28,6 +28,7 @@ from onnxscript.rewriter.ort_fusions import (
 )
 from onnxscript.rewriter.rules.common import _fuse_batchnorm, _fuse_pad_into_conv
 
+from kiln.passes import kiln_rules
 from kiln.passes.base import KilnPass
 
 RuleSource = Callable[[], list[pattern.RewriteRule]]
@@ -83,6 +84,20 @@ FUSIONS: list[FusionSpec] = [
         infer_shapes=True,
     ),
     FusionSpec(
+        "fuse-padding-mask",
+        "A BERT-style extended mask feeding attention becomes the 2-D padding mask itself "
+        "(Kiln rule).",
+        _rules(kiln_rules.padding_mask_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-masked-attention",
+        "Q/K/V projections + attention with a padding mask become one com.microsoft "
+        "Attention with packed weights (Kiln rule).",
+        _rules(kiln_rules.packed_attention_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
         "fuse-mha-bias",
         "Projection biases and the scale move into MultiHeadAttention.",
         _rules(mha_scale._mha_scale_rules, mha_bias.mha_bias_rules),
@@ -131,4 +146,8 @@ class FusionPass(KilnPass):
             return 0
         if self.spec.infer_shapes:
             common.ShapeInferencePass()(model)
-        return pattern.RewriteRuleSet(rules).apply_to_model(model)
+        count = pattern.RewriteRuleSet(rules).apply_to_model(model)
+        # Dead leftovers (e.g. a Shape feeding a replaced Expand) would block later rules,
+        # which refuse to replace nodes whose values have other users.
+        common.RemoveUnusedNodesPass()(model)
+        return count

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import kiln
 
@@ -29,10 +29,9 @@ class GraphBuilder:
 
     def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.inputs: list[onnx.ValueInfoProto] = []
-        self.outputs: list[onnx.ValueInfoProto] = []
+        # Built in place: copying hundreds of megabytes of weights between protos is slow.
+        self.proto = onnx.ModelProto()
+        self.graph = self.proto.graph
         self._names: set[str] = set()  # node and tensor names already taken
         self._consts: dict[tuple[str, tuple[int, ...], bytes], str] = {}
 
@@ -44,15 +43,20 @@ class GraphBuilder:
         return name
 
     def input(self, name: str, elem_type: int, shape: Shape) -> str:
-        self.inputs.append(helper.make_tensor_value_info(self._claim(name), elem_type, shape))
+        self.graph.input.append(helper.make_tensor_value_info(self._claim(name), elem_type, shape))
         return name
 
     def output(self, name: str, elem_type: int, shape: Shape) -> None:
         """Declare ``name`` (an existing tensor) a graph output."""
-        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        self.graph.output.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), self._claim(name)))
+        arr = np.asarray(array, order="C")
+        tensor = self.graph.initializer.add()  # filled in place: no copy of the proto
+        tensor.name = self._claim(name)
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        tensor.dims.extend(arr.shape)
+        tensor.raw_data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
         return name
 
     def normal(self, name: str, shape: Sequence[int], std: float, mean: float = 0.0) -> str:
@@ -84,38 +88,52 @@ class GraphBuilder:
             self._consts[key] = self.weight(name, arr)
         return self._consts[key]
 
-    def op(self, op_type: str, inputs: Sequence[str], name: str, output: str | None = None,
-           **attrs: object) -> str:
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        name: str,
+        output: str | None = None,
+        **attrs: object,
+    ) -> str:
         """Add a one-output node named ``name``; its output tensor is ``output`` or ``name``."""
         out = self._claim(output or name)
         if out != name:
             self._claim(name)
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name, **attrs))
+        self.graph.node.append(helper.make_node(op_type, list(inputs), [out], name=name, **attrs))
         return out
 
-    def op_multi(self, op_type: str, inputs: Sequence[str], name: str, n: int,
-                 **attrs: object) -> list[str]:
+    def op_multi(
+        self, op_type: str, inputs: Sequence[str], name: str, n: int, **attrs: object
+    ) -> list[str]:
         outs = [self._claim(f"{name}_{i}") for i in range(n)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs,
-                                           name=self._claim(name), **attrs))
+        self.graph.node.append(
+            helper.make_node(op_type, list(inputs), outs, name=self._claim(name), **attrs)
+        )
         return outs
 
     # ----------------------------------------------------------------- transformer blocks
-    def linear(self, x: str, name: str, d_in: int, d_out: int, std: float = 0.02,
-               output: str | None = None) -> str:
+    def linear(
+        self, x: str, name: str, d_in: int, d_out: int, std: float = 0.02, output: str | None = None
+    ) -> str:
         """``nn.Linear`` as exported: MatMul(x, W[in, out]) then Add(bias)."""
         w = self.normal(f"{name}.weight", (d_in, d_out), std)
         b = self.normal(f"{name}.bias", (d_out,), std)
         y = self.op("MatMul", [x, w], f"{name}.MatMul")
         return self.op("Add", [y, b], f"{name}.Add", output=output)
 
-    def layer_norm(self, x: str, name: str, dim: int, eps: float, output: str | None = None
-                   ) -> str:
+    def layer_norm(self, x: str, name: str, dim: int, eps: float, output: str | None = None) -> str:
         """LayerNormalization (opset 17) over the last axis, gamma 1 and beta 0."""
         gamma = self.weight(f"{name}.weight", np.ones(dim, np.float32))
         beta = self.weight(f"{name}.bias", np.zeros(dim, np.float32))
-        return self.op("LayerNormalization", [x, gamma, beta], f"{name}.LayerNormalization",
-                       output=output, axis=-1, epsilon=eps)
+        return self.op(
+            "LayerNormalization",
+            [x, gamma, beta],
+            f"{name}.LayerNormalization",
+            output=output,
+            axis=-1,
+            epsilon=eps,
+        )
 
     def gelu_erf(self, x: str, name: str) -> str:
         """Exact GELU as exported at opset 17: x * (1 + Erf(x / sqrt 2)) * 0.5."""
@@ -126,19 +144,32 @@ class GraphBuilder:
         return self.op("Mul", [m, self.const("const.half", 0.5)], f"{name}.Mul_1")
 
     def gelu_tanh(self, x: str, name: str) -> str:
-        """HF NewGELU: 0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))."""
+        """HF NewGELU, x * (0.5 * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))), in the operand
+        order of onnxscript's ``GeluTanhFusion`` pattern."""
         p = self.op("Pow", [x, self.const("const.three", 3.0)], f"{name}.Pow")
         m = self.op("Mul", [self.const("const.gelu_coef", 0.044715), p], f"{name}.Mul")
         a = self.op("Add", [x, m], f"{name}.Add")
-        s = self.op("Mul", [self.const("const.sqrt_2_over_pi", math.sqrt(2.0 / math.pi)), a],
-                    f"{name}.Mul_1")
+        s = self.op(
+            "Mul",
+            [self.const("const.sqrt_2_over_pi", math.sqrt(2.0 / math.pi)), a],
+            f"{name}.Mul_1",
+        )
         t = self.op("Tanh", [s], f"{name}.Tanh")
-        t1 = self.op("Add", [self.const("const.one", 1.0), t], f"{name}.Add_1")
-        h = self.op("Mul", [self.const("const.half", 0.5), x], f"{name}.Mul_2")
-        return self.op("Mul", [h, t1], f"{name}.Mul_3")
+        t1 = self.op("Add", [t, self.const("const.one", 1.0)], f"{name}.Add_1")
+        h = self.op("Mul", [self.const("const.half", 0.5), t1], f"{name}.Mul_2")
+        return self.op("Mul", [x, h], f"{name}.Mul_3")
 
-    def attention_core(self, q: str, k: str, v: str, name: str, heads: int, head_dim: int,
-                       mask: str | None, causal: str | None = None) -> str:
+    def attention_core(
+        self,
+        q: str,
+        k: str,
+        v: str,
+        name: str,
+        heads: int,
+        head_dim: int,
+        mask: str | None,
+        causal: str | None = None,
+    ) -> str:
         """Multi-head attention after the Q/K/V projections, as HF BERT/GPT-2 export it.
 
         q, k, v: [b, s, heads*head_dim]. ``mask`` is an additive mask broadcastable to
@@ -167,42 +198,83 @@ class GraphBuilder:
         return self.op("Reshape", [ctx, merge], f"{name}.context.Reshape")
 
     def padding_mask(self, attention_mask: str, name: str) -> str:
-        """HF extended mask: (1 - Cast(Unsqueeze(mask, [1, 2]))) * -10000, shape [b,1,1,s]."""
-        u = self.op("Unsqueeze", [attention_mask, self.const("const.axes_1_2", [1, 2])],
-                    f"{name}.Unsqueeze")
+        """HF extended mask [b,1,1,s]: (1 - Cast(mask[:, None, None, :])) * -10000.
+
+        Two Unsqueeze nodes, as the export of ``mask[:, None, None, :]`` has them.
+        """
+        u = self.op(
+            "Unsqueeze", [attention_mask, self.const("const.axes_1", [1])], f"{name}.Unsqueeze"
+        )
+        u = self.op("Unsqueeze", [u, self.const("const.axes_2", [2])], f"{name}.Unsqueeze_1")
         c = self.op("Cast", [u], f"{name}.Cast", to=TensorProto.FLOAT)
         s = self.op("Sub", [self.const("const.one", 1.0), c], f"{name}.Sub")
         return self.op("Mul", [s, self.const("const.mask_fill", -10000.0)], f"{name}.Mul")
 
     # ----------------------------------------------------------------- convolution blocks
-    def conv(self, x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
-             pad: int = 0, group: int = 1, bias: bool = False, nd: int = 2,
-             std: float | None = None, output: str | None = None) -> str:
+    def conv(
+        self,
+        x: str,
+        name: str,
+        cin: int,
+        cout: int,
+        k: int,
+        stride: int = 1,
+        pad: int = 0,
+        group: int = 1,
+        bias: bool = False,
+        nd: int = 2,
+        std: float | None = None,
+        output: str | None = None,
+    ) -> str:
         """Conv with He-normal (fan-in) weights; ``nd`` spatial dims (2 or 3)."""
         fan_in = cin // group * k**nd
-        w = self.normal(f"{name}.weight", (cout, cin // group) + (k,) * nd,
-                        std if std is not None else math.sqrt(2.0 / fan_in))
+        w = self.normal(
+            f"{name}.weight",
+            (cout, cin // group) + (k,) * nd,
+            std if std is not None else math.sqrt(2.0 / fan_in),
+        )
         ins = [x, w]
         if bias:
             ins.append(self.normal(f"{name}.bias", (cout,), 0.02))
-        return self.op("Conv", ins, name, output=output, kernel_shape=[k] * nd, strides=[stride] * nd,
-                       pads=[pad] * (2 * nd), group=group, dilations=[1] * nd)
+        return self.op(
+            "Conv",
+            ins,
+            name,
+            output=output,
+            kernel_shape=[k] * nd,
+            strides=[stride] * nd,
+            pads=[pad] * (2 * nd),
+            group=group,
+            dilations=[1] * nd,
+        )
 
     def batch_norm(self, x: str, name: str, c: int, gamma: float = 1.0) -> str:
         """Inference BatchNormalization with plausible trained-looking statistics."""
         ins = [
             x,
-            self.weight(f"{name}.weight",
-                        (gamma * self.rng.uniform(0.8, 1.2, c)).astype(np.float32)),
+            self.weight(
+                f"{name}.weight", (gamma * self.rng.uniform(0.8, 1.2, c)).astype(np.float32)
+            ),
             self.normal(f"{name}.bias", (c,), 0.05),
             self.normal(f"{name}.running_mean", (c,), 0.05),
             self.uniform(f"{name}.running_var", (c,), 0.8, 1.2),
         ]
         return self.op("BatchNormalization", ins, name, epsilon=1e-5, momentum=0.9)
 
-    def conv_bn(self, x: str, conv_name: str, bn_name: str, cin: int, cout: int, k: int,
-                stride: int = 1, group: int = 1, act: str | None = "Relu", nd: int = 2,
-                gamma: float = 1.0) -> str:
+    def conv_bn(
+        self,
+        x: str,
+        conv_name: str,
+        bn_name: str,
+        cin: int,
+        cout: int,
+        k: int,
+        stride: int = 1,
+        group: int = 1,
+        act: str | None = "Relu",
+        nd: int = 2,
+        gamma: float = 1.0,
+    ) -> str:
         """Conv (no bias, 'same' padding) + BatchNormalization + optional Relu/ReLU6."""
         y = self.conv(x, conv_name, cin, cout, k, stride, k // 2, group, nd=nd)
         y = self.batch_norm(y, bn_name, cout, gamma)
@@ -215,10 +287,12 @@ class GraphBuilder:
 
     # ----------------------------------------------------------------- model
     def model(self, zoo_name: str, dims: dict[str, int]) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, zoo_name.replace("-", "_"), self.inputs,
-                                  self.outputs, initializer=self.inits)
-        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              ir_version=IR_VERSION, producer_name="kiln.zoo",
-                              producer_version=kiln.__version__)
+        """The finished model; the builder must not be used afterwards."""
+        m = self.proto
+        m.graph.name = zoo_name.replace("-", "_")
+        m.ir_version = IR_VERSION
+        m.opset_import.append(helper.make_opsetid("", OPSET))
+        m.producer_name = "kiln.zoo"
+        m.producer_version = kiln.__version__
         helper.set_model_props(m, {"kiln.zoo": zoo_name, "kiln.dims": json.dumps(dims)})
         return m

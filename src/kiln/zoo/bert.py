@@ -48,10 +48,14 @@ def _embeddings(g: GraphBuilder, ids: str, types: str, cfg: BertConfig) -> str:
     seq = g.op("Gather", [shape, g.const("const.int_1", 1)], f"{p}.Gather_seq", axis=0)
     seq = g.op("Unsqueeze", [seq, g.const("const.axes_0", [0])], f"{p}.Unsqueeze_seq")
     buf = g.weight(f"{p}.position_ids", np.arange(cfg.max_positions, dtype=np.int64)[None])
-    pos_ids = g.op("Slice", [buf, g.const("const.starts_0", [0]), seq,
-                             g.const("const.axes_1", [1])], f"{p}.position_ids.Slice")
-    x = g.op("Add", [x, g.op("Gather", [pos, pos_ids], f"{p}.position_embeddings.Gather")],
-             f"{p}.Add_1")
+    pos_ids = g.op(
+        "Slice",
+        [buf, g.const("const.starts_0", [0]), seq, g.const("const.axes_1", [1])],
+        f"{p}.position_ids.Slice",
+    )
+    x = g.op(
+        "Add", [x, g.op("Gather", [pos, pos_ids], f"{p}.position_embeddings.Gather")], f"{p}.Add_1"
+    )
     return g.layer_norm(x, f"{p}.LayerNorm", h, cfg.eps)
 
 

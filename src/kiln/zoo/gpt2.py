@@ -44,10 +44,14 @@ def build(cfg: GPT2Config, zoo_name: str, dims: dict[str, int], seed: int = 0) -
     wpe = g.normal("transformer.wpe.weight", (cfg.positions, h), 0.02)
     shape = g.op("Shape", [ids], "transformer.Shape")
     seq = g.op("Gather", [shape, g.const("const.int_1", 1)], "transformer.Gather_seq", axis=0)
-    pos = g.op("Range", [g.const("const.int_0", 0), seq, g.const("const.int_1", 1)],
-               "transformer.position_ids.Range")
-    pos = g.op("Unsqueeze", [pos, g.const("const.axes_0", [0])],
-               "transformer.position_ids.Unsqueeze")
+    pos = g.op(
+        "Range",
+        [g.const("const.int_0", 0), seq, g.const("const.int_1", 1)],
+        "transformer.position_ids.Range",
+    )
+    pos = g.op(
+        "Unsqueeze", [pos, g.const("const.axes_0", [0])], "transformer.position_ids.Unsqueeze"
+    )
     x = g.op("Gather", [wte, ids], "transformer.wte.Gather")
     x = g.op("Add", [x, g.op("Gather", [wpe, pos], "transformer.wpe.Gather")], "transformer.Add")
     pad = g.padding_mask(mask, "transformer.attention_mask")
@@ -55,14 +59,18 @@ def build(cfg: GPT2Config, zoo_name: str, dims: dict[str, int], seed: int = 0) -
     buf = g.weight("transformer.bias", tril)
     seq1 = g.op("Unsqueeze", [seq, g.const("const.axes_0", [0])], "transformer.Unsqueeze_seq")
     ends = g.op("Concat", [seq1, seq1], "transformer.causal_mask.Concat", axis=0)
-    causal = g.op("Slice", [buf, g.const("const.starts_0_0", [0, 0]), ends,
-                            g.const("const.axes_2_3", [2, 3])], "transformer.causal_mask.Slice")
+    causal = g.op(
+        "Slice",
+        [buf, g.const("const.starts_0_0", [0, 0]), ends, g.const("const.axes_2_3", [2, 3])],
+        "transformer.causal_mask.Slice",
+    )
     for i in range(cfg.layers):
         name = f"transformer.h.{i}"
         y = g.layer_norm(x, f"{name}.ln_1", h, cfg.eps)
         qkv = g.linear(y, f"{name}.attn.c_attn", h, 3 * h)
-        q, k, v = g.op_multi("Split", [qkv, g.const("const.split_qkv", [h, h, h])],
-                             f"{name}.attn.Split", 3, axis=2)
+        q, k, v = g.op_multi(
+            "Split", [qkv, g.const("const.split_qkv", [h, h, h])], f"{name}.attn.Split", 3, axis=2
+        )
         ctx = g.attention_core(q, k, v, f"{name}.attn", cfg.heads, d, pad, causal)
         y = g.linear(ctx, f"{name}.attn.c_proj", h, h, proj_std)
         x = g.op("Add", [y, x], f"{name}.Add")

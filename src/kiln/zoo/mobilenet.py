@@ -17,8 +17,15 @@ from onnx import ModelProto, TensorProto
 
 from kiln.zoo._builder import GraphBuilder
 
-_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-             (6, 160, 3, 2), (6, 320, 1, 1))
+_SETTINGS = (
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+)
 
 
 @dataclass(frozen=True)
@@ -31,9 +38,13 @@ class MobileNetV2Config:
 
 
 FULL = MobileNetV2Config()
-TINY = MobileNetV2Config(width_mult=0.25,
-                         settings=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2), (6, 64, 1, 2)),
-                         last_channel=64, image=32, classes=10)
+TINY = MobileNetV2Config(
+    width_mult=0.25,
+    settings=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 1, 2), (6, 64, 1, 2)),
+    last_channel=64,
+    image=32,
+    classes=10,
+)
 
 
 def _divisible(v: float, divisor: int = 8) -> int:
@@ -42,8 +53,7 @@ def _divisible(v: float, divisor: int = 8) -> int:
     return new_v + divisor if new_v < 0.9 * v else new_v
 
 
-def build(cfg: MobileNetV2Config, zoo_name: str, dims: dict[str, int], seed: int = 0
-          ) -> ModelProto:
+def build(cfg: MobileNetV2Config, zoo_name: str, dims: dict[str, int], seed: int = 0) -> ModelProto:
     g = GraphBuilder(seed)
     x = g.input("input", TensorProto.FLOAT, ["batch", 3, cfg.image, cfg.image])
     cin = _divisible(32 * cfg.width_mult)
@@ -59,10 +69,20 @@ def build(cfg: MobileNetV2Config, zoo_name: str, dims: dict[str, int], seed: int
             if t != 1:
                 y = g.conv_bn(y, f"{name}.{j}.0", f"{name}.{j}.1", cin, hidden, 1, act="Relu6")
                 j += 1
-            y = g.conv_bn(y, f"{name}.{j}.0", f"{name}.{j}.1", hidden, hidden, 3, stride,
-                          group=hidden, act="Relu6")
-            y = g.conv_bn(y, f"{name}.{j + 1}", f"{name}.{j + 2}", hidden, cout, 1, act=None,
-                          gamma=0.5)
+            y = g.conv_bn(
+                y,
+                f"{name}.{j}.0",
+                f"{name}.{j}.1",
+                hidden,
+                hidden,
+                3,
+                stride,
+                group=hidden,
+                act="Relu6",
+            )
+            y = g.conv_bn(
+                y, f"{name}.{j + 1}", f"{name}.{j + 2}", hidden, cout, 1, act=None, gamma=0.5
+            )
             if stride == 1 and cin == cout:
                 y = g.op("Add", [x, y], f"features.{idx}.Add")
             x, cin = y, cout

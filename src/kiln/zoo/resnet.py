@@ -34,22 +34,24 @@ FULL = ResNetConfig()
 TINY = ResNetConfig(layers=(1, 1, 1, 1), width=8, image=32, classes=10)
 
 
-def _bottleneck(g: GraphBuilder, x: str, name: str, cin: int, width: int, stride: int,
-                cfg: ResNetConfig) -> str:
+def _bottleneck(
+    g: GraphBuilder, x: str, name: str, cin: int, width: int, stride: int, cfg: ResNetConfig
+) -> str:
     cout = width * 4
     y = g.conv_bn(x, f"{name}.conv1", f"{name}.bn1", cin, width, 1)
     y = g.conv_bn(y, f"{name}.conv2", f"{name}.bn2", width, width, 3, stride)
-    y = g.conv_bn(y, f"{name}.conv3", f"{name}.bn3", width, cout, 1, act=None,
-                  gamma=cfg.residual_gamma)
+    y = g.conv_bn(
+        y, f"{name}.conv3", f"{name}.bn3", width, cout, 1, act=None, gamma=cfg.residual_gamma
+    )
     if stride != 1 or cin != cout:
-        x = g.conv_bn(x, f"{name}.downsample.0", f"{name}.downsample.1", cin, cout, 1, stride,
-                      act=None)
+        x = g.conv_bn(
+            x, f"{name}.downsample.0", f"{name}.downsample.1", cin, cout, 1, stride, act=None
+        )
     y = g.op("Add", [y, x], f"{name}.Add")
     return g.op("Relu", [y], f"{name}.Relu")
 
 
-def build(cfg: ResNetConfig, zoo_name: str, dims: dict[str, int], seed: int = 0
-          ) -> onnx.ModelProto:
+def build(cfg: ResNetConfig, zoo_name: str, dims: dict[str, int], seed: int = 0) -> onnx.ModelProto:
     g = GraphBuilder(seed)
     x = g.input("input", TensorProto.FLOAT, ["batch", 3, cfg.image, cfg.image])
     x = g.conv(x, "conv1", 3, cfg.width, 7, stride=2, pad=3)
@@ -66,8 +68,7 @@ def build(cfg: ResNetConfig, zoo_name: str, dims: dict[str, int], seed: int = 0
     x = g.op("GlobalAveragePool", [x], "avgpool")
     x = g.op("Flatten", [x], "flatten", axis=1)
     bound = 1.0 / math.sqrt(cin)
-    w = g.weight("fc.weight",
-                 g.rng.uniform(-bound, bound, (cfg.classes, cin)).astype(np.float32))
+    w = g.weight("fc.weight", g.rng.uniform(-bound, bound, (cfg.classes, cin)).astype(np.float32))
     b = g.weight("fc.bias", g.rng.uniform(-bound, bound, cfg.classes).astype(np.float32))
     g.op("Gemm", [x, w, b], "fc", output="logits", transB=1)
     g.output("logits", TensorProto.FLOAT, ["batch", cfg.classes])

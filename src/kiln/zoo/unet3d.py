@@ -45,6 +45,7 @@ TINY = UNet3DConfig(volume=16, base=4)
 
 def analytic_macs(cfg: UNet3DConfig) -> int:
     """Multiply-accumulates of one sample, from the configuration alone (not the graph)."""
+
     def double(vox: int, cin: int, cout: int) -> int:
         return vox * 27 * (cin * cout + cout * cout)
 
@@ -63,8 +64,7 @@ def _double(g: GraphBuilder, x: str, name: str, cin: int, cout: int) -> str:
     return g.conv_bn(x, f"{name}.conv2", f"{name}.bn2", cout, cout, 3, nd=3)
 
 
-def build(cfg: UNet3DConfig, zoo_name: str, dims: dict[str, int], seed: int = 0
-          ) -> ModelProto:
+def build(cfg: UNet3DConfig, zoo_name: str, dims: dict[str, int], seed: int = 0) -> ModelProto:
     g = GraphBuilder(seed)
     v = cfg.volume
     x = g.input("input", TensorProto.FLOAT, ["batch", cfg.in_channels, v, v, v])
@@ -81,8 +81,7 @@ def build(cfg: UNet3DConfig, zoo_name: str, dims: dict[str, int], seed: int = 0
         # each output voxel sees one tap per input channel: fan-in = ch[i]
         w = g.normal(f"{name}.up.weight", (ch[i], ch[i - 1], 2, 2, 2), (1.0 / ch[i]) ** 0.5)
         b = g.normal(f"{name}.up.bias", (ch[i - 1],), 0.02)
-        x = g.op("ConvTranspose", [x, w, b], f"{name}.up", kernel_shape=[2] * 3,
-                 strides=[2] * 3)
+        x = g.op("ConvTranspose", [x, w, b], f"{name}.up", kernel_shape=[2] * 3, strides=[2] * 3)
         x = g.op("Concat", [skips.pop(), x], f"{name}.Concat", axis=1)
         x = _double(g, x, name, 2 * ch[i - 1], ch[i - 1])
     g.conv(x, "head", ch[0], cfg.classes, 1, bias=True, nd=3, output="logits")

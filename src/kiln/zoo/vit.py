@@ -40,17 +40,30 @@ def build(cfg: ViTConfig, zoo_name: str, dims: dict[str, int], seed: int = 0) ->
     tokens = (cfg.image // cfg.patch) ** 2 + 1
     px = g.input("pixel_values", TensorProto.FLOAT, ["batch", 3, cfg.image, cfg.image])
     p = "embeddings"
-    x = g.conv(px, f"{p}.patch_embeddings.projection", 3, h, cfg.patch, stride=cfg.patch,
-               bias=True, std=0.02)
-    x = g.op("Reshape", [x, g.const(f"const.shape_0_{h}_-1", [0, h, -1])],
-             f"{p}.patch_embeddings.Reshape")
+    x = g.conv(
+        px,
+        f"{p}.patch_embeddings.projection",
+        3,
+        h,
+        cfg.patch,
+        stride=cfg.patch,
+        bias=True,
+        std=0.02,
+    )
+    x = g.op(
+        "Reshape",
+        [x, g.const(f"const.shape_0_{h}_-1", [0, h, -1])],
+        f"{p}.patch_embeddings.Reshape",
+    )
     x = g.op("Transpose", [x], f"{p}.patch_embeddings.Transpose", perm=[0, 2, 1])
     cls = g.normal(f"{p}.cls_token", (1, 1, h), 0.02)
     shape = g.op("Shape", [px], f"{p}.Shape")
-    batch = g.op("Slice", [shape, g.const("const.starts_0", [0]), g.const("const.ends_1", [1])],
-                 f"{p}.Slice_batch")
-    eshape = g.op("Concat", [batch, g.const("const.ones_2", [1, 1])], f"{p}.Concat_shape",
-                  axis=0)
+    batch = g.op(
+        "Slice",
+        [shape, g.const("const.starts_0", [0]), g.const("const.ends_1", [1])],
+        f"{p}.Slice_batch",
+    )
+    eshape = g.op("Concat", [batch, g.const("const.ones_2", [1, 1])], f"{p}.Concat_shape", axis=0)
     cls = g.op("Expand", [cls, eshape], f"{p}.cls_token.Expand")
     x = g.op("Concat", [cls, x], f"{p}.Concat", axis=1)
     pos = g.normal(f"{p}.position_embeddings", (1, tokens, h), 0.02)

@@ -1,0 +1,142 @@
+"""Kiln's own fusion rules, for patterns onnxscript's `ort_fusions` leave half-done.
+
+Same style as `onnxscript.rewriter.ort_fusions`: a pattern, a check, a replacement.
+Both rules assume attention masks hold 0/1, as every tokenizer emits and as ONNX Runtime's
+own transformers optimizer also assumes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import _ir_utils, pattern
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    const = _ir_utils.get_numpy_value(value) if value is not None else None
+    if const is None or const.size != 1:
+        return None
+    return float(const.reshape(()))
+
+
+class PaddingMaskAttention(pattern.RewriteRuleClassBase):
+    """MultiHeadAttention whose bias is BERT's extended mask, (1 − mask)·c broadcast by Expand.
+
+    ONNX Runtime takes the 2-D 0/1 mask itself as `key_padding_mask` and adds c
+    (`mask_filter_value`) where it is 0: the same scores, without materialising a
+    [batch, 1, seq, seq] tensor, and it frees the query projection for the bias fusion.
+    """
+
+    def pattern(self, op, query, key, value, extended, shape, num_heads):
+        return op.MultiHeadAttention(
+            query,
+            key,
+            value,
+            pattern.Var("bias", can_match_none=True),
+            None,
+            op.Expand(extended, shape),
+            None,
+            None,
+            num_heads=num_heads,
+            scale=pattern.AttrVar("scale", can_match_none=True),
+            _domain="com.microsoft",
+        )
+
+    def check(self, context, extended, **_) -> pattern.MatchResult:
+        # The mask chain is shared by every layer, so it is read here rather than matched
+        # (matched nodes with other users cannot be replaced); it dies once all layers move.
+        result = pattern.MatchResult()
+        found = _padding_mask(extended)
+        if found is None:
+            return result.fail("attention bias is not (1 - Cast(Unsqueeze(mask))) * c", extended)
+        self._mask, self._fill = found
+        return result
+
+    def rewrite(self, op, query, key, value, num_heads, bias=None, scale=None, **_):
+        attributes = {"num_heads": num_heads, "mask_filter_value": self._fill}
+        if scale is not None:
+            attributes["scale"] = scale.value
+        return op.MultiHeadAttention(
+            query,
+            key,
+            value,
+            bias,
+            op.Cast(self._mask, to=ir.DataType.INT32),
+            _domain="com.microsoft",
+            **attributes,
+        )
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and not node.domain else None
+
+
+def _padding_mask(extended: ir.Value) -> tuple[ir.Value, float] | None:
+    """(mask, c) if `extended` = (1 − Cast(Unsqueeze(mask, [1, 2]))) · c with a 2-D mask."""
+    mul = _producer(extended, "Mul")
+    sub = _producer(mul.inputs[0], "Sub") if mul else None
+    cast = _producer(sub.inputs[1], "Cast") if sub else None
+    unsqueeze = _producer(cast.inputs[0], "Unsqueeze") if cast else None
+    if not (mul and sub and cast and unsqueeze) or _scalar(sub.inputs[0]) != 1.0:
+        return None
+    fill, axes, mask = _scalar(mul.inputs[1]), unsqueeze.inputs[1], unsqueeze.inputs[0]
+    axes_value = _ir_utils.get_numpy_value(axes)
+    if fill is None or axes_value is None or sorted(axes_value.tolist()) != [1, 2]:
+        return None
+    if mask is None or mask.shape is None or mask.shape.rank() != 2:
+        return None
+    return mask, fill
+
+
+class PackedAttentionWithMask(pattern.RewriteRuleClassBase):
+    """Q/K/V projections (MatMul + bias) of one input + MultiHeadAttention with a padding
+    mask → one com.microsoft Attention: a single [hidden, 3·hidden] GEMM and ONNX Runtime's
+    fused CPU kernel. onnxscript's packing rules only handle attention without such a mask.
+    """
+
+    def pattern(self, op, x, wq, wk, wv, bq, bk, bv, mask, num_heads):
+        return op.MultiHeadAttention(
+            op.Add(op.MatMul(x, wq), bq),
+            op.Add(op.MatMul(x, wk), bk),
+            op.Add(op.MatMul(x, wv), bv),
+            None,
+            mask,
+            None,
+            None,
+            None,
+            num_heads=num_heads,
+            mask_filter_value=pattern.AttrVar("mask_filter_value", can_match_none=True),
+            scale=pattern.AttrVar("scale", can_match_none=True),
+            _domain="com.microsoft",
+        )
+
+    def check(self, context, wq, wk, wv, bq, bk, bv, mask, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        weights = [_ir_utils.get_numpy_value(w) for w in (wq, wk, wv)]
+        if any(w is None or w.ndim != 2 for w in weights):
+            return result.fail("projection weights are not constant matrices")
+        if len({w.shape for w in weights}) != 1:
+            return result.fail("Q, K and V projections differ in shape")
+        biases = [_ir_utils.get_numpy_value(b) for b in (bq, bk, bv)]
+        if any(b is None or b.shape != (weights[0].shape[1],) for b in biases):
+            return result.fail("projection biases are not constant vectors")
+        if mask.dtype != ir.DataType.INT32 or mask.shape is None or mask.shape.rank() != 2:
+            return result.fail("mask is not a 2-D int32 padding mask")
+        return result
+
+    def rewrite(self, op, x, wq, wk, wv, bq, bk, bv, mask, num_heads, **kwargs):
+        def packed(*values: ir.Value) -> np.ndarray:
+            return np.concatenate([_ir_utils.get_numpy_value(v) for v in values], axis=-1)
+
+        weight = op.initializer(ir.tensor(packed(wq, wk, wv)), name=f"{wq.name}.qkv")
+        bias = op.initializer(ir.tensor(packed(bq, bk, bv)), name=f"{bq.name}.qkv")
+        attributes = {"num_heads": num_heads}
+        for name in ("mask_filter_value", "scale"):
+            if kwargs.get(name) is not None:
+                attributes[name] = kwargs[name].value
+        return op.Attention(x, weight, bias, mask, _domain="com.microsoft", **attributes)
+
+
+padding_mask_rules = pattern.RewriteRuleSet([PaddingMaskAttention.rule()])
+packed_attention_rules = pattern.RewriteRuleSet([PackedAttentionWithMask.rule()])

@@ -1,0 +1,209 @@
+"""ONNX's own backend node tests, compiled by Kiln and run in ONNX Runtime.
+
+A deterministic sample of the node tests that ship with the onnx wheel
+(`onnx.backend.test.case.node`) is written to disk, loaded with `kiln.ir.load_model`, compiled
+with Kiln's full default pipeline and run in ONNX Runtime (CPU, basic optimisation) against the
+expected outputs stored with each test, compared exactly as onnx's backend runner compares them.
+
+The contract checked here:
+
+- every test whose *original* model ONNX Runtime runs and passes also passes once compiled;
+- every node of every compiled model traces back to original nodes (`kiln.origin`);
+- Kiln refuses a model only where ONNX Runtime fails on it too, or where the model is older
+  than the opset floor ONNX Runtime guarantees (7, `kiln.ir.load.MIN_OPSET`).
+
+A failure names the ONNX test, what went wrong and, for wrong outputs, the first pass of the
+pipeline after which the test fails.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx.backend.test.case.test_case import TestCase
+from onnx.backend.test.runner import Runner
+
+from kiln.backends.ort import OrtBackend, OrtOptions
+from kiln.compiler import optimize_model
+from kiln.errors import KilnError
+from kiln.ir import all_nodes, load_model, origins_of, stamp_origins
+from kiln.ir.load import MIN_OPSET
+from kiln.passes import PassSpec, default_pipeline, run_pipeline
+
+# One test in SAMPLE_MODULUS, chosen by a hash of its name: deterministic, and a node test that
+# a newer onnx adds or removes does not reshuffle the rest of the sample. 1/3 keeps the file
+# well under a minute on two cores (running all ~1900 takes about 55 s).
+SAMPLE_MODULUS = 3
+MIN_ORT_PASSING = 300
+# The reference and the compiled model run alike: basic graph optimisation, one thread each.
+ORT_OPTIONS = OrtOptions(
+    optimization="basic", intra_op_threads=1, inter_op_threads=1, spinning=False
+)
+
+NOT_TENSORS = "inputs or outputs are not plain tensors"
+ORT_FAILS = "ONNX Runtime fails on the original"
+REFUSED_OK = "refused by Kiln; ONNX Runtime fails on it too"
+REFUSED_OLD_OPSET = "refused by Kiln: opset below the floor ONNX Runtime guarantees"
+REFUSED_BAD = "refused by Kiln although ONNX Runtime passes it"
+PASSED = "passes compiled"
+FAILED = "fails compiled"
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str
+    detail: str = ""
+    bare_nodes: list[str] = field(default_factory=list)  # compiled nodes without kiln.origin
+
+
+def _tensor(value: Any) -> np.ndarray:
+    """The backend tests store some expected values as TensorProto (float8, int4...)."""
+    if isinstance(value, onnx.TensorProto):
+        return onnx.numpy_helper.to_array(value)
+    return value
+
+
+def _plain(values: list[Any]) -> bool:
+    return all(isinstance(v, np.ndarray | onnx.TensorProto) for v in values)
+
+
+def _first_lines(exc: BaseException, count: int = 6) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: " + " | ".join(lines[:count])
+
+
+def _check(model: ir.Model | str, case: TestCase) -> None:
+    """Run `model` on each of the case's data sets; raise if ORT fails or outputs differ."""
+    assert case.model is not None and case.data_sets is not None
+    input_names = [v.name for v in case.model.graph.input]
+    output_names = [v.name for v in case.model.graph.output]
+    exe = OrtBackend().compile(model, ORT_OPTIONS)
+    for inputs, expected in case.data_sets:
+        feeds = {name: _tensor(v) for name, v in zip(input_names, inputs, strict=True)}
+        got = exe.run(feeds, output_names)
+        Runner.assert_similar_outputs(
+            [_tensor(v) for v in expected], got, case.rtol, case.atol, case.name
+        )
+
+
+def _opset(proto: onnx.ModelProto) -> int:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _guilty_pass(path: str, case: TestCase, pipeline: list[PassSpec]) -> str:
+    """The pass at the end of the shortest pipeline prefix after which the case fails."""
+    for end in range(1, len(pipeline) + 1):
+        model = load_model(path).model
+        stamp_origins(model)
+        try:
+            run_pipeline(model, pipeline[:end])
+            _check(model, case)
+        except Exception:  # any failure ends the search: this prefix is the guilty one
+            return pipeline[end - 1].name
+    return "none (each prefix passes alone)"
+
+
+def _run_case(case: TestCase, directory: Path) -> Outcome:
+    assert case.model is not None and case.data_sets is not None
+    if not all(_plain(inputs) and _plain(outputs) for inputs, outputs in case.data_sets):
+        return Outcome(case.name, NOT_TENSORS)
+    path = str(directory / f"{case.name}.onnx")
+    onnx.save(case.model, path)
+    try:
+        _check(path, case)
+        original_passes = True
+    except Exception:  # ORT raises many types; any of them means "not a reference"
+        original_passes = False
+    try:
+        loaded = load_model(path)
+    except KilnError as exc:
+        if not original_passes:
+            return Outcome(case.name, REFUSED_OK, str(exc))
+        if _opset(case.model) < MIN_OPSET:
+            return Outcome(case.name, REFUSED_OLD_OPSET, str(exc))
+        return Outcome(case.name, REFUSED_BAD, str(exc))
+    except Exception as exc:  # the loader must answer bad input with a KilnError, never crash
+        return Outcome(case.name, FAILED, f"load_model crashed: {_first_lines(exc)}")
+    if not original_passes:
+        return Outcome(case.name, ORT_FAILS)
+    pipeline = default_pipeline()
+    try:
+        compiled = optimize_model(loaded, pipeline=pipeline, verify=False).model
+    except Exception as exc:
+        return Outcome(case.name, FAILED, f"compiling raised {_first_lines(exc)}")
+    bare = [f"{n.op_type} '{n.name}'" for n in all_nodes(compiled.graph) if not origins_of(n)]
+    try:
+        _check(compiled, case)
+    except Exception as exc:
+        guilty = _guilty_pass(path, case, pipeline)
+        return Outcome(case.name, FAILED, f"[pass {guilty}] {_first_lines(exc)}", bare)
+    return Outcome(case.name, PASSED, bare_nodes=bare)
+
+
+def _in_sample(name: str) -> bool:
+    return zlib.crc32(name.encode()) % SAMPLE_MODULUS == 0
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> list[Outcome]:
+    from onnx.backend.test.case import node
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        # the generators compute expected outputs with numpy, overflowing on purpose
+        warnings.simplefilter("ignore")
+        cases = node.collect_testcases()
+        sample = sorted((c for c in cases if _in_sample(c.name)), key=lambda c: c.name)
+        directory = tmp_path_factory.mktemp("onnx-node-tests")
+        return [_run_case(case, directory) for case in sample]
+
+
+def _listing(failures: list[Outcome], what: str, total: int) -> str:
+    lines = [f"{len(failures)} of {total} {what}:"]
+    lines += [f"  {o.name}: {o.detail}" for o in failures]
+    return "\n".join(lines)
+
+
+def _summary(outcomes: list[Outcome]) -> str:
+    counts = Counter(o.status for o in outcomes)
+    return ", ".join(f"{status}: {count}" for status, count in sorted(counts.items()))
+
+
+def test_sample_has_enough_cases_that_ort_passes(outcomes: list[Outcome]) -> None:
+    ort_passing = [o for o in outcomes if o.status in (PASSED, FAILED, REFUSED_BAD)]
+    assert len(ort_passing) >= MIN_ORT_PASSING, (
+        f"only {len(ort_passing)} sampled node tests pass in ONNX Runtime "
+        f"(need {MIN_ORT_PASSING}); {_summary(outcomes)}"
+    )
+
+
+def test_compiled_models_pass_where_originals_pass(outcomes: list[Outcome]) -> None:
+    compiled = [o for o in outcomes if o.status in (PASSED, FAILED)]
+    failures = [o for o in compiled if o.status == FAILED]
+    assert not failures, _listing(failures, "node tests fail after compiling", len(compiled))
+
+
+def test_kiln_refuses_only_what_ort_cannot_run(outcomes: list[Outcome]) -> None:
+    wrongly_refused = [o for o in outcomes if o.status == REFUSED_BAD]
+    assert not wrongly_refused, _listing(
+        wrongly_refused, "node tests that ONNX Runtime passes are refused by Kiln", len(outcomes)
+    )
+
+
+def test_every_compiled_node_has_an_origin(outcomes: list[Outcome]) -> None:
+    compiled = [o for o in outcomes if o.status in (PASSED, FAILED)]
+    bare = [
+        Outcome(o.name, o.status, "no kiln.origin on " + ", ".join(o.bare_nodes))
+        for o in compiled
+        if o.bare_nodes
+    ]
+    assert not bare, _listing(bare, "compiled models have nodes without provenance", len(compiled))
