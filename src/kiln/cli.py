@@ -190,12 +190,12 @@ def optimize(
 
 
 def _time_against_original(result, rounds: int, runs: int, say) -> dict:
+    from kiln.backends import get_backend
+    from kiln.backends.ort import OrtOptions
     from kiln.bench import interleave, round_ratios, stats
     from kiln.bench.engines import engine_runner
     from kiln.bench.latency import flatten
     from kiln.compiler import reference_feeds
-    from kiln.backends import get_backend
-    from kiln.backends.ort import OrtOptions
 
     feeds = result.feeds[0] if result.feeds else reference_feeds(result.loaded.model, None)[0][0]
     exe = get_backend("ort").compile(result.model, OrtOptions())

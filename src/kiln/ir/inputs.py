@@ -1,7 +1,8 @@
 """Reference inputs: synthesised from the model's input specs, or read from the user's file.
 
 Synthesised inputs follow what the model will see in use: token ids inside the vocabulary
-(the table the ids index), masks of ones, segment ids of zeros, images in [0, 1].
+(the table the ids index), masks of ones (odd seeds: with trailing padding masked out),
+segment ids of zeros, images in [0, 1].
 """
 
 from __future__ import annotations
@@ -50,11 +51,20 @@ def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
         for user, index in current.uses():
             if user.op_type == "Gather" and index == 1:
                 table = user.inputs[0]
-                if table is not None and table.shape is not None and isinstance(table.shape[0], int):
-                    return table.shape[0]
+                shape = table.shape if table is not None else None
+                if shape is not None and isinstance(shape[0], int):
+                    return shape[0]
             if user.op_type in {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten"}:
                 frontier.extend(user.outputs)
     return None
+
+
+def _padding_mask(shape: tuple[int, ...], dtype: np.dtype, padded: bool) -> np.ndarray:
+    """Ones; with `padded`, the last quarter of the sequence masked out, as padding would be."""
+    mask = np.ones(shape, dtype)
+    if padded and len(shape) >= 2 and shape[-1] >= 4:
+        mask[..., shape[-1] - shape[-1] // 4 :] = 0
+    return mask
 
 
 def synthesize(
@@ -72,7 +82,7 @@ def synthesize(
         name = (value.name or "").lower()
         if np.issubdtype(dtype, np.integer):
             if "mask" in name:
-                feeds[value.name] = np.ones(shape, dtype)
+                feeds[value.name] = _padding_mask(shape, dtype, padded=seed % 2 == 1)
             elif "type" in name or "segment" in name:
                 feeds[value.name] = np.zeros(shape, dtype)
             else:
@@ -129,14 +139,17 @@ def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inp
                 f"{where}: input '{value.name}' has dtype {array.dtype}, expected "
                 f"{describe(value)}. Convert it with .astype('{want}')."
             )
-        if value.shape is not None and (
-            array.ndim != len(value.shape)
-            or any(isinstance(w, int) and g != w for g, w in zip(array.shape, value.shape))
-        ):
+        if value.shape is not None and not _fits(array.shape, value.shape):
             raise KilnError(
                 f"{where}: input '{value.name}' has shape {list(array.shape)}, "
-                f"expected {describe(value)}."
+                f"expected {describe(value)}. Give an array of that shape."
             )
+
+
+def _fits(shape: tuple[int, ...], expected: ir.Shape) -> bool:
+    if len(shape) != len(expected):
+        return False
+    return all(not isinstance(w, int) or g == w for g, w in zip(shape, expected, strict=True))
 
 
 def describe(value: ir.Value) -> str:

@@ -138,5 +138,76 @@ class PackedAttentionWithMask(pattern.RewriteRuleClassBase):
         return op.Attention(x, weight, bias, mask, _domain="com.microsoft", **attributes)
 
 
+class CausalAttention(pattern.RewriteRuleClassBase):
+    """GPT-2's attention block → one com.microsoft Attention with `unidirectional=1`.
+
+    Matches the packed projection (MatMul + Add, Split in three), the head reshapes and
+    transposes, scaled scores, the causal Where over a lower-triangular buffer, the additive
+    padding mask, Softmax and the context merge. ONNX Runtime's kernel applies the causal
+    and padding masks itself (masked scores get `mask_filter_value` instead of being
+    replaced by it; after Softmax both are zero).
+    """
+
+    def pattern(self, op, x, w, b, splits, shape_q, shape_k, shape_v, shape_out, scale,
+                causal, fill, extended):
+        qkv = op.Add(op.MatMul(x, w), b)
+        q, k, v = op.Split(qkv, splits, axis=2, _outputs=3)
+        q = op.Transpose(op.Reshape(q, shape_q), perm=[0, 2, 1, 3])
+        k = op.Transpose(op.Reshape(k, shape_k), perm=[0, 2, 3, 1])
+        v = op.Transpose(op.Reshape(v, shape_v), perm=[0, 2, 1, 3])
+        scores = op.Div(op.MatMul(q, k), scale)
+        scores = op.Add(op.Where(causal, scores, fill), extended)
+        context = op.MatMul(op.Softmax(scores, axis=-1), v)
+        return op.Reshape(op.Transpose(context, perm=[0, 2, 1, 3]), shape_out)
+
+    def check(self, context, w, b, splits, shape_q, scale, causal, fill, extended, **_):
+        result = pattern.MatchResult()
+        weight, bias = _ir_utils.get_numpy_value(w), _ir_utils.get_numpy_value(b)
+        if weight is None or bias is None or weight.ndim != 2 or weight.shape[1] % 3:
+            return result.fail("projection is not a constant [hidden, 3·hidden] matrix")
+        hidden = weight.shape[1] // 3
+        split_sizes = _ir_utils.get_numpy_value(splits)
+        if split_sizes is None or split_sizes.tolist() != [hidden] * 3:
+            return result.fail("Split is not three equal parts")
+        heads_shape = _ir_utils.get_numpy_value(shape_q)
+        if heads_shape is None or heads_shape.size != 4 or heads_shape[2] * heads_shape[3] != hidden:
+            return result.fail("head reshape is not [0, 0, heads, head_size]")
+        if _scalar(scale) is None or _scalar(fill) is None or not _is_causal(causal):
+            return result.fail("scale, fill or causal mask is not the GPT-2 form")
+        found = _padding_mask(extended)
+        if found is None:
+            return result.fail("padding mask is not (1 - mask) * c")
+        self._heads, self._head_size = int(heads_shape[2]), int(heads_shape[3])
+        self._mask, self._fill = found[0], _scalar(fill)
+        return result
+
+    def rewrite(self, op, x, w, b, scale, **_):
+        return op.Attention(
+            x,
+            w,
+            b,
+            op.Cast(self._mask, to=ir.DataType.INT32),
+            num_heads=self._heads,
+            unidirectional=1,
+            scale=1.0 / _scalar(scale),
+            mask_filter_value=self._fill,
+            _domain="com.microsoft",
+        )
+
+
+def _is_causal(value: ir.Value) -> bool:
+    """A Slice from the start of a constant lower-triangular [1, 1, n, n] boolean buffer."""
+    node = _producer(value, "Slice")
+    if node is None:
+        return False
+    buffer = _ir_utils.get_numpy_value(node.inputs[0])
+    starts = _ir_utils.get_numpy_value(node.inputs[1])
+    if buffer is None or starts is None or buffer.ndim != 4 or starts.any():
+        return False
+    square = buffer.reshape(buffer.shape[-2:]).astype(bool)
+    return bool(np.array_equal(square, np.tril(np.ones_like(square))))
+
+
 padding_mask_rules = pattern.RewriteRuleSet([PaddingMaskAttention.rule()])
 packed_attention_rules = pattern.RewriteRuleSet([PackedAttentionWithMask.rule()])
+causal_attention_rules = pattern.RewriteRuleSet([CausalAttention.rule()])

@@ -71,6 +71,13 @@ FUSIONS: list[FusionSpec] = [
         infer_shapes=True,
     ),
     FusionSpec(
+        "fuse-causal-attention",
+        "GPT-2 style causal attention (packed QKV, Split, Where over a triangular buffer, "
+        "padding mask) becomes one com.microsoft Attention, unidirectional (Kiln rule).",
+        _rules(kiln_rules.causal_attention_rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
         "fuse-sdpa",
         "Scaled dot-product attention (Q·Kᵀ, scale, mask, softmax, ·V) is recognised as one "
         "SDPA unit for the attention fusions that follow.",
