@@ -56,7 +56,9 @@ def zoo_list(as_json: JsonOpt = False) -> None:
 
     entries = [zoo.entry(n) for n in zoo.names()]
     if as_json:
-        _emit_json([{"name": e.name, "description": e.description, "tiny": e.tiny} for e in entries])
+        _emit_json(
+            [{"name": e.name, "description": e.description, "tiny": e.tiny} for e in entries]
+        )
         return
     table = Table("name", "description", title="Kiln model zoo")
     for e in entries:
@@ -204,7 +206,9 @@ def _time_against_original(result, rounds: int, runs: int, say) -> dict:
         "kiln": lambda: exe.run(feeds),
     }
     say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
-    samples = interleave(runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}"))
+    samples = interleave(
+        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
+    )
     ratios = round_ratios(samples, "ort")
     return {
         "rounds": rounds,

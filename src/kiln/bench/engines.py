@@ -14,7 +14,7 @@ from kiln.errors import KilnError
 ENGINES = {
     "ort": "ONNX Runtime, ORT_ENABLE_ALL, fp32 (its default)",
     "ort-basic": "ONNX Runtime, ORT_ENABLE_BASIC, fp32",
-    "ort-transformers": "onnxruntime.transformers.optimizer (fusions, opt_level 0) then ORT_ENABLE_ALL",
+    "ort-transformers": "onnxruntime.transformers.optimizer (opt_level 0), then ORT_ENABLE_ALL",
 }
 
 

@@ -29,11 +29,11 @@ def _kiln_runner(model: str, say: Callable[[str], None]):
 
         session = Session(model)
         original = load_model(session.artifact.manifest["source"]["path"]).model
-        return original, lambda feeds: (lambda: session.run(None, feeds))
+        return original, lambda feeds: lambda: session.run(None, feeds)
     say(f"compiling {model}")
     result = optimize_model(load_model(model), progress=say)
     exe = get_backend("ort").compile(result.model, OrtOptions())
-    return result.loaded.model, lambda feeds: (lambda: exe.run(feeds))
+    return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
 
 
 def run_bench(
@@ -97,13 +97,19 @@ def _versions() -> dict[str, str]:
 
 def print_bench(result: dict, console: Console) -> None:
     console.print(f"[dim]{result['command']}[/dim]")
+    machine = result["machine"]
+    versions = " ".join(f"{k} {v}" for k, v in result["versions"].items())
     console.print(
-        f"[dim]{result['date']} · {result['machine']['cpu']} · {result['machine']['cores']} cores · "
-        + " ".join(f"{k} {v}" for k, v in result["versions"].items())
-        + "[/dim]"
+        f"[dim]{result['date']} · {machine['cpu']} · {machine['cores']} cores · {versions}[/dim]"
     )
     table = Table(
-        "engine", "P50 ms", "P90 ms", "P99 ms", "jitter", "samples/s", f"× vs {result['baseline']}",
+        "engine",
+        "P50 ms",
+        "P90 ms",
+        "P99 ms",
+        "jitter",
+        "samples/s",
+        f"× vs {result['baseline']}",
         title=f"kiln bench {result['model']} (batch {result['batch']}, "
         f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
     )

@@ -148,8 +148,22 @@ class CausalAttention(pattern.RewriteRuleClassBase):
     replaced by it; after Softmax both are zero).
     """
 
-    def pattern(self, op, x, w, b, splits, shape_q, shape_k, shape_v, shape_out, scale,
-                causal, fill, extended):
+    def pattern(
+        self,
+        op,
+        x,
+        w,
+        b,
+        splits,
+        shape_q,
+        shape_k,
+        shape_v,
+        shape_out,
+        scale,
+        causal,
+        fill,
+        extended,
+    ):
         qkv = op.Add(op.MatMul(x, w), b)
         q, k, v = op.Split(qkv, splits, axis=2, _outputs=3)
         q = op.Transpose(op.Reshape(q, shape_q), perm=[0, 2, 1, 3])
@@ -170,7 +184,11 @@ class CausalAttention(pattern.RewriteRuleClassBase):
         if split_sizes is None or split_sizes.tolist() != [hidden] * 3:
             return result.fail("Split is not three equal parts")
         heads_shape = _ir_utils.get_numpy_value(shape_q)
-        if heads_shape is None or heads_shape.size != 4 or heads_shape[2] * heads_shape[3] != hidden:
+        if (
+            heads_shape is None
+            or heads_shape.size != 4
+            or heads_shape[2] * heads_shape[3] != hidden
+        ):
             return result.fail("head reshape is not [0, 0, heads, head_size]")
         if _scalar(scale) is None or _scalar(fill) is None or not _is_causal(causal):
             return result.fail("scale, fill or causal mask is not the GPT-2 form")

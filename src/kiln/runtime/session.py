@@ -36,9 +36,7 @@ class Session:
     def output_names(self) -> list[str]:
         return self.executable.output_names
 
-    def run(
-        self, output_names: list[str] | None, feeds: dict[str, np.ndarray]
-    ) -> list[np.ndarray]:
+    def run(self, output_names: list[str] | None, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         check_feeds(self._interface, feeds, where=str(self.artifact.path))
         unknown = set(output_names or []) - set(self.output_names)
         if unknown:
