@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from kiln.ir.provenance import PassTracker
 from kiln.passes.base import KilnPass
+from kiln.passes.refine_shapes import RefineShapesPass
 from kiln.passes.rules import FUSIONS, FusionPass
 from kiln.passes.simplify import CleanupPass, SimplifyPass, count_nodes
 
@@ -44,7 +45,7 @@ def _spec(make: Callable[[], KilnPass]) -> PassSpec:
 
 def default_pipeline() -> list[PassSpec]:
     """simplify → fuse → cleanup. Precision and layout stages arrive with their issues."""
-    specs = [_spec(SimplifyPass)]
+    specs = [_spec(SimplifyPass), _spec(RefineShapesPass)]
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
     specs.append(_spec(CleanupPass))
     return specs
