@@ -31,13 +31,17 @@ class Verification:
     precision: str
     inputs: str  # "synthesized" or the user's file
     outputs: list[OutputCheck]
+    error: str | None = None  # the compiled model could not run at all
 
     def to_json(self) -> dict:
         return asdict(self)
 
-    def worst(self) -> OutputCheck | None:
-        failing = [o for o in self.outputs if not o.ok]
-        return max(failing or self.outputs, key=lambda o: o.max_abs / o.bound, default=None)
+    def summary(self) -> str:
+        if self.error:
+            return self.error
+        failing = [o for o in self.outputs if not o.ok] or self.outputs
+        worst = max(failing, key=lambda o: o.max_abs / max(o.bound, 1e-30))
+        return f"output '{worst.name}' max abs error {worst.max_abs:.3g}, bound {worst.bound:.3g}"
 
 
 def check_output(name: str, ref: np.ndarray, new: np.ndarray, tol: float) -> OutputCheck:

@@ -19,6 +19,37 @@ _FUSION_RULES = {id(r) for r in (*_fuse_batchnorm.rules, *_fuse_pad_into_conv.ru
 SIMPLIFY_RULES = [r for r in rewriter._DEFAULT_REWRITE_RULES if id(r) not in _FUSION_RULES]
 
 
+def _guard_split_to_sequence() -> None:
+    """Work around an onnxscript (0.7.2) constant-folding crash.
+
+    Its SplitToSequence folder reads `split_value.ndim` when `split` has no constant value and a
+    static shape that is not 1-D (a scalar graph input, as in ONNX's node test
+    `test_split_to_sequence_1`): AttributeError, and the whole compile fails. Such a node
+    cannot be folded anyway, so it is left as it is; every other case goes to onnxscript.
+    """
+    for evaluator in _constant_folding.registry.op_evaluators.get(("", "SplitToSequence"), []):
+        fold = evaluator.function
+        if getattr(fold, "kiln_guarded", False):
+            continue
+
+        def guarded(node: ir.Node, op, state, fold=fold):
+            split = node.inputs[1] if len(node.inputs) > 1 else None
+            if (
+                split is not None
+                and _constant_folding._get_numpy_value(split) is None
+                and split.shape is not None
+                and split.shape.rank() != 1
+            ):
+                return None
+            return fold(node, op, state)
+
+        guarded.kiln_guarded = True  # type: ignore[attr-defined]
+        evaluator.function = guarded
+
+
+_guard_split_to_sequence()
+
+
 def simplify(model: ir.Model, iterations: int = 2) -> None:
     """onnxscript's optimizer loop, minus its conv fusions, then the usual tidy-up."""
     loop = ir.passes.PassManager(
