@@ -140,3 +140,33 @@ def test_transformer_patterns() -> None:
     assert gops.count("Split") == 2 and gops.count("Where") == 2 and gops.count("Tanh") == 2
     head = [n for n in gpt.graph.node if n.name == "lm_head.Transpose"]
     assert head and head[0].input[0] == "transformer.wte.weight"  # tied to the embedding
+
+
+def _session(name: str) -> ort.InferenceSession:
+    model = zoo.build(name).SerializeToString()
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def test_gpt2_is_causal_and_takes_any_length() -> None:
+    sess = _session("gpt2-tiny")
+    ids = np.random.default_rng(0).integers(0, 1000, (2, 9), dtype=np.int64)
+    mask = np.ones_like(ids)
+    a = sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+    ids[:, -1] = (ids[:, -1] + 1) % 1000
+    b = sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+    assert a.shape == (2, 9, 1000)
+    np.testing.assert_allclose(a[:, :-1], b[:, :-1], atol=1e-5)  # the past ignores the future
+    assert not np.allclose(a[:, -1], b[:, -1])
+
+
+def test_bert_padding_mask_hides_tokens() -> None:
+    sess = _session("bert-tiny")
+    ids = np.random.default_rng(0).integers(0, 1000, (1, 7), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[:, -2:] = 0
+    feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    a = sess.run(None, feeds)
+    ids[:, -1] = (ids[:, -1] + 1) % 1000
+    b = sess.run(None, feeds)
+    np.testing.assert_allclose(a[0][:, :-2], b[0][:, :-2], atol=1e-5)
+    np.testing.assert_allclose(a[1], b[1], atol=1e-5)

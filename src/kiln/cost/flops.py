@@ -62,6 +62,8 @@ def _node_flops(
 ) -> list[tuple[onnx.NodeProto, int]]:
     inferred = _infer(model, _resolve_dims(model, dims))
     shapes = _shapes(inferred)
+    for t in model.graph.initializer:  # in case folding consumed one
+        shapes.setdefault(t.name, list(t.dims))
     result = []
     for node in model.graph.node:
         if node.op_type in MAC_OPS and node.domain in ("", "ai.onnx"):
@@ -89,7 +91,10 @@ def _infer(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
     init_names = {t.name for t in src.initializer}
     graph = onnx.GraphProto(name=src.name)
     graph.node.extend(src.node)
-    graph.output.extend(src.output)
+    for out in src.output:  # declared output shapes may be symbolic: let inference decide
+        if out.type.HasField("tensor_type"):
+            out = helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, None)
+        graph.output.append(out)
     missing: list[str] = []
     for vi in src.input:
         if vi.name in init_names:
@@ -117,12 +122,14 @@ def _infer(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
     copy.functions.extend(model.functions)
     # ONNX shape inference cannot see through shape arithmetic such as exported position ids
     # (Slice(buffer, 0, Unsqueeze(Gather(Shape(ids), 1)))); folding those constants first lets it.
-    folded = ir.from_proto(copy)
-    onnxscript.optimizer.fold_constants(folded)
     try:
-        return onnx.shape_inference.infer_shapes(
-            ir.to_proto(folded), strict_mode=False, data_prop=True
-        )
+        folded = ir.from_proto(copy)
+        onnxscript.optimizer.fold_constants(folded)
+        copy = ir.to_proto(folded)
+    except Exception:  # noqa: BLE001 - folding only helps; plain inference may still suffice
+        pass
+    try:
+        return onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
     except onnx.shape_inference.InferenceError as exc:
         raise KilnError(f"model {src.name!r}: shape inference failed: {exc}") from exc
 

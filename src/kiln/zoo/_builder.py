@@ -59,12 +59,9 @@ class GraphBuilder:
         tensor.raw_data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
         return name
 
-    def normal(self, name: str, shape: Sequence[int], std: float, mean: float = 0.0) -> str:
+    def normal(self, name: str, shape: Sequence[int], std: float) -> str:
         arr = self.rng.standard_normal(tuple(shape), dtype=np.float32)
-        if std != 1.0:
-            arr *= np.float32(std)
-        if mean != 0.0:
-            arr += np.float32(mean)
+        arr *= np.float32(std)
         return self.weight(name, arr)
 
     def uniform(self, name: str, shape: Sequence[int], low: float, high: float) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -68,8 +67,8 @@ def build(cfg: ResNetConfig, zoo_name: str, dims: dict[str, int], seed: int = 0)
     x = g.op("GlobalAveragePool", [x], "avgpool")
     x = g.op("Flatten", [x], "flatten", axis=1)
     bound = 1.0 / math.sqrt(cin)
-    w = g.weight("fc.weight", g.rng.uniform(-bound, bound, (cfg.classes, cin)).astype(np.float32))
-    b = g.weight("fc.bias", g.rng.uniform(-bound, bound, cfg.classes).astype(np.float32))
+    w = g.uniform("fc.weight", (cfg.classes, cin), -bound, bound)  # nn.Linear's default init
+    b = g.uniform("fc.bias", (cfg.classes,), -bound, bound)
     g.op("Gemm", [x, w, b], "fc", output="logits", transB=1)
     g.output("logits", TensorProto.FLOAT, ["batch", cfg.classes])
     return g.model(zoo_name, dims)
