@@ -41,7 +41,7 @@ from kiln.passes import PassSpec, default_pipeline, run_pipeline
 
 # One test in SAMPLE_MODULUS, chosen by a hash of its name: deterministic, and a node test that
 # a newer onnx adds or removes does not reshuffle the rest of the sample. 1/3 keeps the file
-# well under a minute on two cores (running all ~1900 takes about 55 s).
+# well under a minute on two cores (all ~1900 take 60-75 s, collection included).
 SAMPLE_MODULUS = 3
 MIN_ORT_PASSING = 300
 # The reference and the compiled model run alike: basic graph optimisation, one thread each.
@@ -49,7 +49,7 @@ ORT_OPTIONS = OrtOptions(
     optimization="basic", intra_op_threads=1, inter_op_threads=1, spinning=False
 )
 
-NOT_TENSORS = "inputs or outputs are not plain tensors"
+NOT_TENSORS = "inputs or outputs are neither tensors nor sequences of tensors"
 ORT_FAILS = "ONNX Runtime fails on the original"
 REFUSED_OK = "refused by Kiln; ONNX Runtime fails on it too"
 REFUSED_OLD_OPSET = "refused by Kiln: opset below the floor ONNX Runtime guarantees"
@@ -66,20 +66,37 @@ class Outcome:
     bare_nodes: list[str] = field(default_factory=list)  # compiled nodes without kiln.origin
 
 
-def _tensor(value: Any) -> np.ndarray:
-    """The backend tests store some expected values as TensorProto (float8, int4...)."""
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, np.ndarray | np.generic | onnx.TensorProto)
+
+
+def _tensor(value: Any) -> np.ndarray | list[np.ndarray]:
+    """As ONNX Runtime takes and gives it: the backend tests store some values as TensorProto
+    (float8, int4...), numpy scalars, or lists of tensors (sequences)."""
+    if isinstance(value, list):
+        return [np.asarray(_tensor(v)) for v in value]
     if isinstance(value, onnx.TensorProto):
         return onnx.numpy_helper.to_array(value)
-    return value
+    return np.asarray(value)
 
 
 def _plain(values: list[Any]) -> bool:
-    return all(isinstance(v, np.ndarray | onnx.TensorProto) for v in values)
+    """Tensors or sequences of tensors; optionals (None) and maps are left out."""
+    return all(
+        _is_tensor(v) or (isinstance(v, list) and all(_is_tensor(x) for x in v)) for v in values
+    )
 
 
 def _first_lines(exc: BaseException, count: int = 6) -> str:
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return f"{type(exc).__name__}: " + " | ".join(lines[:count])
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost exception of a chain: pass managers wrap the real error several times."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return _first_lines(exc)
 
 
 def _check(model: ir.Model | str, case: TestCase) -> None:
@@ -101,12 +118,20 @@ def _opset(proto: onnx.ModelProto) -> int:
 
 
 def _guilty_pass(path: str, case: TestCase, pipeline: list[PassSpec]) -> str:
-    """The pass at the end of the shortest pipeline prefix after which the case fails."""
+    """The pass at the end of the shortest pipeline prefix after which the case fails.
+
+    Like Kiln's own bisection, each prefix ends with cleanup: a prefix may stop between
+    fusions that leave helper functions behind.
+    """
+    cleanup = [s for s in pipeline if s.name == "cleanup"][-1:]
     for end in range(1, len(pipeline) + 1):
         model = load_model(path).model
         stamp_origins(model)
+        prefix = pipeline[:end]
+        if prefix[-1].name != "cleanup":
+            prefix = prefix + cleanup
         try:
-            run_pipeline(model, pipeline[:end])
+            run_pipeline(model, prefix)
             _check(model, case)
         except Exception:  # any failure ends the search: this prefix is the guilty one
             return pipeline[end - 1].name
@@ -137,10 +162,14 @@ def _run_case(case: TestCase, directory: Path) -> Outcome:
     if not original_passes:
         return Outcome(case.name, ORT_FAILS)
     pipeline = default_pipeline()
+    steps: list[str] = []  # optimize_model reports "pass NAME" as each pass starts
     try:
-        compiled = optimize_model(loaded, pipeline=pipeline, verify=False).model
+        compiled = optimize_model(
+            loaded, pipeline=pipeline, verify=False, progress=steps.append
+        ).model
     except Exception as exc:
-        return Outcome(case.name, FAILED, f"compiling raised {_first_lines(exc)}")
+        where = steps[-1] if steps else "before the first pass"
+        return Outcome(case.name, FAILED, f"[{where}] compiling raised {_root_cause(exc)}")
     bare = [f"{n.op_type} '{n.name}'" for n in all_nodes(compiled.graph) if not origins_of(n)]
     try:
         _check(compiled, case)

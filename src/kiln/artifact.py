@@ -60,14 +60,23 @@ def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
 
 
 def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any]) -> Artifact:
-    """Write atomically: everything goes to a temporary sibling, then one rename."""
+    """Write atomically: everything goes to a temporary sibling, then one rename.
+
+    An existing artifact at `destination` is replaced; anything else there is refused and left
+    untouched. On any failure nothing is left behind: no partial or temporary directory.
+    """
     destination = Path(destination)
-    parent = destination.resolve().parent
+    parent = destination.absolute().parent
     if not parent.is_dir():
-        raise KilnError(f"{destination}: the directory {parent} does not exist.")
+        raise KilnError(
+            f"{destination}: the directory {parent} does not exist. Create it or choose "
+            "another -o path."
+        )
+    _refuse_non_artifact(destination)
     manifest = {"format_version": FORMAT_VERSION, **manifest}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+    tmp = old = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
         size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
         if size > EXTERNAL_THRESHOLD:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
@@ -75,19 +84,37 @@ def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any])
             ir.save(model, tmp / MODEL_FILE)
         _write_json(tmp / "provenance.json", provenance_map(model))
         _write_json(tmp / "manifest.json", manifest)
+        _refuse_non_artifact(destination)
         if destination.exists():
-            if not (destination / "manifest.json").is_file():
-                raise KilnError(
-                    f"{destination}: exists and is not a Kiln artifact; refusing to replace it."
-                )
-            shutil.rmtree(destination)
-        tmp.rename(destination)
+            # Move the old artifact aside first, so a failed rename can put it back.
+            old = tmp.with_name(tmp.name + ".old")
+            destination.rename(old)
+            try:
+                tmp.rename(destination)
+            except OSError:
+                old.rename(destination)
+                old = None
+                raise
+        else:
+            tmp.rename(destination)
     except OSError as exc:
-        raise KilnError(f"{destination}: could not write the artifact ({exc.strerror or exc}).") from None
+        raise KilnError(
+            f"{destination}: could not write the artifact ({exc.strerror or exc}). Nothing was "
+            "written; fix that or choose another -o path."
+        ) from None
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return Artifact(destination, manifest)
+
+
+def _refuse_non_artifact(destination: Path) -> None:
+    if destination.exists() and not (destination / "manifest.json").is_file():
+        raise KilnError(
+            f"{destination}: exists and is not a Kiln artifact; refusing to replace it. "
+            "Choose another -o path or remove it first."
+        )
 
 
 def read_artifact(path: str | Path) -> Artifact:
@@ -95,11 +122,17 @@ def read_artifact(path: str | Path) -> Artifact:
     path = Path(path)
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        raise KilnError(f"{path}: not a Kiln artifact (no manifest.json). Build one with kiln optimize.")
+        raise KilnError(
+            f"{path}: not a Kiln artifact (no manifest.json). Build one with kiln optimize."
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise KilnError(f"{manifest_path}: corrupted manifest ({exc}).") from None
+        raise KilnError(
+            f"{manifest_path}: corrupted manifest ({exc}). Rebuild it with kiln optimize."
+        ) from None
+    if not isinstance(manifest, dict):
+        raise KilnError(f"{manifest_path}: corrupted manifest. Rebuild it with kiln optimize.")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise KilnError(

@@ -6,6 +6,7 @@ reaches ONNX Runtime and never leaves anything behind.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from dataclasses import dataclass
@@ -184,8 +185,13 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path, source: str) ->
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
         what = f"weight '{tensor.name}'" if tensor.name else "a constant tensor"
+        if not location:
+            raise KilnError(
+                f"{source}: {what} is marked as external data but names no file. "
+                "Re-export the model."
+            )
         target = (base / location).resolve()
-        if not location or os.path.isabs(location) or not target.is_relative_to(base):
+        if os.path.isabs(location) or not target.is_relative_to(base):
             raise KilnError(
                 f"{source}: {what} points to external data '{location}' outside the model's "
                 "directory; refusing to read it. Keep external data files next to the model."
@@ -213,9 +219,8 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path, source: str) ->
 
 
 def _looks_like_text(head: bytes) -> bool:
-    try:
-        text = head.decode("utf-8")
+    try:  # incremental: a character cut at the end of `head` is not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:
         return False
     return all(c.isprintable() or c in "\t\r\n" for c in text)
-

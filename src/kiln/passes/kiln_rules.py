@@ -129,8 +129,10 @@ class PackedAttentionWithMask(pattern.RewriteRuleClassBase):
         def packed(*values: ir.Value) -> np.ndarray:
             return np.concatenate([_ir_utils.get_numpy_value(v) for v in values], axis=-1)
 
-        weight = op.initializer(ir.tensor(packed(wq, wk, wv)), name=f"{wq.name}.qkv")
-        bias = op.initializer(ir.tensor(packed(bq, bk, bv)), name=f"{bq.name}.qkv")
+        # Named after the query weight, which is the one input unique to this layer (biases
+        # may be shared once identical initializers are deduplicated).
+        weight = op.initializer(ir.tensor(packed(wq, wk, wv)), name=f"{wq.name}.qkv_weight")
+        bias = op.initializer(ir.tensor(packed(bq, bk, bv)), name=f"{wq.name}.qkv_bias")
         attributes = {"num_heads": num_heads}
         for name in ("mask_filter_value", "scale"):
             if kwargs.get(name) is not None:
@@ -227,5 +229,6 @@ def _is_causal(value: ir.Value) -> bool:
 
 
 padding_mask_rules = pattern.RewriteRuleSet([PaddingMaskAttention.rule()])
-packed_attention_rules = pattern.RewriteRuleSet([PackedAttentionWithMask.rule()])
+# commute: exporters put the bias on either side of the Add.
+packed_attention_rules = pattern.RewriteRuleSet([PackedAttentionWithMask.rule()], commute=True)
 causal_attention_rules = pattern.RewriteRuleSet([CausalAttention.rule()])

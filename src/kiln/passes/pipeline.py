@@ -13,8 +13,11 @@ import onnx_ir as ir
 
 from kiln.ir.provenance import PassTracker
 from kiln.passes.base import KilnPass
+from kiln.passes.canonical_mask import CanonicalMaskPass
+from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.refine_shapes import RefineShapesPass
 from kiln.passes.rules import FUSIONS, FusionPass
+from kiln.passes.shape_reads import ShapeReadsPass
 from kiln.passes.simplify import CleanupPass, SimplifyPass, count_nodes
 
 
@@ -45,7 +48,11 @@ def _spec(make: Callable[[], KilnPass]) -> PassSpec:
 
 def default_pipeline() -> list[PassSpec]:
     """simplify → fuse → cleanup. Precision and layout stages arrive with their issues."""
-    specs = [_spec(SimplifyPass), _spec(RefineShapesPass)]
+    # Each simplify/refine round exposes what the next can resolve: the mask probe needs
+    # named dims, and shape reads can only be detached once the mask chain is gone.
+    specs = [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(CanonicalMaskPass)]
+    specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(ShapeReadsPass)]
+    specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(NoopReshapesPass)]
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
     specs.append(_spec(CleanupPass))
     return specs
