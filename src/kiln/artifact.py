@@ -66,17 +66,12 @@ def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any])
     untouched. On any failure nothing is left behind: no partial or temporary directory.
     """
     destination = Path(destination)
-    parent = destination.absolute().parent
-    if not parent.is_dir():
-        raise KilnError(
-            f"{destination}: the directory {parent} does not exist. Create it or choose "
-            "another -o path."
-        )
-    _refuse_non_artifact(destination)
+    parent = check_destination(destination)
     manifest = {"format_version": FORMAT_VERSION, **manifest}
     tmp = old = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
         size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
         if size > EXTERNAL_THRESHOLD:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
@@ -107,6 +102,19 @@ def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any])
             if leftover is not None and leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
     return Artifact(destination, manifest)
+
+
+def check_destination(destination: Path) -> Path:
+    """Refuse, before any work, a destination that cannot receive an artifact; return its
+    parent directory."""
+    parent = destination.absolute().parent
+    if not parent.is_dir():
+        raise KilnError(
+            f"{destination}: the directory {parent} does not exist. Create it or choose "
+            "another -o path."
+        )
+    _refuse_non_artifact(destination)
+    return parent
 
 
 def _refuse_non_artifact(destination: Path) -> None:

@@ -33,12 +33,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tab
 
 
 def _progress() -> Progress:
+    # markup=False: descriptions hold user paths; disabled off a terminal, where a bar is
+    # noise (and rich would leave a blank line on stderr).
     return Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         TimeElapsedColumn(),
         console=err,
         transient=True,
+        disable=not err.is_terminal,
     )
 
 
@@ -169,13 +172,15 @@ def optimize(
         return
     if model is None:
         raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
-    from kiln.compiler import optimize_model, save_result
+    from kiln.artifact import check_destination
+    from kiln.compiler import destination_for, optimize_model, save_result
     from kiln.ir import load_model
 
     with _progress() as progress:
         task = progress.add_task(f"loading {model}")
         say = lambda msg: progress.update(task, description=msg)  # noqa: E731
         loaded = load_model(model)
+        check_destination(destination_for(loaded, output))
         result = optimize_model(
             loaded, pipeline=pipeline, inputs=inputs, verify=not no_verify, progress=say
         )
@@ -255,7 +260,7 @@ def _print_optimize(summary: dict) -> None:
         for o in verification["outputs"]:
             table.add_row(
                 f"  output {o['name']}",
-                f"max abs {o['max_abs']:.2e} (bound {o['bound']:.1e}), max rel {o['max_rel']:.2e}",
+                f"max abs {o['max_abs']:.1e} (bound {o['bound']:.1e})",
             )
     bench = summary["benchmark"]
     if bench:
@@ -267,7 +272,7 @@ def _print_optimize(summary: dict) -> None:
             )
         table.add_row(
             "speedup",
-            f"{bench['speedup']:.2f}× (median of per-round P50 ratios, {bench['rounds']} rounds)",
+            f"{bench['speedup']:.2f}× (median of {bench['rounds']} per-round P50 ratios)",
         )
     console.print(table)
 
@@ -288,9 +293,15 @@ def run(
     session = Session(artifact)
     feeds = read_inputs(str(inputs), session._interface)
     outputs = session.run(None, feeds)
+    if not output.absolute().parent.is_dir():
+        raise KilnError(f"{output}: the directory {output.absolute().parent} does not exist.")
     tmp = output.with_name(output.name + ".tmp.npz")
-    np.savez(tmp, **dict(zip(session.output_names, outputs, strict=True)))
-    tmp.replace(output)
+    try:
+        np.savez(tmp, **dict(zip(session.output_names, outputs, strict=True)))
+        tmp.replace(output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise KilnError(f"{output}: could not write the outputs ({exc.strerror or exc}).") from None
     console.print(f"wrote {len(outputs)} outputs to {output}")
 
 

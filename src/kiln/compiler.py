@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln import __version__
-from kiln.artifact import Artifact, write_artifact
+from kiln.artifact import Artifact, check_destination, write_artifact
 from kiln.backends import get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
@@ -177,6 +177,7 @@ def compile(
     if precision != "fp32":
         raise KilnError(f"precision '{precision}' is not supported yet; use precision='fp32'.")
     loaded = load_model(str(model))
+    check_destination(destination_for(loaded, output))
     result = optimize_model(
         loaded, pipeline=pipeline, inputs=inputs, verify=verify, progress=progress
     )
@@ -192,5 +193,8 @@ def save_result(result: CompileResult, output: str | Path | None, benchmark=None
     options = OrtOptions()
     manifest = build_manifest(result, options)
     manifest["benchmark"] = benchmark
-    destination = Path(output) if output else Path(f"{result.loaded.name}.kiln")
-    return write_artifact(destination, result.model, manifest)
+    return write_artifact(destination_for(result.loaded, output), result.model, manifest)
+
+
+def destination_for(loaded: LoadedModel, output: str | Path | None) -> Path:
+    return Path(output) if output else Path(f"{loaded.name}.kiln")
