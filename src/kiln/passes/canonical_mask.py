@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 
 from kiln.passes.base import KilnPass
 
@@ -150,6 +151,7 @@ class CanonicalMaskPass(KilnPass):
     summary = "Probe exported attention-mask subgraphs; rewrite them to (1 − mask)·c."
 
     def apply(self, model: ir.Model) -> int:
+        common.ShapeInferencePass()(model)  # both passes decide from shapes
         masks = {v.name: v for v in _mask_inputs(model)}
         sites: dict[str, list[tuple[ir.Node, ir.Node, int, set[str]]]] = {}
         for softmax in [n for n in model.graph if n.op_type == "Softmax"]:

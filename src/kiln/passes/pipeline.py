@@ -15,6 +15,7 @@ from kiln.ir.provenance import PassTracker
 from kiln.passes.base import KilnPass
 from kiln.passes.canonical_mask import CanonicalMaskPass
 from kiln.passes.noop_reshapes import NoopReshapesPass
+from kiln.passes.prune_rows import PruneRowsPass
 from kiln.passes.refine_shapes import RefineShapesPass
 from kiln.passes.rules import FUSIONS, FusionPass
 from kiln.passes.shape_reads import ShapeReadsPass
@@ -53,6 +54,7 @@ def default_pipeline() -> list[PassSpec]:
     specs = [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(CanonicalMaskPass)]
     specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(ShapeReadsPass)]
     specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(NoopReshapesPass)]
+    specs.append(_spec(PruneRowsPass))
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
     specs.append(_spec(CleanupPass))
     return specs

@@ -1,0 +1,141 @@
+"""Single passes on small hand-made graphs: each keeps the outputs and does its one job."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+from kiln.backends import get_backend
+from kiln.backends.ort import OrtOptions
+from kiln.ir import stamp_origins
+from kiln.passes.canonical_mask import CanonicalMaskPass
+from kiln.passes.prune_rows import PruneRowsPass
+
+RNG = np.random.default_rng(0)
+
+
+def run(model: ir.Model | onnx.ModelProto, feeds):
+    if isinstance(model, onnx.ModelProto):
+        model = ir.serde.deserialize_model(model)
+    return get_backend("ort").compile(model, OrtOptions("basic")).run(feeds)
+
+
+def weight(name: str, *shape: int) -> onnx.TensorProto:
+    return nh.from_array(RNG.normal(0, 0.5, shape).astype(np.float32), name)
+
+
+def classifier_head() -> onnx.ModelProto:
+    """x → MatMul → Add → Relu → LayerNorm → Gather(token 0) → MatMul: a ViT-style head."""
+    nodes = [
+        h.make_node("MatMul", ["x", "w1"], ["m"], name="mm"),
+        h.make_node("Add", ["m", "b1"], ["a"], name="add"),
+        h.make_node("Relu", ["a"], ["r"], name="relu"),
+        h.make_node("Add", ["r", "x"], ["res"], name="residual"),
+        h.make_node("LayerNormalization", ["res", "g", "beta"], ["ln"], name="ln", axis=-1),
+        h.make_node("Gather", ["ln", "zero"], ["cls"], name="cls", axis=1),
+        h.make_node("MatMul", ["cls", "w2"], ["y"], name="head"),
+    ]
+    inits = [
+        weight("w1", 8, 8),
+        weight("b1", 8),
+        weight("g", 8),
+        weight("beta", 8),
+        weight("w2", 8, 3),
+        nh.from_array(np.array(0, np.int64), "zero"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "head",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5, 8])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_prune_rows_computes_only_the_kept_token():
+    proto = classifier_head()
+    model = ir.serde.deserialize_model(proto)
+    stamp_origins(model)
+    moved = PruneRowsPass()(model)
+    assert moved.modified
+    first = next(iter(model.graph))
+    assert first.op_type == "Gather" and first.inputs[0].name == "x", "Gather must reach x"
+    x = RNG.normal(size=(2, 5, 8)).astype(np.float32)
+    np.testing.assert_allclose(run(model, {"x": x})[0], run(proto, {"x": x})[0], rtol=1e-5)
+
+
+def test_prune_rows_stops_at_an_op_that_mixes_rows():
+    proto = classifier_head()
+    for node in proto.graph.node:
+        if node.name == "ln":
+            node.attribute[0].i = 1  # normalising over rows too: the Gather must stay below
+    model = ir.serde.deserialize_model(proto)
+    PruneRowsPass()(model)
+    ln = next(n for n in model.graph if n.op_type == "LayerNormalization")
+    assert ln.inputs[0].producer().op_type == "Add"
+    x = RNG.normal(size=(1, 5, 8)).astype(np.float32)
+    np.testing.assert_allclose(run(model, {"x": x})[0], run(proto, {"x": x})[0], rtol=1e-5)
+
+
+def masked_scores(bias_nodes: list[onnx.NodeProto], inits) -> onnx.ModelProto:
+    nodes = [
+        *bias_nodes,
+        h.make_node("Add", ["scores", "bias"], ["s"], name="add_bias"),
+        h.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "attn",
+        [
+            h.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 2, "seq", "seq"]),
+            h.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
+        ],
+        [h.make_tensor_value_info("p", TensorProto.FLOAT, ["batch", 2, "seq", "seq"])],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_canonical_mask_rewrites_an_exotic_mask_and_keeps_outputs():
+    # bias = Where(mask_bool, 0, -inf), the transformers-5 style.
+    inits = [
+        nh.from_array(np.array([1, 2], np.int64), "axes"),
+        nh.from_array(np.array(0.0, np.float32), "zero_f"),
+        nh.from_array(np.array(-np.inf, np.float32), "neg_inf"),
+    ]
+    nodes = [
+        h.make_node("Unsqueeze", ["attention_mask", "axes"], ["u"], name="u"),
+        h.make_node("Cast", ["u"], ["keep"], name="cast", to=TensorProto.BOOL),
+        h.make_node("Where", ["keep", "zero_f", "neg_inf"], ["bias"], name="where"),
+    ]
+    proto = masked_scores(nodes, inits)
+    model = ir.serde.deserialize_model(proto)
+    assert CanonicalMaskPass().apply(model) == 1
+    ops = [n.op_type for n in model.graph]
+    assert "Where" not in [n.op_type for n in model.graph if n.outputs[0].uses()]
+    assert ops.count("Sub") == 1 and ops.count("Mul") == 1
+    scores = RNG.normal(size=(2, 2, 6, 6)).astype(np.float32)
+    mask = np.ones((2, 6), np.int64)
+    mask[1, 4:] = 0
+    feeds = {"scores": scores, "attention_mask": mask}
+    np.testing.assert_allclose(run(model, feeds)[0], run(proto, feeds)[0], atol=1e-6)
+
+
+def test_canonical_mask_leaves_a_bias_that_is_not_a_padding_mask():
+    # bias = mask * 5: not zero where kept, so it must not be rewritten.
+    inits = [
+        nh.from_array(np.array([1, 2], np.int64), "axes"),
+        nh.from_array(np.array(5.0, np.float32), "five"),
+    ]
+    nodes = [
+        h.make_node("Unsqueeze", ["attention_mask", "axes"], ["u"], name="u"),
+        h.make_node("Cast", ["u"], ["f"], name="cast", to=TensorProto.FLOAT),
+        h.make_node("Mul", ["f", "five"], ["bias"], name="scale"),
+    ]
+    model = ir.serde.deserialize_model(masked_scores(nodes, inits))
+    assert CanonicalMaskPass().apply(model) == 0
