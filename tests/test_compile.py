@@ -169,3 +169,39 @@ def test_session_rejects_wrong_input_naming_it(tmp_path):
 def test_unverified_compile_is_marked(tmp_path):
     artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False)
     assert artifact.manifest["verification"] is None
+
+
+def test_external_data_model_compiles_and_artifact_runs(tmp_path):
+    proto = zoo.build("resnet-tiny")
+    path = tmp_path / "ext.onnx"
+    onnx.save(
+        proto, str(path), save_as_external_data=True, location="ext.onnx.data", size_threshold=0
+    )
+    assert (tmp_path / "ext.onnx.data").stat().st_size > 0
+    artifact = kiln.compile(path, tmp_path / "ext.kiln")
+    assert artifact.manifest["verification"]["ok"]
+    proto = zoo.build("resnet-tiny")  # onnx.save moved the weights out of the first one
+    feeds = synthesize(ir.serde.deserialize_model(proto))
+    np.testing.assert_allclose(
+        kiln.Session(artifact.path).run(None, feeds)[0], reference(proto, feeds)[0], rtol=1e-4
+    )
+
+
+def test_opset_11_model_passes_through(tmp_path):
+    nodes = [
+        h.make_node("Unsqueeze", ["x"], ["u"], name="unsqueeze", axes=[0]),  # opset-11 form
+        h.make_node("Squeeze", ["u"], ["s"], name="squeeze", axes=[0]),
+        h.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "old",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    path = tmp_path / "old.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 11)]), str(path))
+    artifact = kiln.compile(path, tmp_path / "old.kiln")
+    assert artifact.manifest["verification"]["ok"]
+    x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    np.testing.assert_allclose(kiln.Session(artifact.path).run(None, {"x": x})[0], np.maximum(x, 0))

@@ -47,7 +47,15 @@ class CompileResult:
 
 
 def copy_model(model: ir.Model) -> ir.Model:
-    return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    external = [
+        v.const_value
+        for v in model.graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
+    ]
+    if external:  # weights left on disk are found relative to the model's directory
+        ir.external_data.set_base_dir(copy.graph, external[0].base_dir)
+    return copy
 
 
 def reference_feeds(model: ir.Model, inputs: str | None, sets: int = 2) -> tuple[list, str]:

@@ -121,8 +121,12 @@ def _session(path_or_bytes: str | bytes, so: ort.SessionOptions) -> ort.Inferenc
 
 
 def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSession:
-    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
-    if size < _INLINE_LIMIT:
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value]
+    size = sum(t.nbytes for t in tensors)
+    # Weights still in an external file would be resolved against ORT's working directory
+    # when the model comes as bytes, so such models also go through a file.
+    external = any(isinstance(t, ir.ExternalTensor) for t in tensors)
+    if size < _INLINE_LIMIT and not external:
         return _session(ir.serde.serialize_model(model).SerializeToString(), so)
     with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
         path = Path(tmp) / "model.onnx"

@@ -20,6 +20,7 @@ from kiln.errors import KilnError
 # Opsets beyond what the installed onnx knows cannot be checked or run reliably.
 MAX_OPSET = onnx.defs.onnx_opset_version()
 MIN_OPSET = 7
+IN_MEMORY_LIMIT = 1 << 30  # external weights smaller than this are read into memory
 KNOWN_DOMAINS = {"", "ai.onnx", "com.microsoft", "ai.onnx.ml", "com.microsoft.nchwc"}
 
 
@@ -77,9 +78,22 @@ def load_model(source: str) -> LoadedModel:
     if base_dir is not None:
         _check_external_data(proto, base_dir, source)
         model = ir.load(str(Path(source)))
+        if _external_bytes(proto) < IN_MEMORY_LIMIT:
+            # Weights in memory survive the copies the pipeline makes; only really large
+            # models keep reading from their external files.
+            model = ir.external_data.load_to_model(model)
     else:
         model = ir.serde.deserialize_model(proto)
     return LoadedModel(model=model, source=source, name=name, fingerprint=fingerprint(model))
+
+
+def _external_bytes(proto: onnx.ModelProto) -> int:
+    total = 0
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "length" and entry.value.isdigit():
+                total += int(entry.value)
+    return total
 
 
 def fingerprint(model: ir.Model) -> str:
