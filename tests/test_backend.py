@@ -1,0 +1,45 @@
+"""The ONNX Runtime backend behind the Backend contract."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from kiln import zoo
+from kiln.backends import get_backend
+from kiln.backends.ort import OrtOptions
+from kiln.errors import KilnError
+from kiln.ir.inputs import synthesize
+
+
+def test_profile_gives_per_kernel_records_for_each_run():
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    exe = get_backend("ort").compile(model)
+    records = exe.profile(synthesize(model), runs=3)
+    per_run = collections.Counter(r["run"] for r in records)
+    assert sorted(per_run) == [0, 1, 2] and len(set(per_run.values())) == 1
+    assert all(r["dur_us"] >= 0 and r["op_type"] and r["node"] for r in records)
+
+
+def test_session_options_are_applied_and_outputs_do_not_depend_on_them():
+    model = ir.serde.deserialize_model(zoo.build("bert-tiny"))
+    feeds = synthesize(model)
+    ort = get_backend("ort")
+    basic = ort.compile(model, OrtOptions(optimization="basic", intra_op_threads=1))
+    tuned = ort.compile(model, OrtOptions(optimization="all", spinning=False, memory_arena=False))
+    assert basic.session.get_session_options().intra_op_num_threads == 1
+    for a, b in zip(basic.run(feeds), tuned.run(feeds), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_optimization_level_is_named():
+    with pytest.raises(KilnError, match="unknown ORT optimization level 'fast'"):
+        OrtOptions(optimization="fast").session_options()
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(KilnError, match="unknown backend 'tvm'; available: ort"):
+        get_backend("tvm")
