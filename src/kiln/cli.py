@@ -260,7 +260,7 @@ def _print_optimize(summary: dict) -> None:
         for o in verification["outputs"]:
             table.add_row(
                 f"  output {o['name']}",
-                f"max abs {o['max_abs']:.1e} (bound {o['bound']:.1e})",
+                f"max abs {o['max_abs']:.1e} ≤ {o['bound']:.1e}, max rel {o['max_rel']:.1e}",
             )
     bench = summary["benchmark"]
     if bench:
