@@ -205,3 +205,22 @@ def test_opset_11_model_passes_through(tmp_path):
     assert artifact.manifest["verification"]["ok"]
     x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
     np.testing.assert_allclose(kiln.Session(artifact.path).run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+class CrashingPass(KilnPass):
+    """A pass with a bug: it raises."""
+
+    name = "crash"
+    stage = "fuse"
+    summary = "raises"
+
+    def apply(self, model: ir.Model) -> int:
+        raise RuntimeError("boom")
+
+
+def test_a_crashing_pass_is_dropped_not_fatal(tmp_path):
+    pipeline = default_pipeline()
+    pipeline.insert(2, PassSpec("crash", "fuse", CrashingPass, "raises"))
+    artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", pipeline=pipeline)
+    assert artifact.manifest["dropped_passes"] == ["crash"]
+    assert artifact.manifest["verification"]["ok"]

@@ -24,7 +24,7 @@ from kiln.hardware import cpu_info
 from kiln.ir import load_model, stamp_origins
 from kiln.ir.inputs import default_dims, read_inputs, synthesize
 from kiln.ir.load import LoadedModel
-from kiln.passes import PassReport, PassSpec, default_pipeline, run_pipeline
+from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
 from kiln.passes.simplify import count_nodes
 from kiln.verify import Verification, compare
 
@@ -111,14 +111,27 @@ def optimize_model(
 
     dropped: list[str] = []
     active = list(pipeline)
-    model, reports, verification = attempt(active)
-    while verification is not None and not verification.ok and active:
-        guilty = _bisect(active, attempt, say)
+    while True:
+        try:
+            model, reports, verification = attempt(active)
+        except PassCrashed as crash:
+            guilty = _member(active, crash.spec)
+            say(f"{crash}; dropped it")
+        else:
+            if verification is None or verification.ok or not active:
+                break
+            guilty = _bisect(active, attempt, say)
+            say(f"pass {guilty.name} broke the outputs; dropped it")
         dropped.append(guilty.name)
         active = [s for s in active if s is not guilty]
-        say(f"pass {guilty.name} broke the outputs; dropped it")
-        model, reports, verification = attempt(active)
     return CompileResult(loaded, model, reports, verification, dropped, nodes_before, feeds)
+
+
+def _member(pipeline: list[PassSpec], spec: PassSpec) -> PassSpec:
+    """The pipeline's own entry for `spec` (the cleanup appended to a prefix is a copy)."""
+    return next((s for s in pipeline if s is spec), None) or next(
+        s for s in reversed(pipeline) if s.name == spec.name
+    )
 
 
 def _bisect(pipeline: list[PassSpec], attempt, say: Progress) -> PassSpec:
@@ -127,7 +140,11 @@ def _bisect(pipeline: list[PassSpec], attempt, say: Progress) -> PassSpec:
     while high - low > 1:
         middle = (low + high) // 2
         say(f"bisecting: trying the first {middle} passes")
-        _, _, verification = attempt(pipeline[:middle])
+        try:
+            _, _, verification = attempt(pipeline[:middle])
+        except PassCrashed:
+            high = middle  # a prefix that cannot even run is a failing prefix
+            continue
         if verification is None or verification.ok:
             low = middle
         else:

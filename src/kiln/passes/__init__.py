@@ -2,6 +2,7 @@
 
 from kiln.passes.base import KilnPass
 from kiln.passes.pipeline import (
+    PassCrashed,
     PassReport,
     PassSpec,
     default_pipeline,
@@ -11,6 +12,7 @@ from kiln.passes.pipeline import (
 
 __all__ = [
     "KilnPass",
+    "PassCrashed",
     "PassReport",
     "PassSpec",
     "default_pipeline",

@@ -32,6 +32,15 @@ class PassSpec:
     doc: str
 
 
+class PassCrashed(Exception):
+    """A pass raised instead of returning: the pipeline drops it like a pass that broke the
+    outputs, rather than failing the whole compile."""
+
+    def __init__(self, spec: PassSpec, error: BaseException) -> None:
+        super().__init__(f"pass {spec.name} crashed: {type(error).__name__}: {error}")
+        self.spec = spec
+
+
 @dataclass
 class PassReport:
     name: str
@@ -81,7 +90,10 @@ def run_pipeline(
         tracker = PassTracker(model, spec.name)
         start = time.perf_counter()
         kiln_pass = spec.make()
-        kiln_pass(model)
+        try:
+            kiln_pass(model)
+        except Exception as exc:  # a pass bug must cost that pass, not the compile
+            raise PassCrashed(spec, exc) from exc
         created = tracker.finish()
         reports.append(
             PassReport(
