@@ -139,3 +139,48 @@ def test_canonical_mask_leaves_a_bias_that_is_not_a_padding_mask():
     ]
     model = ir.serde.deserialize_model(masked_scores(nodes, inits))
     assert CanonicalMaskPass().apply(model) == 0
+
+
+def test_written_out_layernorm_and_conv_relu_fuse_and_match(tmp_path):
+    import collections
+
+    import kiln
+
+    d = 8
+    nodes = [
+        h.make_node("Conv", ["x", "w", "cb"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c"], ["r"], name="relu"),
+        h.make_node("Transpose", ["r"], ["t"], name="nhwc", perm=[0, 2, 3, 1]),
+        h.make_node("ReduceMean", ["t", "axes"], ["mean"], name="mean", keepdims=1),
+        h.make_node("Sub", ["t", "mean"], ["dev"], name="sub"),
+        h.make_node("Pow", ["dev", "two"], ["sq"], name="pow"),
+        h.make_node("ReduceMean", ["sq", "axes"], ["var"], name="var", keepdims=1),
+        h.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+        h.make_node("Sqrt", ["ve"], ["std"], name="sqrt"),
+        h.make_node("Div", ["dev", "std"], ["norm"], name="div"),
+        h.make_node("Mul", ["norm", "gamma"], ["scaled"], name="scale"),
+        h.make_node("Add", ["scaled", "beta"], ["y"], name="shift"),
+    ]
+    inits = [
+        weight("w", d, 3, 3, 3),
+        weight("cb", d),
+        weight("gamma", d),
+        weight("beta", d),
+        nh.from_array(np.array([-1], np.int64), "axes"),
+        nh.from_array(np.array(2.0, np.float32), "two"),
+        nh.from_array(np.array(1e-5, np.float32), "eps"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "ln",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 5, 5])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 5, d])],
+        inits,
+    )
+    path = tmp_path / "ln.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]), str(path))
+    artifact = kiln.compile(path, tmp_path / "ln.kiln")
+    assert artifact.manifest["verification"]["ok"]
+    counts = collections.Counter(n.op_type for n in onnx.load(str(artifact.model_path)).graph.node)
+    assert counts["LayerNormalization"] == 1 and counts["ReduceMean"] == 0, counts
+    assert counts["FusedConv"] == 1 and counts["Relu"] == 0, counts

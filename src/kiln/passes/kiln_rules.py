@@ -232,3 +232,54 @@ padding_mask_rules = pattern.RewriteRuleSet([PaddingMaskAttention.rule()])
 # commute: exporters put the bias on either side of the Add.
 packed_attention_rules = pattern.RewriteRuleSet([PackedAttentionWithMask.rule()], commute=True)
 causal_attention_rules = pattern.RewriteRuleSet([CausalAttention.rule()])
+
+
+# ONNX Runtime's FusedConv accepts these activations; Clip and LeakyRelu carry parameters.
+_CONV_ACTIVATIONS = {"Relu", "Sigmoid", "Tanh", "LeakyRelu", "Clip", "HardSigmoid"}
+
+
+class ConvActivation(pattern.RewriteRuleClassBase):
+    """Conv followed by its activation → com.microsoft FusedConv: the activation is applied
+    to each output tile while it is still in cache."""
+
+    def __init__(self, activation: str) -> None:
+        super().__init__(f"Conv{activation}")
+        self._activation = activation
+
+    def pattern(self, op, x, w):
+        conv = op.Conv(x, w, pattern.Var("b", can_match_none=True), _outputs=["conv"])
+        if self._activation == "Clip":
+            return op.Clip(conv, pattern.Var("low"), pattern.Var("high"))
+        return getattr(op, self._activation)(conv, _outputs=["act"])
+
+    def check(self, context, low=None, high=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if self._activation == "Clip" and (_scalar(low) is None or _scalar(high) is None):
+            return result.fail("Clip bounds are not constants")
+        return result
+
+    def rewrite(self, op, x, w, b=None, conv=None, low=None, high=None, act=None, **_):
+        conv_node = conv.producer() if conv is not None else None
+        attributes = dict(conv_node.attributes) if conv_node is not None else {}
+        params: list[float] = []
+        if self._activation == "Clip":
+            params = [_scalar(low), _scalar(high)]
+        elif act is not None and self._activation in ("LeakyRelu", "HardSigmoid"):
+            node = act.producer()
+            if self._activation == "LeakyRelu":
+                params = [node.attributes.get_float("alpha", 0.01)]
+            else:
+                params = [
+                    node.attributes.get_float("alpha", 0.2),
+                    node.attributes.get_float("beta", 0.5),
+                ]
+        attributes["activation"] = ir.AttrString("activation", self._activation)
+        if params:
+            attributes["activation_params"] = ir.AttrFloat32s("activation_params", params)
+        inputs = [x, w] + ([b] if b is not None else [])
+        return op.FusedConv(*inputs, _domain="com.microsoft", **attributes)
+
+
+conv_activation_rules = pattern.RewriteRuleSet(
+    [ConvActivation.rule(activation) for activation in sorted(_CONV_ACTIVATIONS)]
+)

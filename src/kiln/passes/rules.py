@@ -27,6 +27,7 @@ from onnxscript.rewriter.ort_fusions import (
     softmax,
 )
 from onnxscript.rewriter.rules.common import _fuse_batchnorm, _fuse_pad_into_conv
+from onnxscript.rewriter.rules.fusion import _layer_norm
 
 from kiln.passes import kiln_rules
 from kiln.passes.base import KilnPass
@@ -58,6 +59,19 @@ FUSIONS: list[FusionSpec] = [
         "BatchNormalization after Conv/ConvTranspose/Gemm folded into its weights; "
         "Pad folded into Conv pads.",
         _rules(_fuse_batchnorm.rules, _fuse_pad_into_conv.rules),
+    ),
+    FusionSpec(
+        "fuse-conv-activation",
+        "Conv + Relu/Clip/Sigmoid/Tanh/LeakyRelu/HardSigmoid become com.microsoft FusedConv "
+        "(Kiln rule).",
+        _rules(kiln_rules.conv_activation_rules),
+    ),
+    FusionSpec(
+        "fuse-layernorm",
+        "A LayerNorm written out (ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add) becomes one "
+        "LayerNormalization.",
+        _rules(_layer_norm.layer_normalization_rules),
+        infer_shapes=True,
     ),
     FusionSpec(
         "fuse-gelu",
