@@ -26,7 +26,11 @@ from onnxscript.rewriter.ort_fusions import (
     skip_normalization,
     softmax,
 )
-from onnxscript.rewriter.rules.common import _fuse_batchnorm, _fuse_pad_into_conv
+from onnxscript.rewriter.rules.common import (
+    _fuse_batchnorm,
+    _fuse_pad_into_conv,
+    _matmul_add_to_gemm,
+)
 from onnxscript.rewriter.rules.fusion import _layer_norm
 
 from kiln.passes import kiln_rules
@@ -139,6 +143,12 @@ FUSIONS: list[FusionSpec] = [
         "sdpa-to-mha",
         "Any SDPA left unfused is expressed as MultiHeadAttention so it runs as one kernel.",
         _rules(sdpa_via_mha._rules),
+        infer_shapes=True,
+    ),
+    FusionSpec(
+        "fuse-gemm",
+        "2-D MatMul + Add (and transposes around it) become one Gemm with the bias inside.",
+        _rules(_matmul_add_to_gemm.rules),
         infer_shapes=True,
     ),
     FusionSpec(
