@@ -1,0 +1,92 @@
+"""The command line's happy paths, run as a user would: a real `kiln` process each time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from kiln import zoo
+
+
+def kiln(*args: str, cwd) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln", *args], cwd=cwd, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """bert-tiny optimized once, through the CLI, with --json."""
+    where = tmp_path_factory.mktemp("cli")
+    out = kiln("optimize", "zoo:bert-tiny", "-o", "bert.kiln", "--rounds", "2", "--json", cwd=where)
+    return where, json.loads(out.stdout)
+
+
+def test_optimize_json_reports_passes_verification_and_timing(artifact):
+    where, summary = artifact
+    assert (where / "bert.kiln" / "manifest.json").is_file()
+    assert summary["verification"]["ok"]
+    assert {p["name"] for p in summary["passes"] if p["rewrites"]} >= {"fuse-masked-attention"}
+    assert summary["nodes"]["after"] < summary["nodes"]["before"]
+    bench = summary["benchmark"]
+    assert bench["speedup"] > 0 and bench["artifact"]["p99_ms"] >= bench["artifact"]["p50_ms"]
+
+
+def test_run_writes_the_outputs_onnxruntime_gives(artifact, tmp_path):
+    where, _ = artifact
+    rng = np.random.default_rng(0)
+    feeds = {
+        "input_ids": rng.integers(0, 1000, (2, 16)),
+        "attention_mask": np.ones((2, 16), np.int64),
+        "token_type_ids": np.zeros((2, 16), np.int64),
+    }
+    np.savez(tmp_path / "in.npz", **feeds)
+    kiln("run", str(where / "bert.kiln"), "--inputs", "in.npz", "-o", "out.npz", cwd=tmp_path)
+    import onnxruntime as ort
+
+    reference = ort.InferenceSession(
+        zoo.build("bert-tiny").SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, feeds)
+    with np.load(tmp_path / "out.npz") as got:
+        np.testing.assert_allclose(got["last_hidden_state"], reference[0], atol=1e-4)
+        np.testing.assert_allclose(got["pooler_output"], reference[1], atol=1e-4)
+
+
+def test_show_pipeline_lists_every_pass(tmp_path):
+    out = kiln("optimize", "--show-pipeline", cwd=tmp_path).stdout
+    for name in ("simplify", "canonical-mask", "fuse-causal-attention", "prune-rows", "cleanup"):
+        assert name in out
+
+
+def test_zoo_list_info_export(tmp_path):
+    listed = json.loads(kiln("zoo", "list", "--json", cwd=tmp_path).stdout)
+    assert {e["name"] for e in listed} == set(zoo.names())
+    info = json.loads(kiln("zoo", "info", "resnet-tiny", "--json", cwd=tmp_path).stdout)
+    assert info["gflops"] > 0 and info["parameters"] > 0
+    kiln("zoo", "export", "gpt2-tiny", "-o", "g.onnx", cwd=tmp_path)
+    onnx.checker.check_model(str(tmp_path / "g.onnx"))
+
+
+def test_bench_compares_engines_and_writes_json(tmp_path):
+    out = kiln(
+        "bench", "zoo:resnet-tiny", "--against", "ort,ort-basic", "--rounds", "2", "--runs", "3",
+        "-o", "bench.json", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert set(result["engines"]) == {"ort", "ort-basic", "kiln"}
+    assert result["engines"]["ort"]["speedup_vs_baseline"] == 1.0
+    assert json.loads((tmp_path / "bench.json").read_text())["model"] == "zoo:resnet-tiny"
+
+
+def test_doctor_names_engines_and_cpu(tmp_path):
+    info = json.loads(kiln("doctor", "--json", cwd=tmp_path).stdout)
+    assert info["engines"]["ort"]["engine"] == "onnxruntime"
+    assert info["cpu"]["logical_cores"] >= 1 and info["hardware_fingerprint"]
