@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -186,7 +187,9 @@ def optimize(
         )
         bench = None
         if rounds > 0:
-            bench = _time_against_original(result, rounds, runs, say)
+            from kiln.bench.report import time_against_original
+
+            bench = time_against_original(result, rounds, runs, say)
         say("writing the artifact")
         artifact = save_result(result, output, benchmark=bench)
     summary = _optimize_summary(result, artifact, bench)
@@ -194,34 +197,6 @@ def optimize(
         _emit_json(summary)
     else:
         _print_optimize(summary)
-
-
-def _time_against_original(result, rounds: int, runs: int, say) -> dict:
-    from kiln.backends import get_backend
-    from kiln.backends.ort import OrtOptions
-    from kiln.bench import interleave, round_ratios, stats
-    from kiln.bench.engines import engine_runner
-    from kiln.bench.latency import flatten
-    from kiln.compiler import reference_feeds
-
-    feeds = result.feeds[0] if result.feeds else reference_feeds(result.loaded.model, None)[0][0]
-    exe = get_backend("ort").compile(result.model, OrtOptions())
-    runners = {
-        "ort": engine_runner("ort", result.loaded.model, feeds),
-        "kiln": lambda: exe.run(feeds),
-    }
-    say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
-    samples = interleave(
-        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
-    )
-    ratios = round_ratios(samples, "ort")
-    return {
-        "rounds": rounds,
-        "runs_per_round": runs,
-        "original_ort": stats(flatten(samples["ort"])).to_json(),
-        "artifact": stats(flatten(samples["kiln"])).to_json(),
-        "speedup": ratios["kiln"],
-    }
 
 
 def _optimize_summary(result, artifact, bench) -> dict:
@@ -241,11 +216,14 @@ def _print_optimize(summary: dict) -> None:
     table = Table(title=f"kiln optimize → {summary['artifact']}", show_header=True)
     table.add_column("what")
     table.add_column("result", overflow="fold")
-    for p in summary["passes"]:
-        if p["rewrites"]:
-            table.add_row(f"pass {p['name']}", f"{p['rewrites']} rewrites")
+    rewrites: dict[str, int] = {}
+    for p in summary["passes"]:  # simplify and refine-shapes run several times
+        rewrites[p["name"]] = rewrites.get(p["name"], 0) + p["rewrites"]
+    for name, count in rewrites.items():
+        if count:
+            table.add_row(f"pass {name}", f"{count} rewrites")
     for name in summary["dropped_passes"]:
-        table.add_row(f"pass {name}", "[red]dropped: broke the outputs (bisected)[/red]")
+        table.add_row(f"pass {name}", "[red]dropped: it broke the outputs or crashed[/red]")
     nodes = summary["nodes"]
     table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
     verification = summary["verification"]
@@ -255,7 +233,7 @@ def _print_optimize(summary: dict) -> None:
         table.add_row(
             "verification",
             ("[green]passed[/green]" if verification["ok"] else "[red]FAILED[/red]")
-            + f" ({verification['precision']}, inputs: {verification['inputs']})",
+            + escape(f" ({verification['precision']}, inputs: {verification['inputs']})"),
         )
         for o in verification["outputs"]:
             table.add_row(

@@ -36,6 +36,29 @@ def _kiln_runner(model: str, say: Callable[[str], None]):
     return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
 
 
+def time_against_original(result, rounds: int, runs: int, say: Callable[[str], None]) -> dict:
+    """`kiln optimize`'s timing: the original under ORT_ENABLE_ALL against the compiled model,
+    interleaved, on the first reference input set."""
+    from kiln.backends import get_backend
+    from kiln.backends.ort import OrtOptions
+
+    original = result.loaded.model
+    feeds = result.feeds[0] if result.feeds else synthesize(original)
+    exe = get_backend("ort").compile(result.model, OrtOptions())
+    runners = {"ort": engine_runner("ort", original, feeds), "kiln": lambda: exe.run(feeds)}
+    say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
+    samples = interleave(
+        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
+    )
+    return {
+        "rounds": rounds,
+        "runs_per_round": runs,
+        "original_ort": stats(flatten(samples["ort"])).to_json(),
+        "artifact": stats(flatten(samples["kiln"])).to_json(),
+        "speedup": round_ratios(samples, "ort")["kiln"],
+    }
+
+
 def run_bench(
     model: str,
     against: str,
