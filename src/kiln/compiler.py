@@ -158,7 +158,11 @@ def build_manifest(result: CompileResult, options: OrtOptions) -> dict:
     return {
         "kiln_version": __version__,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": {"name": loaded.name, "path": loaded.source, "fingerprint": loaded.fingerprint},
+        "source": {
+            "name": loaded.name,
+            "path": _absolute(loaded.source),
+            "fingerprint": loaded.fingerprint,
+        },
         "hardware": {"fingerprint": cpu.fingerprint, "cpu": cpu.model, "features": cpu.features},
         "passes": [
             {"name": r.name, "rewrites": r.rewrites, "nodes_created": r.nodes_created}
@@ -175,6 +179,11 @@ def build_manifest(result: CompileResult, options: OrtOptions) -> dict:
         "verification": result.verification.to_json() if result.verification else None,
         "benchmark": None,
     }
+
+
+def _absolute(source: str) -> str:
+    """Where to find the original again later (kiln bench reloads it): zoo names stay."""
+    return source if source.startswith("zoo:") else str(Path(source).resolve())
 
 
 def _spec(value: ir.Value) -> dict:

@@ -13,6 +13,7 @@ from rich.table import Table
 from kiln import __version__
 from kiln.bench.engines import ENGINES, engine_runner, parse_engines
 from kiln.bench.latency import flatten, interleave, round_ratios, stats
+from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
 
@@ -28,7 +29,14 @@ def _kiln_runner(model: str, say: Callable[[str], None]):
         from kiln.runtime import Session
 
         session = Session(model)
-        original = load_model(session.artifact.manifest["source"]["path"]).model
+        source = session.artifact.manifest["source"]["path"]
+        try:
+            original = load_model(source).model
+        except KilnError as exc:
+            raise KilnError(
+                f"{model}: bench compares against the original model, {source}, which "
+                f"cannot be loaded ({exc})"
+            ) from None
         return original, lambda feeds: lambda: session.run(None, feeds)
     say(f"compiling {model}")
     result = optimize_model(load_model(model), progress=say)
