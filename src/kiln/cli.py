@@ -144,6 +144,14 @@ def optimize(
     inputs: Annotated[
         str | None, typer.Option("--inputs", help="Reference inputs (.npz) for verification.")
     ] = None,
+    shape: Annotated[
+        list[str],
+        typer.Option(
+            "--shape",
+            help="Shape of a synthesized input, INPUT=D0xD1x... (repeatable), for dynamic dims "
+            "Kiln cannot guess.",
+        ),
+    ] = [],  # noqa: B006
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,
     skip: Annotated[
         list[str], typer.Option("--skip-pass", help="Leave this pass out (repeatable).")
@@ -176,6 +184,7 @@ def optimize(
     from kiln.artifact import check_destination
     from kiln.compiler import destination_for, optimize_model, save_result
     from kiln.ir import load_model
+    from kiln.ir.inputs import parse_shapes
 
     with _progress() as progress:
         task = progress.add_task(f"loading {model}")
@@ -183,7 +192,12 @@ def optimize(
         loaded = load_model(model)
         check_destination(destination_for(loaded, output))
         result = optimize_model(
-            loaded, pipeline=pipeline, inputs=inputs, verify=not no_verify, progress=say
+            loaded,
+            pipeline=pipeline,
+            inputs=inputs,
+            shapes=parse_shapes(shape),
+            verify=not no_verify,
+            progress=say,
         )
         bench = None
         if rounds > 0:

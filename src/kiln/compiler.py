@@ -26,7 +26,7 @@ from kiln.ir.inputs import default_dims, read_inputs, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
 from kiln.passes.simplify import count_nodes
-from kiln.verify import Verification, compare
+from kiln.verify import Verification, compare, max_abs_diff
 
 REFERENCE_OPTIONS = OrtOptions(optimization="basic")
 Progress = Callable[[str], None]
@@ -58,16 +58,43 @@ def copy_model(model: ir.Model) -> ir.Model:
     return copy
 
 
-def reference_feeds(model: ir.Model, inputs: str | None, sets: int = 2) -> tuple[list, str]:
+def reference_feeds(
+    model: ir.Model, inputs: str | None, shapes: dict | None = None, sets: int = 2
+) -> tuple[list, str]:
     if inputs:
         return [read_inputs(inputs, model)], inputs
     dims = default_dims(model)
-    return [synthesize(model, dims, seed=seed) for seed in range(sets)], "synthesized"
+    feeds = [synthesize(model, dims, seed=seed, shapes=shapes) for seed in range(sets)]
+    return feeds, "synthesized"
 
 
-def run_reference(model: ir.Model, feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+def run_reference(
+    model: ir.Model, feeds: list[dict[str, np.ndarray]], source: str
+) -> list[list[np.ndarray]]:
     exe = get_backend("ort").compile(model, REFERENCE_OPTIONS)
-    return [exe.run(f) for f in feeds]
+    try:
+        return [exe.run(f) for f in feeds]
+    except KilnError as exc:
+        if source != "synthesized":
+            raise
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds[0].items())
+        raise KilnError(
+            f"the original model does not run on synthesized inputs ({shapes}): {exc}. "
+            "Give input shapes with --shape INPUT=D0xD1x... or real inputs with --inputs."
+        ) from None
+
+
+def engine_noise(
+    original: ir.Model, feeds: list, reference: list[list[np.ndarray]], options: OrtOptions
+) -> dict[str, float]:
+    """Per output, how far the untouched original moves under the artifact's engine options."""
+    exe = get_backend("ort").compile(original, options)
+    names = [v.name for v in original.graph.outputs]
+    noise = dict.fromkeys(names, 0.0)
+    for feed, ref_set in zip(feeds, reference, strict=True):
+        for name, ref, new in zip(names, ref_set, exe.run(feed), strict=True):
+            noise[name] = max(noise[name], max_abs_diff(ref, new))
+    return noise
 
 
 def optimize_model(
@@ -75,6 +102,7 @@ def optimize_model(
     *,
     pipeline: list[PassSpec] | None = None,
     inputs: str | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
     options: OrtOptions | None = None,
     progress: Progress | None = None,
@@ -86,11 +114,13 @@ def optimize_model(
     stamp_origins(original)
     nodes_before = count_nodes(original)
     options = options or OrtOptions()
-    feeds, source = reference_feeds(original, inputs) if verify else ([], "none")
+    feeds, source = reference_feeds(original, inputs, shapes) if verify else ([], "none")
     reference: list[list[np.ndarray]] = []
+    noise: dict[str, float] = {}
     if verify:
         say("running the original in ONNX Runtime (reference)")
-        reference = run_reference(original, feeds)
+        reference = run_reference(original, feeds, source)
+        noise = engine_noise(original, feeds, reference, options)
 
     def attempt(specs: list[PassSpec]) -> tuple[ir.Model, list[PassReport], Verification | None]:
         model = copy_model(original)
@@ -107,7 +137,7 @@ def optimize_model(
             outputs = [exe.run(f) for f in feeds]
         except KilnError as exc:
             return model, reports, Verification(False, "fp32", source, [], error=str(exc))
-        return model, reports, compare(names, reference, outputs, source)
+        return model, reports, compare(names, reference, outputs, source, noise=noise)
 
     dropped: list[str] = []
     active = list(pipeline)
@@ -201,6 +231,7 @@ def compile(
     target: str = "cpu",
     precision: str = "fp32",
     inputs: str | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
     pipeline: list[PassSpec] | None = None,
     progress: Progress | None = None,
@@ -213,7 +244,7 @@ def compile(
     loaded = load_model(str(model))
     check_destination(destination_for(loaded, output))
     result = optimize_model(
-        loaded, pipeline=pipeline, inputs=inputs, verify=verify, progress=progress
+        loaded, pipeline=pipeline, inputs=inputs, shapes=shapes, verify=verify, progress=progress
     )
     return save_result(result, output)
 

@@ -85,6 +85,8 @@ class OrtExecutable:
             return self.session.run(output_names, feeds)
         except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ValueError) as exc:
             raise KilnError(f"invalid inputs: {_first_line(exc)}") from None
+        except Exception as exc:  # a kernel failing on these inputs (shape mismatch inside)
+            raise KilnError(f"ONNX Runtime failed to run the model: {_explain(exc)}") from None
 
     def profile(self, feeds: dict[str, np.ndarray], runs: int) -> list[dict[str, Any]]:
         """Per-kernel records from ONNX Runtime's own profiler over `runs` runs after one

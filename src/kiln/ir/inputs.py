@@ -27,17 +27,58 @@ def default_dims(model: ir.Model) -> dict[str, int]:
     return dims
 
 
-def input_shape(value: ir.Value, dims: dict[str, int]) -> tuple[int, ...]:
+def input_shape(
+    value: ir.Value, dims: dict[str, int], shapes: dict[str, tuple[int, ...]] | None = None
+) -> tuple[int, ...]:
+    """The shape to synthesise: the user's --shape, else static dims, named dims from `dims`,
+    and for the rest a guess from the input's kind (see `_guess_dim`)."""
+    if shapes and value.name in shapes:
+        return shapes[value.name]
     shape = value.shape
     if shape is None:
-        raise KilnError(f"input '{value.name}' has no shape; give reference inputs with --inputs.")
+        raise KilnError(
+            f"input '{value.name}' has no shape; give its shape with --shape "
+            f"{value.name}=D0xD1x... or real inputs with --inputs."
+        )
     out = []
-    for dim in shape:
-        if isinstance(dim, int):
+    for axis, dim in enumerate(shape):
+        if isinstance(dim, int) and dim > 0:
             out.append(dim)
+        elif not isinstance(dim, int) and dim.value and str(dim.value) in dims:
+            out.append(dims[str(dim.value)])
         else:
-            out.append(dims.get(str(dim.value) if dim.value else "", 1))
+            out.append(_guess_dim(value, axis))
     return tuple(out)
+
+
+def _guess_dim(value: ir.Value, axis: int) -> int:
+    """Batch 1; image height/width 224 (volumes 64); sequence length 128; otherwise 1."""
+    rank = value.shape.rank() if value.shape is not None else 0
+    is_float = value.dtype is not None and value.dtype.is_floating_point()
+    if axis == 0:
+        return 1
+    if is_float and rank == 4 and axis >= 2:
+        return 224
+    if is_float and rank == 5 and axis >= 2:
+        return 64
+    if not is_float and rank == 2 and axis == 1:
+        return 128
+    return 1
+
+
+def parse_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
+    """`--shape x=1x3x224x224` (repeatable) into {input name: shape}."""
+    shapes = {}
+    for spec in specs:
+        name, _, text = spec.partition("=")
+        try:
+            shape = tuple(int(d) for d in text.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not name or not shape or any(d < 0 for d in shape):
+            raise KilnError(f"--shape {spec}: expected INPUT=D0xD1x..., e.g. x=1x3x224x224.")
+        shapes[name] = shape
+    return shapes
 
 
 def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
@@ -68,16 +109,22 @@ def _padding_mask(shape: tuple[int, ...], dtype: np.dtype, padded: bool) -> np.n
 
 
 def synthesize(
-    model: ir.Model, dims: dict[str, int] | None = None, seed: int = 0
+    model: ir.Model,
+    dims: dict[str, int] | None = None,
+    seed: int = 0,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One set of plausible inputs for every graph input that is not an initializer."""
     dims = {**default_dims(model), **(dims or {})}
+    unknown = sorted(set(shapes or {}) - {v.name for v in model.graph.inputs})
+    if unknown:
+        raise KilnError(f"--shape names '{unknown[0]}', which is not an input of the model.")
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.inputs:
         if value.name in model.graph.initializers:
             continue
-        shape = input_shape(value, dims)
+        shape = input_shape(value, dims, shapes)
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         name = (value.name or "").lower()
         if np.issubdtype(dtype, np.integer):
@@ -149,10 +196,16 @@ def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inp
 def _fits(shape: tuple[int, ...], expected: ir.Shape) -> bool:
     if len(shape) != len(expected):
         return False
-    return all(not isinstance(w, int) or g == w for g, w in zip(shape, expected, strict=True))
+    # Some exporters write -1 for a dynamic dim.
+    return all(
+        not isinstance(w, int) or w < 0 or g == w for g, w in zip(shape, expected, strict=True)
+    )
 
 
 def describe(value: ir.Value) -> str:
     dtype = value.dtype.numpy().name if value.dtype is not None else "?"
-    dims = [d if isinstance(d, int) else str(d.value or "?") for d in (value.shape or [])]
+    dims = [
+        d if isinstance(d, int) and d >= 0 else str(getattr(d, "value", None) or "?")
+        for d in (value.shape or [])
+    ]
     return f"{dtype}{dims}"

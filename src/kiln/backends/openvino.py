@@ -1,0 +1,339 @@
+"""OpenVINO backend: the second engine, behind the same contract as the ONNX Runtime one.
+
+OpenVINO is optional: this module imports without it, `available()` is then False, and only
+`compile` needs it. The ONNX model goes to OpenVINO's own ONNX front end; Kiln never converts
+to OpenVINO IR files itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    import openvino as ov
+
+HINTS = ("LATENCY", "THROUGHPUT")
+PRECISIONS = ("f32", "bf16")
+# Serialized protobufs cannot exceed 2 GiB; above this, models go through a file with
+# external data (as in ort.py).
+_INLINE_LIMIT = 1 << 30
+# Lines of OpenVINO's messages that say where in its C++ sources the check failed, or repeat
+# the headline: they tell the user nothing.
+_NOISE = (
+    "Exception from ",
+    "Check '",
+    "FrontEnd API failed with",
+    "Model wasn't fully converted",
+    "Summary:",
+    "-- Conversion is failed for",
+    "To facilitate the conversion",
+    "While validating node '",
+)
+
+
+@dataclass
+class OpenVinoOptions:
+    """Compile options. None / 0 mean OpenVINO's own default.
+
+    `inference_precision` None lets OpenVINO choose, and it chooses bf16 on CPUs that support
+    it (AMX, and also AVX512_BF16 without AMX): force "f32" for an fp32 comparison, and read
+    the precision actually used from `OpenVinoExecutable.precision`.
+    """
+
+    device: str = "CPU"
+    performance_hint: str = "LATENCY"
+    inference_precision: str | None = None
+    num_streams: int = 0
+    inference_num_threads: int = 0
+    cache_dir: str | None = None  # OpenVINO's compiled-model cache; None = off
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpenVinoOptions:
+        return cls(**data)
+
+    def properties(self) -> dict[str, str]:
+        """The compile_model config; bad values are named here rather than by OpenVINO."""
+        if self.performance_hint not in HINTS:
+            raise KilnError(
+                f"unknown OpenVINO performance hint '{self.performance_hint}'; "
+                f"use one of {', '.join(HINTS)}."
+            )
+        if self.inference_precision not in (*PRECISIONS, None):
+            raise KilnError(
+                f"unknown OpenVINO inference precision '{self.inference_precision}'; "
+                f"use one of {', '.join(PRECISIONS)}, or none for OpenVINO's default."
+            )
+        props = {"PERFORMANCE_HINT": self.performance_hint}
+        if self.inference_precision is not None:
+            props["INFERENCE_PRECISION_HINT"] = self.inference_precision
+        if self.num_streams > 0:
+            props["NUM_STREAMS"] = str(self.num_streams)
+        if self.inference_num_threads > 0:
+            props["INFERENCE_NUM_THREADS"] = str(self.inference_num_threads)
+        if self.cache_dir is not None:
+            props["CACHE_DIR"] = str(self.cache_dir)
+        props.update(self.extra)
+        return props
+
+
+class OpenVinoExecutable:
+    """An OpenVINO CompiledModel behind Kiln's Executable contract.
+
+    One InferRequest is created once and reused by every `run` (creating one per call costs
+    more than a small model's inference). That makes an executable NOT thread-safe: give each
+    thread its own executable, or serialise the calls.
+    """
+
+    def __init__(
+        self,
+        compiled: ov.CompiledModel,
+        names: tuple[list[str], list[str]],
+        options: OpenVinoOptions,
+        model: ir.Model | str,
+    ) -> None:
+        import openvino as ov
+
+        self.compiled = compiled
+        self.options = options
+        self._model = model  # kept to compile a profiling model on demand
+        self.input_names, self.output_names = list(names[0]), list(names[1])
+        self._output_index = {name: i for i, name in enumerate(self.output_names)}
+        self._inputs = {
+            name: (port.get_element_type().to_dtype(), port.get_partial_shape())
+            for name, port in zip(self.input_names, compiled.inputs, strict=True)
+        }
+        self._partial_shape = ov.PartialShape
+        self._request = compiled.create_infer_request()
+
+    @property
+    def precision(self) -> str:
+        """The precision OpenVINO actually computes in ("f32", "bf16", ...), read back."""
+        return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+    def settings(self) -> dict[str, str]:
+        """What OpenVINO made of the options: for manifests and reports."""
+        get = self.compiled.get_property
+        return {
+            "device": ",".join(get("EXECUTION_DEVICES")),
+            "precision": self.precision,
+            "performance_hint": str(get("PERFORMANCE_HINT")),
+            "num_streams": str(get("NUM_STREAMS")),
+            "inference_num_threads": str(get("INFERENCE_NUM_THREADS")),
+        }
+
+    def run(
+        self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None
+    ) -> list[np.ndarray]:
+        self._check(feeds)
+        wanted = self.output_names if output_names is None else output_names
+        unknown = [n for n in wanted if n not in self._output_index]
+        if unknown:
+            raise KilnError(
+                f"unknown output '{unknown[0]}'; the model's outputs are "
+                f"{', '.join(self.output_names)}."
+            )
+        try:
+            # share_outputs: no copy of every output; the ones asked for are copied below,
+            # because the request overwrites its output buffers on the next call.
+            self._request.infer(feeds, share_inputs=True, share_outputs=True)
+        except RuntimeError as exc:
+            raise KilnError(f"invalid inputs: {_explain(exc)}") from None
+        return [
+            np.array(self._request.get_output_tensor(self._output_index[n]).data, copy=True)
+            for n in wanted
+        ]
+
+    def _check(self, feeds: dict[str, np.ndarray]) -> None:
+        # OpenVINO converts a wrong dtype silently and reuses the previous tensor for a
+        # missing input; ONNX Runtime refuses both, and so does Kiln.
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise KilnError(f"invalid inputs: missing input '{missing[0]}'.")
+        for name, value in feeds.items():
+            if name not in self._inputs:
+                raise KilnError(
+                    f"invalid inputs: unknown input '{name}'; the model's inputs are "
+                    f"{', '.join(self.input_names)}."
+                )
+            array = np.asarray(value)
+            dtype, shape = self._inputs[name]
+            if array.dtype != dtype:
+                raise KilnError(
+                    f"invalid inputs: input '{name}' must be {dtype}, got {array.dtype}."
+                )
+            given = self._partial_shape(list(array.shape))
+            if not shape.compatible(given):
+                raise KilnError(
+                    f"invalid inputs: input '{name}' must have shape {shape}, got {given}."
+                )
+
+    def profile(self, feeds: dict[str, np.ndarray], runs: int) -> list[dict[str, Any]]:
+        """Per-layer records from OpenVINO's performance counters over `runs` runs after one
+        warm-up: node, op type, exec type (as "provider": the kernel, e.g. brgconv_avx512_f32),
+        duration in microseconds, run, and "origin" (the original layers fused into it).
+
+        PERF_COUNT slows every layer a little, so it lives in a separate compiled model."""
+        self._check(feeds)
+        props = {**self.options.properties(), "PERF_COUNT": "YES"}
+        # A profiling build must neither come from nor land in the model cache.
+        props.pop("CACHE_DIR", None)
+        compiled, _ = _compile(self._model, self.options.device, props)
+        origins = _origins(compiled)
+        request = compiled.create_infer_request()
+        request.infer(feeds, share_inputs=True, share_outputs=True)
+        records: list[dict[str, Any]] = []
+        for run in range(runs):
+            request.infer(feeds, share_inputs=True, share_outputs=True)
+            # The counters describe the last inference only, not a running total.
+            for info in request.get_profiling_info():
+                # NOT_RUN: fused into a neighbour or a no-op (Parameter, Result): no time.
+                if info.status != info.Status.EXECUTED:
+                    continue
+                records.append(
+                    {
+                        "node": info.node_name,
+                        "op_type": info.node_type,
+                        "provider": info.exec_type,
+                        "dur_us": info.real_time.total_seconds() * 1e6,
+                        "run": run,
+                        "origin": origins.get(info.node_name, [info.node_name]),
+                    }
+                )
+        return records
+
+
+class OpenVinoBackend:
+    name = "openvino"
+
+    def available(self) -> bool:
+        try:
+            import openvino  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def describe(self) -> dict[str, str]:
+        import openvino as ov
+
+        core = _core()
+        devices = core.available_devices
+        out = {"engine": "openvino", "version": ov.__version__.split("-")[0]}
+        out["devices"] = ",".join(devices)
+        if "CPU" in devices:
+            out["cpu_capabilities"] = ",".join(
+                core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+            )
+            # The plugin's default precision: what a model gets unless told otherwise.
+            default = core.get_property("CPU", "INFERENCE_PRECISION_HINT")
+            out["cpu_default_precision"] = default.get_type_name()
+        return out
+
+    def compile(
+        self, model: ir.Model | str, options: OpenVinoOptions | None = None
+    ) -> OpenVinoExecutable:
+        if not self.available():
+            raise KilnError("backend 'openvino' is not installed; pip install openvino.")
+        options = options or OpenVinoOptions()
+        compiled, names = _compile(model, options.device, options.properties())
+        return OpenVinoExecutable(compiled, names, options, model)
+
+
+@functools.cache
+def _core() -> ov.Core:
+    # One Core per process: it loads the device plugins, which takes longer than a small
+    # model's compile, and it is safe to share between threads.
+    import openvino as ov
+
+    return ov.Core()
+
+
+def _compile(
+    model: ir.Model | str, device: str, props: dict[str, str]
+) -> tuple[ov.CompiledModel, tuple[list[str], list[str]]]:
+    try:
+        ov_model = _read(model)
+        names = (
+            [_port_name(p) for p in ov_model.inputs],
+            [_port_name(p) for p in ov_model.outputs],
+        )
+        return _core().compile_model(ov_model, device, props), names
+    except KilnError:
+        raise
+    except Exception as exc:  # RuntimeError mostly; every kind means "cannot compile this"
+        raise KilnError(f"OpenVINO cannot compile the model: {_explain(exc)}") from None
+
+
+def _read(model: ir.Model | str) -> ov.Model:
+    core = _core()
+    if isinstance(model, str | os.PathLike):
+        if not Path(model).is_file():
+            raise KilnError(f"model file '{model}' not found.")
+        return core.read_model(str(model))
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value]
+    size = sum(t.nbytes for t in tensors)
+    # Weights still in an external file would be resolved against the working directory when
+    # the model comes as bytes, so such models also go through a file.
+    external = any(isinstance(t, ir.ExternalTensor) for t in tensors)
+    if size < _INLINE_LIMIT and not external:
+        return core.read_model(ir.serde.serialize_model(model).SerializeToString())
+    with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data")
+        # No mmap: the weights must be copied in before the temporary file goes away.
+        return core.read_model(str(path), config={"ENABLE_MMAP": False})
+
+
+def _port_name(port: Any) -> str:
+    """The ONNX name of an input or output: OpenVINO may give a tensor several names (when
+    Identity nodes are folded); the ONNX front end names an output's Result '<name>/sink_port_0'."""
+    names = port.get_names()
+    if len(names) == 1:
+        return next(iter(names))
+    node_name = port.get_node().get_friendly_name().removesuffix("/sink_port_0")
+    return node_name if node_name in names else sorted(names)[0]
+
+
+def _origins(compiled: ov.CompiledModel) -> dict[str, list[str]]:
+    """Executed layer name → the original layers OpenVINO fused into it, from the runtime
+    model: the link from a kernel record back to the ONNX nodes."""
+    out = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if "originalLayersNames" in info:
+            names = str(info["originalLayersNames"].astype(str))
+            out[op.get_friendly_name()] = [n for n in names.split(",") if n]
+    return out
+
+
+def _explain(exc: BaseException) -> str:
+    """One line out of OpenVINO's multi-line messages: the reason, not the C++ location."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("-- No conversion rule found for operations:"):
+            ops = line.split(":", 1)[1].strip()
+            return f"no conversion rule for operation(s) {ops} (unsupported by OpenVINO)"
+    useful = [line for line in lines if not line.startswith(_NOISE)]
+    node = next((line for line in useful if line.startswith("While validating ONNX node")), None)
+    if node is not None:
+        # "While validating ONNX node '<Node(MatMul): mm>': Check ..." + the reason below it
+        match = re.search(r"<Node\((.+?)\): (.*?)>", node)
+        where = f"node '{match[2]}' ({match[1]})" if match else node
+        reasons = [line for line in useful if not line.startswith(("While validating", "--"))]
+        return f"{where}: {reasons[-1] if reasons else 'validation failed'}"
+    useful = [line for line in useful if not line.startswith("--")]
+    return useful[0] if useful else (lines[0] if lines else type(exc).__name__)

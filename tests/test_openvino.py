@@ -1,0 +1,198 @@
+"""The OpenVINO backend behind the Backend contract, checked against ONNX Runtime."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ov = pytest.importorskip("openvino")
+
+from kiln import zoo  # noqa: E402
+from kiln.backends import get_backend  # noqa: E402
+from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions  # noqa: E402
+from kiln.backends.ort import OrtOptions  # noqa: E402
+from kiln.errors import KilnError  # noqa: E402
+from kiln.ir.inputs import synthesize  # noqa: E402
+
+TINY = [n for n in zoo.names() if zoo.entry(n).tiny]
+HAS_BF16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+F32 = OpenVinoOptions(inference_precision="f32")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict[str, tuple[ir.Model, dict[str, np.ndarray], list[np.ndarray]]]:
+    """Each tiny zoo model, its synthesised inputs and ONNX Runtime's fp32 outputs."""
+    out = {}
+    ort = get_backend("ort")
+    for name in TINY:
+        model = ir.serde.deserialize_model(zoo.build(name))
+        feeds = synthesize(model)
+        out[name] = (model, feeds, ort.compile(model, OrtOptions(optimization="basic")).run(feeds))
+    return out
+
+
+def _assert_close(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = float(np.abs(w).max()) if w.size else 0.0
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4 * scale)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    denom = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / denom) if denom else float(np.array_equal(a, b))
+
+
+def test_available_and_described():
+    backend = OpenVinoBackend()
+    assert backend.available()
+    info = backend.describe()
+    assert info["engine"] == "openvino" and info["version"] and "CPU" in info["devices"]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_f32_matches_onnx_runtime(tiny, name):
+    model, feeds, want = tiny[name]
+    exe = OpenVinoBackend().compile(model, F32)
+    assert exe.precision == "f32"  # read back from the compiled model, not the request
+    assert exe.output_names == [v.name for v in model.graph.outputs]
+    _assert_close(exe.run(feeds), want)
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no bf16 support in OpenVINO")
+@pytest.mark.parametrize("name", TINY)
+def test_bf16_stays_close_to_fp32(tiny, name):
+    model, feeds, want = tiny[name]
+    exe = OpenVinoBackend().compile(model, OpenVinoOptions(inference_precision="bf16"))
+    assert exe.precision == "bf16"
+    for got, ref in zip(exe.run(feeds), want, strict=True):
+        assert got.dtype == ref.dtype  # bf16 inside, the model's own types outside
+        assert _cosine(got, ref) >= 0.99
+
+
+def test_dynamic_batch_runs_on_one_executable(tiny):
+    model, feeds, _ = tiny["bert-tiny"]
+    exe = OpenVinoBackend().compile(model, F32)
+    exe.run(feeds)  # batch 1 first: the same request must take a new shape afterwards
+    feeds2 = synthesize(model, {"batch": 2})
+    want = get_backend("ort").compile(model, OrtOptions(optimization="basic")).run(feeds2)
+    got = exe.run(feeds2)
+    assert got[0].shape[0] == 2
+    _assert_close(got, want)
+
+
+def test_outputs_come_in_the_order_asked(tiny):
+    model, feeds, want = tiny["bert-tiny"]
+    exe = OpenVinoBackend().compile(model, F32)
+    names = exe.output_names[::-1]
+    _assert_close(exe.run(feeds, names), want[::-1])
+    # Outputs are copies: the next run must not overwrite what the caller holds.
+    first = exe.run(feeds)[0]
+    kept = first.copy()
+    exe.run(synthesize(model, seed=1))
+    np.testing.assert_array_equal(first, kept)
+
+
+def test_profile_gives_per_layer_records_for_each_run(tiny):
+    model, feeds, _ = tiny["resnet-tiny"]
+    exe = OpenVinoBackend().compile(model, F32)
+    records = exe.profile(feeds, runs=3)
+    per_run = collections.Counter(r["run"] for r in records)
+    assert sorted(per_run) == [0, 1, 2]
+    assert {"node", "op_type", "provider", "dur_us", "run"} <= set(records[0])
+    assert all(r["dur_us"] >= 0 and r["op_type"] and r["node"] and r["provider"] for r in records)
+    assert any(r["op_type"] == "Convolution" for r in records)
+    # The fused layers lead back to the ONNX nodes.
+    onnx_nodes = {n.name for n in model.graph}
+    assert any(set(r["origin"]) & onnx_nodes for r in records)
+    assert str(exe.compiled.get_property("PERF_COUNT")) == "NO"  # runs stay unprofiled
+
+
+def _model(node: onnx.NodeProto, extra_opset: str | None = None) -> ir.Model:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    w = numpy_helper.from_array(np.ones((4, 5), np.float32), "w")
+    opsets = [helper.make_opsetid("", 17)]
+    if extra_opset:
+        opsets.append(helper.make_opsetid(extra_opset, 1))
+    graph = helper.make_graph([node], "g", [x], [y], [w])
+    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=opsets))
+
+
+def test_unsupported_op_is_one_clear_line():
+    model = _model(helper.make_node("Mystery", ["x"], ["y"], domain="acme.ops"), "acme.ops")
+    with pytest.raises(KilnError, match="no conversion rule for operation.* acme.ops.Mystery") as e:
+        OpenVinoBackend().compile(model)
+    assert "\n" not in str(e.value) and ".cpp" not in str(e.value)
+
+
+def test_broken_model_names_the_node():
+    model = _model(helper.make_node("MatMul", ["x", "w"], ["y"], name="proj"))
+    with pytest.raises(KilnError, match="node 'proj' \\(MatMul\\): Incompatible MatMul") as e:
+        OpenVinoBackend().compile(model)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_feeds_are_refused_not_converted(tiny):
+    model, feeds, _ = tiny["resnet-tiny"]
+    exe = OpenVinoBackend().compile(model, F32)
+    (name,) = exe.input_names
+    with pytest.raises(KilnError, match="must be float32, got float64"):
+        exe.run({name: feeds[name].astype(np.float64)})
+    with pytest.raises(KilnError, match=f"missing input '{name}'"):
+        exe.run({})
+    with pytest.raises(KilnError, match="must have shape"):
+        exe.run({name: feeds[name][:, :2]})
+    with pytest.raises(KilnError, match="unknown output 'nope'"):
+        exe.run(feeds, ["nope"])
+
+
+def test_options_are_checked_applied_and_round_trip(tmp_path, tiny):
+    with pytest.raises(KilnError, match="unknown OpenVINO performance hint 'FAST'"):
+        OpenVinoOptions(performance_hint="FAST").properties()
+    with pytest.raises(KilnError, match="unknown OpenVINO inference precision 'f64'"):
+        OpenVinoOptions(inference_precision="f64").properties()
+    options = OpenVinoOptions(
+        performance_hint="THROUGHPUT",
+        inference_precision="f32",
+        num_streams=1,
+        inference_num_threads=1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert OpenVinoOptions.from_json(options.to_json()) == options
+    model, feeds, want = tiny["resnet-tiny"]
+    exe = OpenVinoBackend().compile(model, options)
+    settings = exe.settings()
+    assert settings["performance_hint"] == "THROUGHPUT" and settings["precision"] == "f32"
+    assert settings["num_streams"] == "1" and settings["inference_num_threads"] == "1"
+    assert any((tmp_path / "cache").iterdir())  # the compiled model was cached
+    _assert_close(exe.run(feeds), want)
+
+
+def test_model_from_a_file_with_external_data(tmp_path, tiny):
+    model, feeds, want = tiny["bert-tiny"]
+    path = tmp_path / "m.onnx"
+    ir.save(model, path, external_data="m.onnx.data")
+    _assert_close(OpenVinoBackend().compile(str(path), F32).run(feeds), want)
+    with pytest.raises(KilnError, match="not found"):
+        OpenVinoBackend().compile(str(tmp_path / "missing.onnx"))
+
+
+def test_module_imports_and_reports_unavailable_without_openvino():
+    code = (
+        "import sys; sys.modules['openvino'] = None\n"
+        "from kiln.backends.openvino import OpenVinoBackend\n"
+        "print(OpenVinoBackend().available())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
