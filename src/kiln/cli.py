@@ -307,6 +307,9 @@ def bench(
         str, typer.Option(help="Comma-separated engines: ort, ort-basic, ort-transformers.")
     ] = "ort,ort-basic",
     batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
+    shape: Annotated[
+        list[str], typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input.")
+    ] = [],  # noqa: B006
     rounds: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
     runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 20,
     output: Annotated[
@@ -319,11 +322,14 @@ def bench(
     Speedups are medians of per-round P50 ratios against the first engine in --against.
     """
     from kiln.bench.report import run_bench
+    from kiln.ir.inputs import parse_shapes
 
     with _progress() as progress:
         task = progress.add_task("preparing")
         say = lambda msg: progress.update(task, description=msg)  # noqa: E731
-        result = run_bench(model, against, batch, rounds, runs, say, command=" ".join(sys.argv))
+        result = run_bench(
+            model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape)
+        )
     if output:
         output.write_text(json.dumps(result, indent=2) + "\n")
     if as_json:

@@ -18,7 +18,7 @@ from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
 
 
-def _kiln_runner(model: str, say: Callable[[str], None]):
+def _kiln_runner(model: str, say: Callable[[str], None], shapes: dict | None = None):
     """The Kiln engine and the original model: from an artifact, or compiled here in memory."""
     from kiln.backends import get_backend
     from kiln.backends.ort import OrtOptions
@@ -39,7 +39,7 @@ def _kiln_runner(model: str, say: Callable[[str], None]):
             ) from None
         return original, lambda feeds: lambda: session.run(None, feeds)
     say(f"compiling {model}")
-    result = optimize_model(load_model(model), progress=say)
+    result = optimize_model(load_model(model), shapes=shapes, progress=say)
     exe = get_backend("ort").compile(result.model, OrtOptions())
     return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
 
@@ -75,10 +75,11 @@ def run_bench(
     runs: int,
     say: Callable[[str], None],
     command: str = "",
+    shapes: dict | None = None,
 ) -> dict:
     engines = parse_engines(against)
-    original, kiln_for = _kiln_runner(model, say)
-    feeds = synthesize(original, {**default_dims(original), "batch": batch})
+    original, kiln_for = _kiln_runner(model, say, shapes)
+    feeds = synthesize(original, {**default_dims(original), "batch": batch}, shapes=shapes)
     runners = {}
     for name in engines:
         say(f"preparing engine {name}")
