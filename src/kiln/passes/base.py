@@ -12,6 +12,8 @@ class KilnPass(ir.passes.InPlacePass):
     stage: str = "simplify"
     summary: str = ""  # one line for `--show-pipeline`
     count: int = 0  # rewrites made by the last call
+    # Engines that can run what the pass emits; None: any (it emits standard ONNX only).
+    engines: frozenset[str] | None = None
 
     def apply(self, model: ir.Model) -> int:
         raise NotImplementedError

@@ -30,6 +30,7 @@ class PassSpec:
     stage: str
     make: Callable[[], KilnPass]
     doc: str
+    engines: frozenset[str] | None = None  # None: its output runs on any engine
 
 
 class PassCrashed(Exception):
@@ -53,11 +54,12 @@ class PassReport:
 
 def _spec(make: Callable[[], KilnPass]) -> PassSpec:
     instance = make()
-    return PassSpec(instance.name, instance.stage, make, instance.summary)
+    return PassSpec(instance.name, instance.stage, make, instance.summary, instance.engines)
 
 
-def default_pipeline() -> list[PassSpec]:
-    """simplify → fuse → cleanup. Precision and layout stages arrive with their issues."""
+def default_pipeline(engine: str = "ort") -> list[PassSpec]:
+    """simplify → fuse → cleanup, keeping only passes whose output `engine` can run.
+    Precision and layout stages arrive with their issues."""
     # Each simplify/refine round exposes what the next can resolve: the mask probe needs
     # named dims, and shape reads can only be detached once the mask chain is gone.
     specs = [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(CanonicalMaskPass)]
@@ -66,13 +68,14 @@ def default_pipeline() -> list[PassSpec]:
     specs.append(_spec(PruneRowsPass))
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
     specs.append(_spec(CleanupPass))
-    return specs
+    return [s for s in specs if s.engines is None or engine in s.engines]
 
 
 def format_pipeline(pipeline: list[PassSpec]) -> str:
     width = max(len(spec.name) for spec in pipeline)
     return "\n".join(
-        f"{i:2d}. {spec.name:<{width}}  [{spec.stage}]  {spec.doc}"
+        f"{i:2d}. {spec.name:<{width}}  [{spec.stage}{'' if spec.engines is None else ', ort'}]"
+        f"  {spec.doc}"
         for i, spec in enumerate(pipeline, 1)
     )
 

@@ -45,6 +45,8 @@ class FusionSpec:
     guarantee: str
     rules: RuleSource
     infer_shapes: bool = False  # some rules need shapes of the values they match
+    # Standard ONNX out: any engine runs it. Otherwise the one engine whose ops it emits.
+    portable: bool = False
 
 
 def _rules(*sets: pattern.RewriteRuleSet | list) -> RuleSource:
@@ -63,6 +65,7 @@ FUSIONS: list[FusionSpec] = [
         "BatchNormalization after Conv/ConvTranspose/Gemm folded into its weights; "
         "Pad folded into Conv pads.",
         _rules(_fuse_batchnorm.rules, _fuse_pad_into_conv.rules),
+        portable=True,
     ),
     FusionSpec(
         "fuse-conv-activation",
@@ -76,6 +79,7 @@ FUSIONS: list[FusionSpec] = [
         "LayerNormalization.",
         _rules(_layer_norm.layer_normalization_rules),
         infer_shapes=True,
+        portable=True,
     ),
     FusionSpec(
         "fuse-gelu",
@@ -150,6 +154,7 @@ FUSIONS: list[FusionSpec] = [
         "2-D MatMul + Add (and transposes around it) become one Gemm with the bias inside.",
         _rules(_matmul_add_to_gemm.rules),
         infer_shapes=True,
+        portable=True,
     ),
     FusionSpec(
         "fuse-matmul",
@@ -169,6 +174,7 @@ class FusionPass(KilnPass):
         super().__init__()
         self.spec = spec
         self.name = spec.name
+        self.engines = None if spec.portable else frozenset({"ort"})
         self.summary = spec.guarantee
 
     def apply(self, model: ir.Model) -> int:
