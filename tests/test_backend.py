@@ -41,5 +41,5 @@ def test_unknown_optimization_level_is_named():
 
 
 def test_unknown_backend_is_named():
-    with pytest.raises(KilnError, match="unknown backend 'tvm'; available: ort"):
+    with pytest.raises(KilnError, match="unknown backend 'tvm'; available: openvino, ort"):
         get_backend("tvm")

@@ -90,3 +90,16 @@ def test_doctor_names_engines_and_cpu(tmp_path):
     info = json.loads(kiln("doctor", "--json", cwd=tmp_path).stdout)
     assert info["engines"]["ort"]["engine"] == "onnxruntime"
     assert info["cpu"]["logical_cores"] >= 1 and info["hardware_fingerprint"]
+
+
+def test_backend_auto_times_every_engine_and_records_the_choice(tmp_path):
+    pytest.importorskip("openvino")
+    out = kiln(
+        "optimize", "zoo:resnet-tiny", "-o", "r.kiln", "--backend", "auto",
+        "--rounds", "2", "--runs", "3", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    summary = json.loads(out.stdout)
+    bench = summary["benchmark"]
+    assert set(bench["candidates"]) == {"ort", "openvino"}
+    assert bench["backend"] == summary["backend"]["name"]
+    assert bench["speedup"] == max(bench["candidates"].values())

@@ -224,3 +224,19 @@ def test_a_crashing_pass_is_dropped_not_fatal(tmp_path):
     artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", pipeline=pipeline)
     assert artifact.manifest["dropped_passes"] == ["crash"]
     assert artifact.manifest["verification"]["ok"]
+
+
+def test_openvino_artifact_runs_with_its_recorded_engine(tmp_path):
+    pytest.importorskip("openvino")
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "ov.kiln", backend="openvino")
+    manifest = artifact.manifest
+    assert manifest["backend"]["name"] == "openvino"
+    assert manifest["backend"]["options"]["inference_precision"] == "f32"
+    assert manifest["verification"]["ok"]
+    ops = op_counts(artifact.model_path)
+    assert not any(op in ops for op in ("FusedConv", "Attention")), "ORT-only ops leaked"
+    session = kiln.Session(artifact.path)
+    assert type(session.executable).__name__ == "OpenVinoExecutable"
+    proto = zoo.build("resnet-tiny")
+    feeds = synthesize(ir.serde.deserialize_model(proto), seed=3)
+    np.testing.assert_allclose(session.run(None, feeds)[0], reference(proto, feeds)[0], atol=1e-4)

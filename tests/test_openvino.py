@@ -157,6 +157,8 @@ def test_bad_feeds_are_refused_not_converted(tiny):
 
 
 def test_options_are_checked_applied_and_round_trip(tmp_path, tiny):
+    with pytest.raises(KilnError, match="OpenVINO device 'TPU' is not available here"):
+        OpenVinoBackend().compile(tiny["resnet-tiny"][0], OpenVinoOptions(device="TPU"))
     with pytest.raises(KilnError, match="unknown OpenVINO performance hint 'FAST'"):
         OpenVinoOptions(performance_hint="FAST").properties()
     with pytest.raises(KilnError, match="unknown OpenVINO inference precision 'f64'"):

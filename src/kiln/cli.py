@@ -152,6 +152,13 @@ def optimize(
             "Kiln cannot guess.",
         ),
     ] = [],  # noqa: B006
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="Engine the artifact runs on: ort, openvino, or auto (build, verify and time "
+            "each available engine; keep the fastest)."
+        ),
+    ] = "ort",
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,
     skip: Annotated[
         list[str], typer.Option("--skip-pass", help="Leave this pass out (repeatable).")
@@ -186,24 +193,30 @@ def optimize(
     from kiln.ir import load_model
     from kiln.ir.inputs import parse_shapes
 
+    engines = _backends_for(backend, rounds)
     with _progress() as progress:
         task = progress.add_task(f"loading {model}")
         say = lambda msg: progress.update(task, description=msg)  # noqa: E731
         loaded = load_model(model)
         check_destination(destination_for(loaded, output))
-        result = optimize_model(
-            loaded,
-            pipeline=pipeline,
-            inputs=inputs,
-            shapes=parse_shapes(shape),
-            verify=not no_verify,
-            progress=say,
-        )
-        bench = None
+        results = [
+            optimize_model(
+                loaded,
+                pipeline=[s for s in pipeline if s.engines is None or engine in s.engines],
+                inputs=inputs,
+                shapes=parse_shapes(shape),
+                verify=not no_verify,
+                backend=engine,
+                progress=say,
+            )
+            for engine in engines
+        ]
+        result, bench = results[0], None
         if rounds > 0:
-            from kiln.bench.report import time_against_original
+            from kiln.bench.report import time_candidates
 
-            bench = time_against_original(result, rounds, runs, say)
+            timing = time_candidates(results, rounds, runs, say)
+            result, bench = _fastest_verified(results, timing)
         say("writing the artifact")
         artifact = save_result(result, output, benchmark=bench)
     summary = _optimize_summary(result, artifact, bench)
@@ -211,6 +224,36 @@ def optimize(
         _emit_json(summary)
     else:
         _print_optimize(summary)
+
+
+def _backends_for(backend: str, rounds: int) -> list[str]:
+    from kiln.backends import BACKENDS, available_backends, get_backend
+
+    if backend == "auto":
+        if rounds <= 0:
+            raise KilnError("--backend auto picks the fastest engine by timing; use --rounds > 0.")
+        return available_backends()
+    if backend not in BACKENDS:
+        raise KilnError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)} or auto.")
+    get_backend(backend)  # fails now, with its reason, if the engine is missing
+    return [backend]
+
+
+def _fastest_verified(results: list, timing: dict) -> tuple[Any, dict]:
+    """The candidate with the best median speedup among those that verified."""
+    candidates = timing["candidates"]
+    usable = [r for r in results if r.verification is None or r.verification.ok] or results
+    best = max(usable, key=lambda r: candidates[r.backend]["speedup"])
+    bench = {
+        "rounds": timing["rounds"],
+        "runs_per_round": timing["runs_per_round"],
+        "original_ort": timing["original_ort"],
+        "artifact": candidates[best.backend],
+        "speedup": candidates[best.backend]["speedup"],
+        "backend": best.backend,
+        "candidates": {name: c["speedup"] for name, c in candidates.items()},
+    }
+    return best, bench
 
 
 def _optimize_summary(result, artifact, bench) -> dict:
@@ -222,6 +265,7 @@ def _optimize_summary(result, artifact, bench) -> dict:
         "dropped_passes": manifest["dropped_passes"],
         "nodes": manifest["nodes"],
         "verification": manifest["verification"],
+        "backend": manifest["backend"],
         "benchmark": bench,
     }
 
@@ -240,6 +284,7 @@ def _print_optimize(summary: dict) -> None:
         table.add_row(f"pass {name}", "[red]dropped: it broke the outputs or crashed[/red]")
     nodes = summary["nodes"]
     table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
+    table.add_row("backend", escape(summary["backend"]["name"]))
     verification = summary["verification"]
     if verification is None:
         table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")
@@ -266,6 +311,11 @@ def _print_optimize(summary: dict) -> None:
             "speedup",
             f"{bench['speedup']:.2f}× (median of {bench['rounds']} per-round P50 ratios)",
         )
+        if len(bench["candidates"]) > 1:
+            table.add_row(
+                "engines tried",
+                ", ".join(f"{k} {v:.2f}×" for k, v in bench["candidates"].items()),
+            )
     console.print(table)
 
 

@@ -11,13 +11,14 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from kiln import __version__
 from kiln.artifact import Artifact, check_destination, write_artifact
-from kiln.backends import get_backend
+from kiln.backends import default_options, get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
@@ -43,6 +44,8 @@ class CompileResult:
     dropped: list[str] = field(default_factory=list)
     nodes_before: int = 0
     feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+    backend: str = "ort"
+    options: Any = None  # the backend's options the artifact runs with
     artifact: Artifact | None = None
 
 
@@ -85,10 +88,15 @@ def run_reference(
 
 
 def engine_noise(
-    original: ir.Model, feeds: list, reference: list[list[np.ndarray]], options: OrtOptions
+    original: ir.Model,
+    feeds: list,
+    reference: list[list[np.ndarray]],
+    backend: str,
+    options: Any,
 ) -> dict[str, float]:
-    """Per output, how far the untouched original moves under the artifact's engine options."""
-    exe = get_backend("ort").compile(original, options)
+    """Per output, how far the untouched original moves under the artifact's engine and
+    options (another engine's kernels round differently too)."""
+    exe = get_backend(backend).compile(original, options)
     names = [v.name for v in original.graph.outputs]
     noise = dict.fromkeys(names, 0.0)
     for feed, ref_set in zip(feeds, reference, strict=True):
@@ -104,23 +112,24 @@ def optimize_model(
     inputs: str | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
-    options: OrtOptions | None = None,
+    backend: str = "ort",
+    options: Any = None,
     progress: Progress | None = None,
 ) -> CompileResult:
     """Run the pipeline on a copy of the loaded model; verify and bisect unless told not to."""
     say = progress or (lambda _msg: None)
-    pipeline = pipeline if pipeline is not None else default_pipeline()
+    pipeline = pipeline if pipeline is not None else default_pipeline(engine=backend)
     original = loaded.model
     stamp_origins(original)
     nodes_before = count_nodes(original)
-    options = options or OrtOptions()
+    options = options or default_options(backend)
     feeds, source = reference_feeds(original, inputs, shapes) if verify else ([], "none")
     reference: list[list[np.ndarray]] = []
     noise: dict[str, float] = {}
     if verify:
         say("running the original in ONNX Runtime (reference)")
         reference = run_reference(original, feeds, source)
-        noise = engine_noise(original, feeds, reference, options)
+        noise = engine_noise(original, feeds, reference, backend, options)
 
     def attempt(specs: list[PassSpec]) -> tuple[ir.Model, list[PassReport], Verification | None]:
         model = copy_model(original)
@@ -133,7 +142,7 @@ def optimize_model(
         say("verifying against the original")
         names = [v.name for v in model.graph.outputs]
         try:
-            exe = get_backend("ort").compile(model, options)
+            exe = get_backend(backend).compile(model, options)
             outputs = [exe.run(f) for f in feeds]
         except KilnError as exc:
             return model, reports, Verification(False, "fp32", source, [], error=str(exc))
@@ -154,7 +163,9 @@ def optimize_model(
             say(f"pass {guilty.name} broke the outputs; dropped it")
         dropped.append(guilty.name)
         active = [s for s in active if s is not guilty]
-    return CompileResult(loaded, model, reports, verification, dropped, nodes_before, feeds)
+    return CompileResult(
+        loaded, model, reports, verification, dropped, nodes_before, feeds, backend, options
+    )
 
 
 def _member(pipeline: list[PassSpec], spec: PassSpec) -> PassSpec:
@@ -182,7 +193,7 @@ def _bisect(pipeline: list[PassSpec], attempt, say: Progress) -> PassSpec:
     return pipeline[high - 1]
 
 
-def build_manifest(result: CompileResult, options: OrtOptions) -> dict:
+def build_manifest(result: CompileResult) -> dict:
     loaded, cpu = result.loaded, cpu_info()
     model = result.model
     return {
@@ -205,7 +216,7 @@ def build_manifest(result: CompileResult, options: OrtOptions) -> dict:
         "inputs": [_spec(v) for v in model.graph.inputs],
         "outputs": [_spec(v) for v in model.graph.outputs],
         "dims": default_dims(model),
-        "backend": {"name": "ort", "options": options.to_json()},
+        "backend": {"name": result.backend, "options": result.options.to_json()},
         "verification": result.verification.to_json() if result.verification else None,
         "benchmark": None,
     }
@@ -234,6 +245,7 @@ def compile(
     shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
     pipeline: list[PassSpec] | None = None,
+    backend: str = "ort",
     progress: Progress | None = None,
 ) -> Artifact:
     """Compile a model (path or `zoo:NAME`) into a verified artifact directory."""
@@ -243,8 +255,15 @@ def compile(
         raise KilnError(f"precision '{precision}' is not supported yet; use precision='fp32'.")
     loaded = load_model(str(model))
     check_destination(destination_for(loaded, output))
+    get_backend(backend)  # an unknown or missing engine fails before any work
     result = optimize_model(
-        loaded, pipeline=pipeline, inputs=inputs, shapes=shapes, verify=verify, progress=progress
+        loaded,
+        pipeline=pipeline,
+        inputs=inputs,
+        shapes=shapes,
+        verify=verify,
+        backend=backend,
+        progress=progress,
     )
     return save_result(result, output)
 
@@ -255,8 +274,7 @@ def save_result(result: CompileResult, output: str | Path | None, benchmark=None
             f"{result.loaded.source}: the compiled model does not match the original even "
             f"with every pass dropped ({result.verification.summary()}). Nothing was written."
         )
-    options = OrtOptions()
-    manifest = build_manifest(result, options)
+    manifest = build_manifest(result)
     manifest["benchmark"] = benchmark
     return write_artifact(destination_for(result.loaded, output), result.model, manifest)
 

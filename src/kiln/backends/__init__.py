@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.backends.base import Backend, Executable
+from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
 from kiln.backends.ort import OrtBackend, OrtOptions
 from kiln.errors import KilnError
 
-BACKENDS: dict[str, type[Backend]] = {"ort": OrtBackend}
+BACKENDS: dict[str, type[Backend]] = {"ort": OrtBackend, "openvino": OpenVinoBackend}
+OPTIONS: dict[str, type] = {"ort": OrtOptions, "openvino": OpenVinoOptions}
 
 
 def get_backend(name: str) -> Backend:
@@ -18,4 +22,32 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "Executable", "OrtBackend", "OrtOptions", "get_backend"]
+def default_options(name: str, precision: str = "fp32") -> Any:
+    """Each engine's settings for a precision: fp32 is forced where an engine would pick
+    something else (OpenVINO runs bf16 by default on CPUs that have it)."""
+    if name == "openvino":
+        return OpenVinoOptions(inference_precision="bf16" if precision == "bf16" else "f32")
+    return OrtOptions()
+
+
+def options_from_json(name: str, data: dict[str, Any]) -> Any:
+    return OPTIONS[name].from_json(data)
+
+
+def available_backends() -> list[str]:
+    return [name for name, cls in BACKENDS.items() if cls().available()]
+
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Executable",
+    "OpenVinoBackend",
+    "OpenVinoOptions",
+    "OrtBackend",
+    "OrtOptions",
+    "available_backends",
+    "default_options",
+    "get_backend",
+    "options_from_json",
+]

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 HINTS = ("LATENCY", "THROUGHPUT")
 PRECISIONS = ("f32", "bf16")
+# Devices that dispatch to the real ones (AUTO:CPU, HETERO:GPU,CPU, ...).
+_VIRTUAL_DEVICES = {"AUTO", "HETERO", "MULTI", "BATCH"}
 # Serialized protobufs cannot exceed 2 GiB; above this, models go through a file with
 # external data (as in ort.py).
 _INLINE_LIMIT = 1 << 30
@@ -123,18 +125,26 @@ class OpenVinoExecutable:
     @property
     def precision(self) -> str:
         """The precision OpenVINO actually computes in ("f32", "bf16", ...), read back."""
-        return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+        value = self._property("INFERENCE_PRECISION_HINT")
+        return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
 
     def settings(self) -> dict[str, str]:
         """What OpenVINO made of the options: for manifests and reports."""
-        get = self.compiled.get_property
+        devices = self._property("EXECUTION_DEVICES")
         return {
-            "device": ",".join(get("EXECUTION_DEVICES")),
+            "device": ",".join(devices) if isinstance(devices, list) else str(devices),
             "precision": self.precision,
-            "performance_hint": str(get("PERFORMANCE_HINT")),
-            "num_streams": str(get("NUM_STREAMS")),
-            "inference_num_threads": str(get("INFERENCE_NUM_THREADS")),
+            "performance_hint": str(self._property("PERFORMANCE_HINT")),
+            "num_streams": str(self._property("NUM_STREAMS")),
+            "inference_num_threads": str(self._property("INFERENCE_NUM_THREADS")),
         }
+
+    def _property(self, key: str) -> Any:
+        # Virtual devices (AUTO, MULTI) do not answer every property the CPU plugin does.
+        try:
+            return self.compiled.get_property(key)
+        except RuntimeError:
+            return "unknown"
 
     def run(
         self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None
@@ -265,6 +275,7 @@ def _core() -> ov.Core:
 def _compile(
     model: ir.Model | str, device: str, props: dict[str, str]
 ) -> tuple[ov.CompiledModel, tuple[list[str], list[str]]]:
+    _check_device(device)
     try:
         ov_model = _read(model)
         names = (
@@ -276,6 +287,17 @@ def _compile(
         raise
     except Exception as exc:  # RuntimeError mostly; every kind means "cannot compile this"
         raise KilnError(f"OpenVINO cannot compile the model: {_explain(exc)}") from None
+
+
+def _check_device(device: str) -> None:
+    # Without this, a missing device shows up as a failure to load its plugin's shared library.
+    available = {d.split(".")[0] for d in _core().available_devices}
+    base = device.split(":")[0].split(".")[0]
+    if base not in available | _VIRTUAL_DEVICES:
+        raise KilnError(
+            f"OpenVINO device '{device}' is not available here; available: "
+            f"{', '.join(sorted(available))}."
+        )
 
 
 def _read(model: ir.Model | str) -> ov.Model:

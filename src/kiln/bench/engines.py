@@ -14,6 +14,8 @@ from kiln.errors import KilnError
 ENGINES = {
     "ort": "ONNX Runtime, ORT_ENABLE_ALL, fp32 (its default)",
     "ort-basic": "ONNX Runtime, ORT_ENABLE_BASIC, fp32",
+    "openvino": "OpenVINO CPU, LATENCY hint, fp32 forced (INFERENCE_PRECISION_HINT=f32)",
+    "openvino-bf16": "OpenVINO CPU, LATENCY hint, bf16 (its own default on CPUs with bf16)",
     "ort-transformers": "onnxruntime.transformers.optimizer (opt_level 0), then ORT_ENABLE_ALL",
 }
 
@@ -42,6 +44,18 @@ def engine_runner(
 
         proto = transformers_optimize(original)
         exe = ort.compile(ir.serde.deserialize_model(proto), OrtOptions(optimization="all"))
+    elif name in ("openvino", "openvino-bf16"):
+        from kiln.backends.openvino import OpenVinoOptions
+
+        wanted = "bf16" if name == "openvino-bf16" else "f32"
+        options = OpenVinoOptions(inference_precision=wanted)
+        exe = get_backend("openvino").compile(original, options)
+        # OpenVINO may quietly run another precision than asked: name the engine honestly.
+        if exe.precision != wanted:
+            raise KilnError(
+                f"engine '{name}': OpenVINO runs {exe.precision} here, not {wanted} "
+                "(no bf16 support on this CPU?)."
+            )
     else:
         raise KilnError(f"unknown engine '{name}'.")
     return lambda: exe.run(feeds)

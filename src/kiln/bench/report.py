@@ -18,10 +18,11 @@ from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
 
 
-def _kiln_runner(model: str, say: Callable[[str], None], shapes: dict | None = None):
+def _kiln_runner(
+    model: str, say: Callable[[str], None], shapes: dict | None = None, backend: str = "ort"
+):
     """The Kiln engine and the original model: from an artifact, or compiled here in memory."""
     from kiln.backends import get_backend
-    from kiln.backends.ort import OrtOptions
     from kiln.compiler import optimize_model
     from kiln.ir import load_model
 
@@ -39,31 +40,38 @@ def _kiln_runner(model: str, say: Callable[[str], None], shapes: dict | None = N
             ) from None
         return original, lambda feeds: lambda: session.run(None, feeds)
     say(f"compiling {model}")
-    result = optimize_model(load_model(model), shapes=shapes, progress=say)
-    exe = get_backend("ort").compile(result.model, OrtOptions())
+    result = optimize_model(load_model(model), shapes=shapes, backend=backend, progress=say)
+    exe = get_backend(backend).compile(result.model, result.options)
     return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
 
 
-def time_against_original(result, rounds: int, runs: int, say: Callable[[str], None]) -> dict:
-    """`kiln optimize`'s timing: the original under ORT_ENABLE_ALL against the compiled model,
-    interleaved, on the first reference input set."""
+def time_candidates(results: list, rounds: int, runs: int, say: Callable[[str], None]) -> dict:
+    """`kiln optimize`'s timing: the original under ORT_ENABLE_ALL against each compiled
+    candidate (one per backend), interleaved, on the first reference input set."""
     from kiln.backends import get_backend
-    from kiln.backends.ort import OrtOptions
 
-    original = result.loaded.model
-    feeds = result.feeds[0] if result.feeds else synthesize(original)
-    exe = get_backend("ort").compile(result.model, OrtOptions())
-    runners = {"ort": engine_runner("ort", original, feeds), "kiln": lambda: exe.run(feeds)}
+    original = results[0].loaded.model
+    feeds = results[0].feeds[0] if results[0].feeds else synthesize(original)
+    runners = {"ort": engine_runner("ort", original, feeds)}
+    for result in results:
+        exe = get_backend(result.backend).compile(result.model, result.options)
+        runners[f"kiln-{result.backend}"] = (lambda e: lambda: e.run(feeds))(exe)
     say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
     samples = interleave(
         runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
     )
+    ratios = round_ratios(samples, "ort")
     return {
         "rounds": rounds,
         "runs_per_round": runs,
         "original_ort": stats(flatten(samples["ort"])).to_json(),
-        "artifact": stats(flatten(samples["kiln"])).to_json(),
-        "speedup": round_ratios(samples, "ort")["kiln"],
+        "candidates": {
+            r.backend: {
+                **stats(flatten(samples[f"kiln-{r.backend}"])).to_json(),
+                "speedup": ratios[f"kiln-{r.backend}"],
+            }
+            for r in results
+        },
     }
 
 
@@ -76,9 +84,10 @@ def run_bench(
     say: Callable[[str], None],
     command: str = "",
     shapes: dict | None = None,
+    backend: str = "ort",
 ) -> dict:
     engines = parse_engines(against)
-    original, kiln_for = _kiln_runner(model, say, shapes)
+    original, kiln_for = _kiln_runner(model, say, shapes, backend)
     feeds = synthesize(original, {**default_dims(original), "batch": batch}, shapes=shapes)
     runners = {}
     for name in engines:

@@ -9,8 +9,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.artifact import read_artifact
-from kiln.backends import get_backend
-from kiln.backends.ort import OrtOptions
+from kiln.backends import get_backend, options_from_json
 from kiln.errors import KilnError
 from kiln.ir.inputs import check_feeds
 
@@ -21,7 +20,7 @@ class Session:
     def __init__(self, path: str | Path, **option_overrides: Any) -> None:
         self.artifact = read_artifact(path)
         backend = self.artifact.manifest["backend"]
-        options = OrtOptions.from_json({**backend["options"], **option_overrides})
+        options = options_from_json(backend["name"], {**backend["options"], **option_overrides})
         # Only the graph's interface is needed for checks; weights stay on disk.
         self._interface = ir.load(str(self.artifact.model_path))
         self.executable = get_backend(backend["name"]).compile(
