@@ -240,3 +240,23 @@ def test_openvino_artifact_runs_with_its_recorded_engine(tmp_path):
     proto = zoo.build("resnet-tiny")
     feeds = synthesize(ir.serde.deserialize_model(proto), seed=3)
     np.testing.assert_allclose(session.run(None, feeds)[0], reference(proto, feeds)[0], atol=1e-4)
+
+
+def test_bf16_artifact_is_verified_by_cosine(tmp_path):
+    ov = pytest.importorskip("openvino")
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no bf16")
+    artifact = kiln.compile(
+        "zoo:bert-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16"
+    )
+    manifest = artifact.manifest
+    assert manifest["precision"]["default"] == "bf16"
+    assert manifest["backend"]["options"]["inference_precision"] == "bf16"
+    verification = manifest["verification"]
+    assert verification["ok"] and verification["precision"] == "bf16"
+    assert all(o["cosine"] >= 0.99 for o in verification["outputs"])
+
+
+def test_bf16_on_onnxruntime_is_refused_with_the_way_out(tmp_path):
+    with pytest.raises(kiln.KilnError, match="precision bf16 runs on openvino here, not ort"):
+        kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="bf16")

@@ -46,6 +46,7 @@ class CompileResult:
     feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
     backend: str = "ort"
     options: Any = None  # the backend's options the artifact runs with
+    precision: str = "fp32"
     artifact: Artifact | None = None
 
 
@@ -113,6 +114,7 @@ def optimize_model(
     shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
     backend: str = "ort",
+    precision: str = "fp32",
     options: Any = None,
     progress: Progress | None = None,
 ) -> CompileResult:
@@ -122,7 +124,8 @@ def optimize_model(
     original = loaded.model
     stamp_origins(original)
     nodes_before = count_nodes(original)
-    options = options or default_options(backend)
+    check_precision(backend, precision)
+    options = options or default_options(backend, precision)
     feeds, source = reference_feeds(original, inputs, shapes) if verify else ([], "none")
     reference: list[list[np.ndarray]] = []
     noise: dict[str, float] = {}
@@ -145,8 +148,9 @@ def optimize_model(
             exe = get_backend(backend).compile(model, options)
             outputs = [exe.run(f) for f in feeds]
         except KilnError as exc:
-            return model, reports, Verification(False, "fp32", source, [], error=str(exc))
-        return model, reports, compare(names, reference, outputs, source, noise=noise)
+            return model, reports, Verification(False, precision, source, [], error=str(exc))
+        verification = compare(names, reference, outputs, source, precision, noise=noise)
+        return model, reports, verification
 
     dropped: list[str] = []
     active = list(pipeline)
@@ -164,8 +168,31 @@ def optimize_model(
         dropped.append(guilty.name)
         active = [s for s in active if s is not guilty]
     return CompileResult(
-        loaded, model, reports, verification, dropped, nodes_before, feeds, backend, options
+        loaded,
+        model,
+        reports,
+        verification,
+        dropped,
+        nodes_before,
+        feeds,
+        backend,
+        options,
+        precision,
     )
+
+
+PRECISIONS = {"fp32": {"ort", "openvino"}, "bf16": {"openvino"}}
+
+
+def check_precision(backend: str, precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise KilnError(f"unknown precision '{precision}'; use one of {', '.join(PRECISIONS)}.")
+    if backend not in PRECISIONS[precision]:
+        engines = ", ".join(sorted(PRECISIONS[precision]))
+        raise KilnError(
+            f"precision {precision} runs on {engines} here, not {backend}; "
+            f"use --backend {engines.split(', ')[0]} or --backend auto."
+        )
 
 
 def _member(pipeline: list[PassSpec], spec: PassSpec) -> PassSpec:
@@ -211,7 +238,7 @@ def build_manifest(result: CompileResult) -> dict:
         ],
         "dropped_passes": result.dropped,
         "nodes": {"before": result.nodes_before, "after": count_nodes(model)},
-        "precision": {"default": "fp32", "nodes": {}},
+        "precision": {"default": result.precision, "nodes": {}},
         "buckets": [],
         "inputs": [_spec(v) for v in model.graph.inputs],
         "outputs": [_spec(v) for v in model.graph.outputs],
@@ -251,11 +278,10 @@ def compile(
     """Compile a model (path or `zoo:NAME`) into a verified artifact directory."""
     if target != "cpu":
         raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
-    if precision != "fp32":
-        raise KilnError(f"precision '{precision}' is not supported yet; use precision='fp32'.")
     loaded = load_model(str(model))
     check_destination(destination_for(loaded, output))
     get_backend(backend)  # an unknown or missing engine fails before any work
+    check_precision(backend, precision)
     result = optimize_model(
         loaded,
         pipeline=pipeline,
@@ -263,6 +289,7 @@ def compile(
         shapes=shapes,
         verify=verify,
         backend=backend,
+        precision=precision,
         progress=progress,
     )
     return save_result(result, output)

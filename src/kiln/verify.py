@@ -6,6 +6,9 @@ engine's own noise — how far the *original* model moves between the reference 
 artifact's engine settings — when that is larger: a compiled model is not blamed for rounding
 the engine itself introduces (e.g. a sigmoid head whose outputs are all near zero). Integer and
 boolean outputs must match exactly.
+
+Lower precisions (bf16) are judged by a task metric instead: the cosine similarity of each
+floating output to the fp32 reference must be at least 0.99 (max-abs is still reported).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 FP32_TOLERANCE = 1e-4
+MIN_COSINE = 0.99
 SCALE_FLOOR = 1e-3
 NOISE_FACTOR = 4.0
 
@@ -28,6 +32,7 @@ class OutputCheck:
     bound: float
     ok: bool
     engine_noise: float = 0.0
+    cosine: float | None = None  # lower precisions are judged by it
 
 
 @dataclass
@@ -45,6 +50,9 @@ class Verification:
         if self.error:
             return self.error
         failing = [o for o in self.outputs if not o.ok] or self.outputs
+        if self.precision != "fp32":
+            worst = min(failing, key=lambda o: o.cosine if o.cosine is not None else 1.0)
+            return f"output '{worst.name}' cosine {worst.cosine:.4f}, needs ≥ {MIN_COSINE}"
         worst = max(failing, key=lambda o: o.max_abs / max(o.bound, 1e-30))
         return f"output '{worst.name}' max abs error {worst.max_abs:.3g}, bound {worst.bound:.3g}"
 
@@ -78,6 +86,23 @@ def check_output(
     return OutputCheck(name, max_abs, max_rel, scale, bound, max_abs <= bound, noise)
 
 
+def cosine(ref: np.ndarray, new: np.ndarray) -> float:
+    a, b = ref.astype(np.float64).ravel(), new.astype(np.float64).ravel()
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b / norms) if norms > 0 else float(np.array_equal(a, b))
+
+
+def check_output_cosine(name: str, ref: np.ndarray, new: np.ndarray) -> OutputCheck:
+    check = check_output(name, ref, new, FP32_TOLERANCE)
+    if ref.shape != new.shape or not np.issubdtype(ref.dtype, np.floating):
+        return check
+    value = cosine(ref, new)
+    check.cosine, check.bound, check.ok = value, MIN_COSINE, value >= MIN_COSINE
+    return check
+
+
 def compare(
     names: list[str],
     reference: list[list[np.ndarray]],
@@ -92,7 +117,10 @@ def compare(
     worst: dict[str, OutputCheck] = {}
     for ref_set, new_set in zip(reference, candidate, strict=True):
         for name, ref, new in zip(names, ref_set, new_set, strict=True):
-            check = check_output(name, ref, new, tol, (noise or {}).get(name, 0.0))
+            if precision == "fp32":
+                check = check_output(name, ref, new, tol, (noise or {}).get(name, 0.0))
+            else:
+                check = check_output_cosine(name, ref, new)
             prior = worst.get(name)
             if prior is None or (not check.ok, check.max_abs) > (not prior.ok, prior.max_abs):
                 worst[name] = check
