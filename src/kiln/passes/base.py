@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import abc
+
 import onnx_ir as ir
 
 
@@ -15,8 +17,9 @@ class KilnPass(ir.passes.InPlacePass):
     # Engines that can run what the pass emits; None: any (it emits standard ONNX only).
     engines: frozenset[str] | None = None
 
+    @abc.abstractmethod
     def apply(self, model: ir.Model) -> int:
-        raise NotImplementedError
+        """Rewrite `model` in place; return how many rewrites were made."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.count = self.apply(model)
