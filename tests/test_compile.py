@@ -260,3 +260,31 @@ def test_bf16_artifact_is_verified_by_cosine(tmp_path):
 def test_bf16_on_onnxruntime_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(kiln.KilnError, match="precision bf16 runs on openvino here, not ort"):
         kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="bf16")
+
+
+def test_bf16_that_drifts_is_refused_without_blaming_a_pass(tmp_path):
+    ov = pytest.importorskip("openvino")
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        pytest.skip("this CPU has no bf16")
+    rng = np.random.default_rng(0)
+    w1 = (1.0 + 1e-3 * rng.random((64, 64))).astype(np.float32)  # differs from w2 below bf16's
+    w2 = np.ones((64, 64), np.float32)  # 8-bit mantissa: the difference is all rounding
+    nodes = [
+        h.make_node("MatMul", ["x", "w1"], ["a"], name="a"),
+        h.make_node("MatMul", ["x", "w2"], ["b"], name="b"),
+        h.make_node("Sub", ["a", "b"], ["y"], name="sub"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "cancel",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])],
+        [onnx.numpy_helper.from_array(w1, "w1"), onnx.numpy_helper.from_array(w2, "w2")],
+    )
+    path = tmp_path / "cancel.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    with pytest.raises(
+        kiln.KilnError, match=r"at bf16 the outputs drift too far \(output 'y' cosine"
+    ):
+        kiln.compile(path, tmp_path / "c.kiln", backend="openvino", precision="bf16")
+    assert not (tmp_path / "c.kiln").exists()

@@ -163,6 +163,8 @@ def optimize_model(
         else:
             if verification is None or verification.ok or not active:
                 break
+            if precision != "fp32":
+                break  # lower precision drifts by itself: no pass is to blame
             guilty = _bisect(active, attempt, say)
             say(f"pass {guilty.name} broke the outputs; dropped it")
         dropped.append(guilty.name)
@@ -297,6 +299,11 @@ def compile(
 
 def save_result(result: CompileResult, output: str | Path | None, benchmark=None) -> Artifact:
     if result.verification is not None and not result.verification.ok:
+        if result.precision != "fp32":
+            raise KilnError(
+                f"{result.loaded.source}: at {result.precision} the outputs drift too far "
+                f"({result.verification.summary()}). Nothing was written; use --precision fp32."
+            )
         raise KilnError(
             f"{result.loaded.source}: the compiled model does not match the original even "
             f"with every pass dropped ({result.verification.summary()}). Nothing was written."
