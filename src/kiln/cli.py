@@ -162,8 +162,9 @@ def optimize(
     precision: Annotated[
         str,
         typer.Option(
-            help="fp32 (lossless, the default) or bf16 (OpenVINO; verified by cosine ≥ 0.99 "
-            "to the fp32 outputs)."
+            help="fp32 (lossless, the default); bf16 (OpenVINO) or int8 (ONNX Runtime, dynamic, "
+            "with an accuracy guard that keeps sensitive layers in fp32): both verified by "
+            "cosine ≥ 0.99 to the fp32 outputs."
         ),
     ] = "fp32",
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,

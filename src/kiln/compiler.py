@@ -47,6 +47,7 @@ class CompileResult:
     backend: str = "ort"
     options: Any = None  # the backend's options the artifact runs with
     precision: str = "fp32"
+    plan: dict | None = None  # per-node precision, when not all fp32
     artifact: Artifact | None = None
 
 
@@ -125,6 +126,8 @@ def optimize_model(
     stamp_origins(original)
     nodes_before = count_nodes(original)
     check_precision(backend, precision)
+    if precision == "int8":
+        return _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress)
     options = options or default_options(backend, precision)
     feeds, source = reference_feeds(original, inputs, shapes) if verify else ([], "none")
     reference: list[list[np.ndarray]] = []
@@ -183,7 +186,42 @@ def optimize_model(
     )
 
 
-PRECISIONS = {"fp32": {"ort", "openvino"}, "bf16": {"openvino"}}
+PRECISIONS = {"fp32": {"ort", "openvino"}, "bf16": {"openvino"}, "int8": {"ort"}}
+
+
+def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> CompileResult:
+    """The fp32 pipeline, verified, then dynamic int8 under the accuracy guard: cosine ≥ 0.99
+    to the original's outputs on every reference set, restoring sensitive layers if needed."""
+    from kiln.passes.precision import PASS_NAME, layer_sensitivity, quantize_guarded
+
+    if not verify:
+        raise KilnError("int8 is only written verified: the accuracy guard measures it.")
+    say = progress or (lambda _msg: None)
+    result = optimize_model(
+        loaded, pipeline=pipeline, inputs=inputs, shapes=shapes, backend=backend, progress=progress
+    )
+    if result.verification is None or not result.verification.ok:
+        return result  # save_result reports the fp32 failure
+    say("measuring each layer's int8 sensitivity")
+    sensitivity = layer_sensitivity(result.model, result.feeds[0])
+    reference = run_reference(loaded.model, result.feeds, "synthesized")
+    names = [v.name for v in result.model.graph.outputs]
+    checks: dict[int, Verification] = {}
+
+    def meets_budget(candidate: ir.Model) -> tuple[bool, float]:
+        exe = get_backend(backend).compile(candidate, result.options)
+        outputs = [exe.run(f) for f in result.feeds]
+        check = compare(names, reference, outputs, result.verification.inputs, "int8")
+        checks[id(candidate)] = check
+        return check.ok, min((o.cosine or 1.0) for o in check.outputs) if check.outputs else 1.0
+
+    model, plan, _ = quantize_guarded(result.model, sensitivity, meets_budget, say)
+    result.model, result.verification = model, checks[id(model)]
+    result.precision, result.plan = "int8", plan.to_json()
+    result.reports.append(
+        PassReport(PASS_NAME, "precision", len(plan.int8), 0, count_nodes(model), 0.0)
+    )
+    return result
 
 
 def check_precision(backend: str, precision: str) -> None:
@@ -240,7 +278,7 @@ def build_manifest(result: CompileResult) -> dict:
         ],
         "dropped_passes": result.dropped,
         "nodes": {"before": result.nodes_before, "after": count_nodes(model)},
-        "precision": {"default": result.precision, "nodes": {}},
+        "precision": result.plan or {"default": result.precision, "nodes": {}},
         "buckets": [],
         "inputs": [_spec(v) for v in model.graph.inputs],
         "outputs": [_spec(v) for v in model.graph.outputs],
