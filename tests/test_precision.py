@@ -65,3 +65,25 @@ def test_int8_transformer_is_quantized_and_traced(tmp_path):
     ops = {record["op_type"].split("::")[-1] for record in artifact.provenance().values()}
     assert {"MatMulInteger", "QAttention"} <= ops
     assert all(record["origin"] for record in artifact.provenance().values())
+
+
+def test_conv_model_gets_static_qdq_int8_and_a_calibration_warning(tmp_path):
+    import collections
+
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8")
+    precision = artifact.manifest["precision"]
+    assert precision["scheme"].startswith("static QDQ")
+    assert precision["calibration"]["source"] == "synthetic"
+    assert "unproven" in precision["calibration"]["warning"]
+    assert artifact.manifest["verification"]["ok"]
+    ops = collections.Counter(n.op_type for n in onnx.load(str(artifact.model_path)).graph.node)
+    assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and ops["FusedConv"] == 0
+
+
+def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
+    x = np.random.default_rng(1).random((2, 3, 32, 32), dtype=np.float32)
+    np.savez(tmp_path / "calib.npz", input=x)
+    artifact = kiln.compile(
+        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", inputs=str(tmp_path / "calib.npz")
+    )
+    assert artifact.manifest["precision"]["calibration"] == {"source": str(tmp_path / "calib.npz")}

@@ -281,6 +281,7 @@ def _optimize_summary(result, artifact, bench) -> dict:
         "nodes": manifest["nodes"],
         "verification": manifest["verification"],
         "backend": manifest["backend"],
+        "precision": manifest["precision"],
         "benchmark": bench,
     }
 
@@ -300,6 +301,18 @@ def _print_optimize(summary: dict) -> None:
     nodes = summary["nodes"]
     table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
     table.add_row("backend", escape(summary["backend"]["name"]))
+    precision = summary["precision"]
+    nodes = precision.get("nodes", {})
+    kept = [n for n, p in nodes.items() if not p.startswith(precision["default"])]
+    if precision["default"] != "fp32":
+        table.add_row(
+            "precision",
+            escape(f"{precision['default']} ({precision.get('scheme', '')}); kept in fp32: ")
+            + escape(", ".join(kept) or "none"),
+        )
+    warning = (precision.get("calibration") or {}).get("warning")
+    if warning:
+        table.add_row("[yellow]warning[/yellow]", f"[yellow]{escape(warning)}[/yellow]")
     verification = summary["verification"]
     if verification is None:
         table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")

@@ -189,21 +189,72 @@ def optimize_model(
 PRECISIONS = {"fp32": {"ort", "openvino"}, "bf16": {"openvino"}, "int8": {"ort"}}
 
 
+CALIBRATION_SETS = 8
+
+
+def _conv_heavy(model: ir.Model) -> bool:
+    """Static QDQ int8 suits Conv-heavy models; dynamic int8 suits MatMul-heavy ones."""
+    from kiln.cost.flops import count_flops_by_op
+
+    proto = ir.serde.serialize_model(model)
+    by_op = count_flops_by_op(proto, default_dims(model))
+    return by_op.get("Conv", 0) + by_op.get("ConvTranspose", 0) > by_op.get("MatMul", 0) + (
+        by_op.get("Gemm", 0)
+    )
+
+
 def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> CompileResult:
-    """The fp32 pipeline, verified, then dynamic int8 under the accuracy guard: cosine ≥ 0.99
-    to the original's outputs on every reference set, restoring sensitive layers if needed."""
-    from kiln.passes.precision import PASS_NAME, layer_sensitivity, quantize_guarded
+    """The fp32 pipeline, verified, then int8 under the accuracy guard: cosine ≥ 0.99 to the
+    original's outputs for every reference sample, restoring sensitive layers if needed.
+    Conv-heavy models get static QDQ int8 calibrated on the user's inputs, else on synthetic
+    ones (recorded as unproven); the others get dynamic int8."""
+    from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
+    from kiln.passes.precision import (
+        PASS_NAME,
+        layer_sensitivity,
+        quantize_guarded,
+        weight_sensitivity,
+    )
 
     if not verify:
         raise KilnError("int8 is only written verified: the accuracy guard measures it.")
     say = progress or (lambda _msg: None)
+    static = _conv_heavy(loaded.model)
+    if static:
+        # The quantizer knows standard ops only; ONNX Runtime fuses the QDQ graph itself.
+        pipeline = [s for s in pipeline or default_pipeline(engine=backend) if s.engines is None]
     result = optimize_model(
         loaded, pipeline=pipeline, inputs=inputs, shapes=shapes, backend=backend, progress=progress
     )
     if result.verification is None or not result.verification.ok:
         return result  # save_result reports the fp32 failure
     say("measuring each layer's int8 sensitivity")
-    sensitivity = layer_sensitivity(result.model, result.feeds[0])
+    calibration_note = None
+    if static:
+        sensitivity = weight_sensitivity(result.model)
+        if inputs:
+            calibration = result.feeds
+            calibration_note = {"source": inputs}
+        else:
+            dims = default_dims(loaded.model)
+            calibration = [
+                synthesize(loaded.model, dims, seed=100 + i, shapes=shapes)
+                for i in range(CALIBRATION_SETS)
+            ]
+            calibration_note = {
+                "source": "synthetic",
+                "warning": "calibrated on synthetic inputs: accuracy on real data is unproven; "
+                "give real samples with --inputs",
+            }
+
+        def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
+            return quantize_static_int8(model, calibration, kept)
+    else:
+        sensitivity = layer_sensitivity(result.model, result.feeds[0])
+
+        def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
+            return quantize_dynamic_int8(model, kept)
+
     reference = run_reference(loaded.model, result.feeds, "synthesized")
     names = [v.name for v in result.model.graph.outputs]
     checks: dict[int, Verification] = {}
@@ -215,9 +266,14 @@ def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> C
         checks[id(candidate)] = check
         return check.ok, min((o.cosine or 1.0) for o in check.outputs) if check.outputs else 1.0
 
-    model, plan, _ = quantize_guarded(result.model, sensitivity, meets_budget, say)
+    model, plan, _ = quantize_guarded(result.model, sensitivity, meets_budget, say, quantize)
     result.model, result.verification = model, checks[id(model)]
-    result.precision, result.plan = "int8", plan.to_json()
+    result.precision = "int8"
+    result.plan = {
+        **plan.to_json(),
+        "scheme": "static QDQ (MinMax)" if static else "dynamic",
+        "calibration": calibration_note,
+    }
     result.reports.append(
         PassReport(PASS_NAME, "precision", len(plan.int8), 0, count_nodes(model), 0.0)
     )

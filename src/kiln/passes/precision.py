@@ -1,11 +1,13 @@
-"""Precision: dynamic int8 under an accuracy guard.
+"""Precision: int8 under an accuracy guard.
 
-Kiln quantizes every MatMul/Gemm/Attention weight to int8, measures the task metric (cosine
-to the fp32 outputs) on held-out inputs, and if the budget is broken restores the layers that
-hurt most to fp32, most sensitive first, until it holds. Sensitivity is measured, not guessed:
-each layer's own output error when only its input and weight are quantized the way ONNX
-Runtime does it (uint8 per-tensor activations, int8 per-channel weights), on real activations
-captured from the fp32 model.
+Kiln quantizes every Conv/MatMul/Gemm/Attention weight to int8 — dynamically for
+MatMul-heavy models, statically (QDQ, calibrated) for Conv-heavy ones — measures the task
+metric (cosine to the fp32 outputs) on held-out inputs, and if the budget is broken restores
+the layers that hurt most to fp32, most sensitive first, until it holds. For dynamic int8 the
+sensitivity is measured: each layer's own output error when only its input and weight are
+quantized the way ONNX Runtime does it (uint8 per-tensor activations, int8 per-channel
+weights), on real activations captured from the fp32 model. For static int8 it is the
+per-channel weight error.
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ class PrecisionPlan:
 def _weight(node: ir.Node) -> np.ndarray | None:
     if node.domain not in ("", "ai.onnx", "com.microsoft") or len(node.inputs) < 2:
         return None
-    if node.op_type not in ("MatMul", "Gemm", "Attention") or node.inputs[1] is None:
+    if node.op_type not in ("MatMul", "Gemm", "Attention", "Conv") or node.inputs[1] is None:
         return None
+    if node.op_type == "Conv":
+        weight = _ir_utils.get_numpy_value(node.inputs[1])
+        # [out, in, k...] → [in·k, out]: columns are the output channels, as for MatMul.
+        return None if weight is None else weight.reshape(weight.shape[0], -1).T
     weight = _ir_utils.get_numpy_value(node.inputs[1])
     if weight is None or weight.ndim != 2:
         return None
@@ -68,9 +74,23 @@ def _fake_quantized_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return xq.astype(np.float32) @ wq.astype(np.float32)
 
 
+def weight_sensitivity(model: ir.Model) -> dict[str, float]:
+    """Per quantizable node, the relative error of its weight under per-channel int8, for
+    layers whose activations are calibrated statically (their ranges are fixed, so the weight
+    is what varies from layer to layer)."""
+    errors = {}
+    for name, node in quantizable(model).items():
+        w = _weight(node)
+        scale = np.abs(w).max(axis=0) / 127
+        scale[scale == 0] = 1.0
+        wq = np.clip(np.round(w / scale), -127, 127) * scale
+        errors[name] = float(np.linalg.norm(wq - w) / (np.linalg.norm(w) or 1.0))
+    return errors
+
+
 def layer_sensitivity(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, float]:
     """Per quantizable node, ‖x̃·w̃ − x·w‖ / ‖x·w‖ on the activations it really sees."""
-    nodes = quantizable(model)
+    nodes = {n: node for n, node in quantizable(model).items() if node.op_type != "Conv"}
     probe = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     wanted = {}
     for node in probe.graph:
@@ -97,6 +117,7 @@ def quantize_guarded(
     sensitivity: dict[str, float],
     meets_budget: Callable[[ir.Model], tuple[bool, float]],
     say: Callable[[str], None] = lambda _m: None,
+    quantize: Callable[[ir.Model, list[str]], ir.Model] = quantize_dynamic_int8,
 ) -> tuple[ir.Model, PrecisionPlan, float]:
     """Quantize all; while the budget fails, restore the most sensitive layers to fp32 (1, 2,
     4, … of them). Returns the model, its plan and its metric; raises if even restoring
@@ -105,7 +126,7 @@ def quantize_guarded(
     restore = 0
     while True:
         kept = order[:restore]
-        candidate = quantize_dynamic_int8(model, exclude=kept)
+        candidate = quantize(model, kept)
         _stamp(model, candidate)
         ok, metric = meets_budget(candidate)
         say(f"int8 with {len(kept)} layers kept in fp32: metric {metric:.4f}")
