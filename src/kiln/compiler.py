@@ -193,14 +193,15 @@ CALIBRATION_SETS = 8
 
 
 def _conv_heavy(model: ir.Model) -> bool:
-    """Static QDQ int8 suits Conv-heavy models; dynamic int8 suits MatMul-heavy ones."""
-    from kiln.cost.flops import count_flops_by_op
+    """Static QDQ int8 suits Conv-heavy models, dynamic int8 MatMul-heavy ones; which kind
+    holds most of the weights decides (no shapes needed, unlike a FLOP count)."""
+    from kiln.passes.precision import quantizable
 
-    proto = ir.serde.serialize_model(model)
-    by_op = count_flops_by_op(proto, default_dims(model))
-    return by_op.get("Conv", 0) + by_op.get("ConvTranspose", 0) > by_op.get("MatMul", 0) + (
-        by_op.get("Gemm", 0)
-    )
+    sizes = {"conv": 0, "matmul": 0}
+    for node in quantizable(model).values():
+        weight = node.inputs[1].const_value
+        sizes["conv" if node.op_type == "Conv" else "matmul"] += weight.size if weight else 0
+    return sizes["conv"] > sizes["matmul"]
 
 
 def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> CompileResult:
