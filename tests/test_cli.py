@@ -100,6 +100,20 @@ def test_backend_auto_times_every_engine_and_records_the_choice(tmp_path):
     )  # fmt: skip
     summary = json.loads(out.stdout)
     bench = summary["benchmark"]
-    assert set(bench["candidates"]) == {"ort", "openvino"}
-    assert bench["backend"] == summary["backend"]["name"]
+    assert set(bench["candidates"]) == {"ort/fp32", "openvino/fp32"}
+    assert bench["choice"] == summary["backend"]["name"] + "/fp32"
     assert bench["speedup"] == max(bench["candidates"].values())
+
+
+def test_precision_auto_builds_every_precision_and_keeps_one_that_verifies(tmp_path):
+    pytest.importorskip("openvino")
+    out = kiln(
+        "optimize", "zoo:resnet-tiny", "-o", "r.kiln", "--backend", "auto", "--precision", "auto",
+        "--rounds", "2", "--runs", "3", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    summary = json.loads(out.stdout)
+    bench = summary["benchmark"]
+    tried = set(bench["candidates"]) | set(bench["refused"])
+    assert {"ort/fp32", "openvino/fp32", "ort/int8"} <= tried
+    assert summary["verification"]["ok"]
+    assert bench["choice"] in bench["candidates"]

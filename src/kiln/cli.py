@@ -156,15 +156,16 @@ def optimize(
         str,
         typer.Option(
             help="Engine the artifact runs on: ort, openvino, or auto (build, verify and time "
-            "each available engine; keep the fastest)."
+            "each installed engine; keep the fastest)."
         ),
     ] = "ort",
     precision: Annotated[
         str,
         typer.Option(
-            help="fp32 (lossless, the default); bf16 (OpenVINO) or int8 (ONNX Runtime, dynamic, "
-            "with an accuracy guard that keeps sensitive layers in fp32): both verified by "
-            "cosine ≥ 0.99 to the fp32 outputs."
+            help="fp32 (lossless, the default); bf16 (OpenVINO) or int8 (ONNX Runtime, with an "
+            "accuracy guard that keeps sensitive layers in fp32), both verified by cosine ≥ 0.99 "
+            "to the fp32 outputs; or auto: every precision on every engine that runs it, the "
+            "fastest that meets its budget kept."
         ),
     ] = "fp32",
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,
@@ -201,7 +202,7 @@ def optimize(
     from kiln.ir import load_model
     from kiln.ir.inputs import parse_shapes
 
-    engines = _backends_for(backend, rounds, precision)
+    candidates = _candidates(backend, precision, rounds)
     with _progress() as progress:
         task = progress.add_task(f"loading {model}")
         say = lambda msg: progress.update(task, description=msg)  # noqa: E731
@@ -211,21 +212,26 @@ def optimize(
             optimize_model(
                 loaded,
                 pipeline=[s for s in pipeline if s.engines is None or engine in s.engines],
+                # (int8 narrows this further itself)
                 inputs=inputs,
                 shapes=parse_shapes(shape),
                 verify=not no_verify,
                 backend=engine,
-                precision=precision,
+                precision=level,
                 progress=say,
             )
-            for engine in engines
+            for engine, level in candidates
         ]
-        result, bench = results[0], None
-        if rounds > 0:
+        verified = [r for r in results if r.verification is None or r.verification.ok]
+        result, bench = (verified or results)[0], None
+        if rounds > 0 and verified:
             from kiln.bench.report import time_candidates
 
-            timing = time_candidates(results, rounds, runs, say)
-            result, bench = _fastest_verified(results, timing)
+            timing = time_candidates(verified, rounds, runs, say)
+            result, bench = _fastest(verified, timing)
+            bench["refused"] = {
+                label(r): r.verification.summary() for r in results if r not in verified
+            }
         say("writing the artifact")
         artifact = save_result(result, output, benchmark=bench)
     summary = _optimize_summary(result, artifact, bench)
@@ -235,37 +241,44 @@ def optimize(
         _print_optimize(summary)
 
 
-def _backends_for(backend: str, rounds: int, precision: str) -> list[str]:
+def _candidates(backend: str, precision: str, rounds: int) -> list[tuple[str, str]]:
+    """(engine, precision) pairs to build: one, or every installed engine (`--backend auto`)
+    for every precision it runs (`--precision auto`)."""
     from kiln.backends import BACKENDS, available_backends, get_backend
     from kiln.compiler import PRECISIONS, check_precision
 
+    levels = list(PRECISIONS) if precision == "auto" else [precision]
+    if "auto" in (backend, precision) and rounds <= 0:
+        raise KilnError("auto picks the fastest candidate by timing; use --rounds > 0.")
     if backend == "auto":
-        if rounds <= 0:
-            raise KilnError("--backend auto picks the fastest engine by timing; use --rounds > 0.")
-        check_precision("openvino" if precision == "bf16" else "ort", precision)
-        engines = [b for b in available_backends() if b in PRECISIONS[precision]]
-        if not engines:
-            raise KilnError(f"no installed engine runs {precision}; install openvino.")
-        return engines
-    if backend not in BACKENDS:
+        engines = available_backends()
+    elif backend not in BACKENDS:
         raise KilnError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)} or auto.")
-    get_backend(backend)  # fails now, with its reason, if the engine is missing
-    check_precision(backend, precision)
-    return [backend]
+    else:
+        get_backend(backend)  # fails now, with its reason, if the engine is missing
+        engines = [backend]
+    pairs = [(e, p) for p in levels for e in engines if e in PRECISIONS.get(p, ())]
+    if not pairs:
+        check_precision(engines[0] if engines else backend, precision)
+        raise KilnError(f"no installed engine runs {precision}; install openvino.")
+    return pairs
 
 
-def _fastest_verified(results: list, timing: dict) -> tuple[Any, dict]:
-    """The candidate with the best median speedup among those that verified."""
+def label(result: Any) -> str:
+    return f"{result.backend}/{result.precision}"
+
+
+def _fastest(results: list, timing: dict) -> tuple[Any, dict]:
+    """The verified candidate with the best median speedup."""
     candidates = timing["candidates"]
-    usable = [r for r in results if r.verification is None or r.verification.ok] or results
-    best = max(usable, key=lambda r: candidates[r.backend]["speedup"])
+    best = max(results, key=lambda r: candidates[label(r)]["speedup"])
     bench = {
         "rounds": timing["rounds"],
         "runs_per_round": timing["runs_per_round"],
         "original_ort": timing["original_ort"],
-        "artifact": candidates[best.backend],
-        "speedup": candidates[best.backend]["speedup"],
-        "backend": best.backend,
+        "artifact": candidates[label(best)],
+        "speedup": candidates[label(best)]["speedup"],
+        "choice": label(best),
         "candidates": {name: c["speedup"] for name, c in candidates.items()},
     }
     return best, bench
@@ -342,9 +355,11 @@ def _print_optimize(summary: dict) -> None:
         )
         if len(bench["candidates"]) > 1:
             table.add_row(
-                "engines tried",
+                "candidates",
                 ", ".join(f"{k} {v:.2f}×" for k, v in bench["candidates"].items()),
             )
+        for name, why in bench.get("refused", {}).items():
+            table.add_row(f"[yellow]refused {name}[/yellow]", escape(why))
     console.print(table)
 
 

@@ -55,7 +55,7 @@ def time_candidates(results: list, rounds: int, runs: int, say: Callable[[str], 
     runners = {"ort": engine_runner("ort", original, feeds)}
     for result in results:
         exe = get_backend(result.backend).compile(result.model, result.options)
-        runners[f"kiln-{result.backend}"] = (lambda e: lambda: e.run(feeds))(exe)
+        runners[_label(result)] = (lambda e: lambda: e.run(feeds))(exe)
     say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
     samples = interleave(
         runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
@@ -66,13 +66,17 @@ def time_candidates(results: list, rounds: int, runs: int, say: Callable[[str], 
         "runs_per_round": runs,
         "original_ort": stats(flatten(samples["ort"])).to_json(),
         "candidates": {
-            r.backend: {
-                **stats(flatten(samples[f"kiln-{r.backend}"])).to_json(),
-                "speedup": ratios[f"kiln-{r.backend}"],
+            _label(r): {
+                **stats(flatten(samples[_label(r)])).to_json(),
+                "speedup": ratios[_label(r)],
             }
             for r in results
         },
     }
+
+
+def _label(result) -> str:
+    return f"{result.backend}/{result.precision}"
 
 
 def run_bench(
