@@ -87,3 +87,28 @@ def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
         "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", inputs=str(tmp_path / "calib.npz")
     )
     assert artifact.manifest["precision"]["calibration"] == {"source": str(tmp_path / "calib.npz")}
+
+
+def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
+    # One MatMul whose input has an outlier channel it ignores: no layer can stay int8.
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.2, (64, 64)).astype(np.float32)
+    w[0, :] = 0.0
+    scale = np.ones(64, np.float32)
+    scale[0] = 1000.0
+    nodes = [
+        h.make_node("Mul", ["x", "scale"], ["wide"], name="outlier"),
+        h.make_node("MatMul", ["wide", "w"], ["y"], name="mm"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "hopeless",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])],
+        [nh.from_array(w, "w"), nh.from_array(scale, "scale")],
+    )
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
+        kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
+                     shapes={"x": (16, 64)})  # fmt: skip
+    assert not (tmp_path / "m.kiln").exists()

@@ -269,6 +269,11 @@ def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> C
 
     model, plan, _ = quantize_guarded(result.model, sensitivity, meets_budget, say, quantize)
     result.model, result.verification = model, checks[id(model)]
+    if not plan.int8:  # the budget held only with nothing quantized: that is not int8
+        result.verification = Verification(
+            False, "int8", result.verification.inputs, result.verification.outputs,
+            error="int8 meets the accuracy budget only with every layer kept in fp32",
+        )  # fmt: skip
     result.precision = "int8"
     result.plan = {
         **plan.to_json(),
