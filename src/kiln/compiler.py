@@ -44,6 +44,7 @@ class CompileResult:
     dropped: list[str] = field(default_factory=list)
     nodes_before: int = 0
     feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+    reference: list[list[np.ndarray]] = field(default_factory=list)  # the original's outputs
     backend: str = "ort"
     options: Any = None  # the backend's options the artifact runs with
     precision: str = "fp32"
@@ -173,16 +174,17 @@ def optimize_model(
         dropped.append(guilty.name)
         active = [s for s in active if s is not guilty]
     return CompileResult(
-        loaded,
-        model,
-        reports,
-        verification,
-        dropped,
-        nodes_before,
-        feeds,
-        backend,
-        options,
-        precision,
+        loaded=loaded,
+        model=model,
+        reports=reports,
+        verification=verification,
+        dropped=dropped,
+        nodes_before=nodes_before,
+        feeds=feeds,
+        reference=reference,
+        backend=backend,
+        options=options,
+        precision=precision,
     )
 
 
@@ -256,14 +258,13 @@ def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> C
         def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
             return quantize_dynamic_int8(model, kept)
 
-    reference = run_reference(loaded.model, result.feeds, "synthesized")
     names = [v.name for v in result.model.graph.outputs]
     checks: dict[int, Verification] = {}
 
     def meets_budget(candidate: ir.Model) -> tuple[bool, float]:
         exe = get_backend(backend).compile(candidate, result.options)
         outputs = [exe.run(f) for f in result.feeds]
-        check = compare(names, reference, outputs, result.verification.inputs, "int8")
+        check = compare(names, result.reference, outputs, result.verification.inputs, "int8")
         checks[id(candidate)] = check
         return check.ok, min((o.cosine or 1.0) for o in check.outputs) if check.outputs else 1.0
 
