@@ -471,6 +471,10 @@ def doctor(as_json: JsonOpt = False) -> None:
     console.print(table)
 
 
+# ---------------------------------------------------------------- verbs defined beside their package
+# (each module keeps its heavy imports inside the command, so `kiln --help` stays fast)
+
+
 def main() -> None:
     from rich.text import Text
 
