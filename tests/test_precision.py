@@ -10,6 +10,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import kiln
+from kiln.compiler import PrecisionOptions
 
 
 def hostile_model(path) -> None:
@@ -86,7 +87,23 @@ def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
     artifact = kiln.compile(
         "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", inputs=str(tmp_path / "calib.npz")
     )
-    assert artifact.manifest["precision"]["calibration"] == {"source": str(tmp_path / "calib.npz")}
+    calibration = artifact.manifest["precision"]["calibration"]
+    assert calibration["source"] == str(tmp_path / "calib.npz")
+    assert "give separate samples with --calib" in calibration["warning"]
+
+
+def test_calib_samples_calibrate_and_a_quarter_is_held_out(tmp_path):
+    x = np.random.default_rng(1).random((8, 1, 3, 32, 32), dtype=np.float32)
+    np.savez(tmp_path / "calib.npz", input=x)
+    options = PrecisionOptions(calib=str(tmp_path / "calib.npz"), method="percentile")
+    artifact = kiln.compile(
+        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", precision_options=options
+    )
+    manifest = artifact.manifest
+    assert manifest["precision"]["scheme"] == "static QDQ (percentile)"
+    assert manifest["precision"]["calibration"]["held_out"] == 2
+    assert "warning" not in manifest["precision"]["calibration"]
+    assert manifest["verification"]["inputs"] == "held-out calibration samples"
 
 
 def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
@@ -112,3 +129,97 @@ def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
                      shapes={"x": (16, 64)})  # fmt: skip
     assert not (tmp_path / "m.kiln").exists()
+
+
+def test_int4_guard_restores_exactly_the_hostile_weight(tmp_path):
+    from kiln.verify import Budget
+
+    hostile_model(tmp_path / "m.onnx")
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    arrays = {t.name: nh.to_array(t).copy() for t in model.graph.initializer}
+    # mm2's odd rows are tiny and meet inputs 1000× larger: each row counts as much as the
+    # others, but shares its 4-bit blocks with them and rounds to zero.
+    arrays["w2"][1::2, :] *= 1e-3
+    arrays["scale"][:] = 1.0
+    arrays["scale"][1::2] = 1000.0
+    for t in model.graph.initializer:
+        t.CopyFrom(nh.from_array(arrays[t.name], t.name))
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    # 4 bits cost a Gaussian 64×64 layer ≈ 10 % error: a 3 % budget lets mm1 and mm3 pass.
+    options = PrecisionOptions(budget=Budget("cosine", 0.03))
+    artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int4",
+                            shapes={"x": (16, 64)}, precision_options=options)  # fmt: skip
+    nodes = artifact.manifest["precision"]["nodes"]
+    assert [n for n, p in nodes.items() if p.startswith("fp32")] == ["mm2"], nodes
+    assert artifact.manifest["verification"]["ok"]
+    ops = [n.op_type for n in onnx.load(str(artifact.model_path)).graph.node]
+    assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1
+
+
+@pytest.mark.parametrize("model", ["zoo:bert-tiny", "zoo:resnet-tiny"])
+def test_openvino_int8_through_nncf_is_verified(tmp_path, model):
+    artifact = kiln.compile(model, tmp_path / "m.kiln", precision="int8", backend="openvino")
+    manifest = artifact.manifest
+    assert manifest["precision"]["scheme"] == "static QDQ (NNCF)"
+    assert manifest["verification"]["ok"] and manifest["verification"]["score"] >= 0.99
+    assert manifest["backend"]["name"] == "openvino"
+    ops = [n.op_type for n in onnx.load(str(artifact.model_path)).graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
+    quantized = [n for n, p in manifest["precision"]["nodes"].items() if p == "int8"]
+    assert quantized
+    session = kiln.Session(artifact.path)  # runs on OpenVINO, as recorded
+    assert session.executable.__class__.__name__ == "OpenVinoExecutable"
+
+
+def test_int4_transformer_packs_matmul_weights(tmp_path):
+    artifact = kiln.compile(
+        "zoo:bert-tiny", tmp_path / "b.kiln", precision="int4",
+        precision_options=PrecisionOptions(block_size=64),
+    )  # fmt: skip
+    manifest = artifact.manifest
+    assert manifest["precision"]["scheme"] == "4-bit weights (MatMulNBits, block 64)"
+    assert manifest["verification"]["ok"] and manifest["verification"]["score"] >= 0.99
+    graph = onnx.load(str(artifact.model_path)).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(h.get_attribute_value(a) == 64 for n in nbits for a in n.attribute
+                         if a.name == "block_size")  # fmt: skip
+
+
+def test_budget_metrics_and_a_users_metric(tmp_path, monkeypatch):
+    from kiln.verify import Budget, budget_for
+
+    ref = [np.array([[0.1, 0.9, 0.0], [0.8, 0.1, 0.1]], np.float32)]
+    flipped = [np.array([[0.1, 0.9, 0.0], [0.1, 0.8, 0.1]], np.float32)]
+    assert Budget("top1").score(ref, flipped) == 0.5
+    assert Budget("top1").threshold(ref) == pytest.approx(0.99)
+    assert Budget("max-abs", 0.05).score(ref, [ref[0] + 0.04]) == pytest.approx(1 - 0.04 / 0.9)
+    (tmp_path / "my_metric.py").write_text(
+        "def agreement(ref, new):\n    return 10.0 - abs(float((ref[0] - new[0]).sum()))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    budget = budget_for("my_metric:agreement", max_drop=0.1)
+    assert budget.threshold(ref) == pytest.approx(9.0)  # 10% below its score on fp32 itself
+    assert budget.score(ref, [ref[0] + 0.1]) == pytest.approx(10 - 0.6, rel=1e-5)
+    for bad, message in (
+        ("nope", "unknown metric 'nope'"),
+        ("no_such_module:f", "cannot be loaded"),
+        ("my_metric:missing", "cannot be loaded"),
+    ):
+        with pytest.raises(kiln.KilnError, match=message):
+            budget_for(bad)
+    with pytest.raises(kiln.KilnError, match="--max-drop 2"):
+        budget_for("cosine", 2)
+
+
+def test_user_metric_decides_the_int8_guard(tmp_path, monkeypatch):
+    # A metric that only accepts exact outputs: no layer may stay int8, so int8 is refused.
+    (tmp_path / "strict.py").write_text(
+        "import numpy as np\n"
+        "def exact(ref, new):\n    return float(np.array_equal(ref[0], new[0]))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hostile_model(tmp_path / "m.onnx")
+    strict = PrecisionOptions(budget=__import__("kiln.verify").verify.budget_for("strict:exact"))
+    with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
+        kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
+                     shapes={"x": (16, 64)}, precision_options=strict)  # fmt: skip

@@ -23,11 +23,11 @@ from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir import load_model, stamp_origins
-from kiln.ir.inputs import default_dims, read_inputs, synthesize
+from kiln.ir.inputs import default_dims, read_calibration, read_inputs, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
 from kiln.passes.simplify import count_nodes
-from kiln.verify import Verification, compare, max_abs_diff
+from kiln.verify import Budget, Verification, compare, max_abs_diff
 
 REFERENCE_OPTIONS = OrtOptions(optimization="basic")
 Progress = Callable[[str], None]
@@ -52,6 +52,18 @@ class CompileResult:
     artifact: Artifact | None = None
 
 
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """How a lower precision is judged (`budget`) and, for static int8, calibrated: on the
+    user's samples (`calib`, an .npz or a directory of them) by `method`; int4 packs weights in
+    blocks of `block_size`."""
+
+    budget: Budget = field(default_factory=Budget)
+    calib: str | None = None
+    method: str = "minmax"
+    block_size: int = 32
+
+
 def copy_model(model: ir.Model) -> ir.Model:
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     external = [
@@ -65,8 +77,10 @@ def copy_model(model: ir.Model) -> ir.Model:
 
 
 def reference_feeds(
-    model: ir.Model, inputs: str | None, shapes: dict | None = None, sets: int = 2
+    model: ir.Model, inputs: str | list | None, shapes: dict | None = None, sets: int = 2
 ) -> tuple[list, str]:
+    if isinstance(inputs, list):  # samples held out of the user's calibration set
+        return inputs, "held-out calibration samples"
     if inputs:
         return [read_inputs(inputs, model)], inputs
     dims = default_dims(model)
@@ -112,13 +126,14 @@ def optimize_model(
     loaded: LoadedModel,
     *,
     pipeline: list[PassSpec] | None = None,
-    inputs: str | None = None,
+    inputs: str | list | None = None,
     shapes: dict[str, tuple[int, ...]] | None = None,
     verify: bool = True,
     backend: str = "ort",
     precision: str = "fp32",
     options: Any = None,
     progress: Progress | None = None,
+    precision_options: PrecisionOptions | None = None,
 ) -> CompileResult:
     """Run the pipeline on a copy of the loaded model; verify and bisect unless told not to."""
     say = progress or (lambda _msg: None)
@@ -127,8 +142,11 @@ def optimize_model(
     stamp_origins(original)
     nodes_before = count_nodes(original)
     check_precision(backend, precision)
-    if precision == "int8":
-        return _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress)
+    accuracy = precision_options or PrecisionOptions()
+    if precision in QUANTIZED:
+        return _quantized(
+            loaded, pipeline, inputs, shapes, verify, backend, precision, accuracy, progress
+        )
     options = options or default_options(backend, precision)
     feeds, source = reference_feeds(original, inputs, shapes) if verify else ([], "none")
     reference: list[list[np.ndarray]] = []
@@ -153,7 +171,9 @@ def optimize_model(
             outputs = [exe.run(f) for f in feeds]
         except KilnError as exc:
             return model, reports, Verification(False, precision, source, [], error=str(exc))
-        verification = compare(names, reference, outputs, source, precision, noise=noise)
+        verification = compare(
+            names, reference, outputs, source, precision, noise=noise, budget=accuracy.budget
+        )
         return model, reports, verification
 
     dropped: list[str] = []
@@ -188,103 +208,141 @@ def optimize_model(
     )
 
 
-PRECISIONS = {"fp32": {"ort", "openvino"}, "bf16": {"openvino"}, "int8": {"ort"}}
-
-
+PRECISIONS = {
+    "fp32": {"ort", "openvino"},
+    "bf16": {"openvino"},
+    "int8": {"ort", "openvino"},
+    "int4": {"ort"},
+}
+QUANTIZED = ("int8", "int4")
 CALIBRATION_SETS = 8
 
 
-def _conv_heavy(model: ir.Model) -> bool:
-    """Static QDQ int8 suits Conv-heavy models, dynamic int8 MatMul-heavy ones; which kind
-    holds most of the weights decides (no shapes needed, unlike a FLOP count)."""
-    from kiln.passes.precision import quantizable
-
-    sizes = {"conv": 0, "matmul": 0}
-    for node in quantizable(model).values():
-        weight = node.inputs[1].const_value
-        sizes["conv" if node.op_type == "Conv" else "matmul"] += weight.size if weight else 0
-    return sizes["conv"] > sizes["matmul"]
-
-
-def _quantized(loaded, pipeline, inputs, shapes, verify, backend, progress) -> CompileResult:
-    """The fp32 pipeline, verified, then int8 under the accuracy guard: cosine ≥ 0.99 to the
-    original's outputs for every reference sample, restoring sensitive layers if needed.
-    Conv-heavy models get static QDQ int8 calibrated on the user's inputs, else on synthetic
-    ones (recorded as unproven); the others get dynamic int8."""
-    from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
-    from kiln.passes.precision import (
-        PASS_NAME,
-        layer_sensitivity,
-        quantize_guarded,
-        weight_sensitivity,
-    )
+def _quantized(
+    loaded, pipeline, inputs, shapes, verify, backend, precision, accuracy, progress
+) -> CompileResult:
+    """The fp32 pipeline, verified, then int8/int4 under the accuracy guard: the budget's
+    metric on every held-out sample, restoring the most sensitive layers until it holds.
+    Static int8 (Conv-heavy models on ORT; every model on OpenVINO, through NNCF) is calibrated
+    on the user's samples, else on synthetic ones (recorded as unproven)."""
+    from kiln.passes.precision import conv_heavy, pass_name, quantize_guarded
 
     if not verify:
-        raise KilnError("int8 is only written verified: the accuracy guard measures it.")
+        raise KilnError(f"{precision} is only written verified: the accuracy guard measures it.")
     say = progress or (lambda _msg: None)
-    static = _conv_heavy(loaded.model)
+    conv = conv_heavy(loaded.model)
+    static = precision == "int8" and (conv or backend == "openvino")
     if static:
-        # The quantizer knows standard ops only; ONNX Runtime fuses the QDQ graph itself.
+        # The quantizers know standard ops only; the engines fuse the QDQ graph themselves.
         pipeline = [s for s in pipeline or default_pipeline(engine=backend) if s.engines is None]
+    samples, held_out, note = _calibration(loaded, accuracy, inputs, shapes, static)
     result = optimize_model(
-        loaded, pipeline=pipeline, inputs=inputs, shapes=shapes, backend=backend, progress=progress
+        loaded,
+        pipeline=pipeline,
+        inputs=held_out or inputs,
+        shapes=shapes,
+        backend=backend,
+        progress=progress,
+        precision_options=accuracy,
     )
     if result.verification is None or not result.verification.ok:
         return result  # save_result reports the fp32 failure
-    say("measuring each layer's int8 sensitivity")
-    calibration_note = None
-    if static:
-        sensitivity = weight_sensitivity(result.model)
-        if inputs:
-            calibration = result.feeds
-            calibration_note = {"source": inputs}
-        else:
-            dims = default_dims(loaded.model)
-            calibration = [
-                synthesize(loaded.model, dims, seed=100 + i, shapes=shapes)
-                for i in range(CALIBRATION_SETS)
-            ]
-            calibration_note = {
-                "source": "synthetic",
-                "warning": "calibrated on synthetic inputs: accuracy on real data is unproven; "
-                "give real samples with --inputs",
-            }
-
-        def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
-            return quantize_static_int8(model, calibration, kept)
-    else:
-        sensitivity = layer_sensitivity(result.model, result.feeds[0])
-
-        def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
-            return quantize_dynamic_int8(model, kept)
-
+    say(f"measuring each layer's {precision} sensitivity")
+    sensitivity, quantize, scheme = _quantizer(result, precision, conv, samples, accuracy)
     names = [v.name for v in result.model.graph.outputs]
     checks: dict[int, Verification] = {}
 
     def meets_budget(candidate: ir.Model) -> tuple[bool, float]:
         exe = get_backend(backend).compile(candidate, result.options)
         outputs = [exe.run(f) for f in result.feeds]
-        check = compare(names, result.reference, outputs, result.verification.inputs, "int8")
+        check = compare(
+            names, result.reference, outputs, result.verification.inputs, precision,
+            budget=accuracy.budget,
+        )  # fmt: skip
         checks[id(candidate)] = check
-        return check.ok, min((o.cosine or 1.0) for o in check.outputs) if check.outputs else 1.0
+        return check.ok, check.score
 
-    model, plan, _ = quantize_guarded(result.model, sensitivity, meets_budget, say, quantize)
+    model, plan, _ = quantize_guarded(
+        result.model, sensitivity, meets_budget, say, quantize, precision
+    )
     result.model, result.verification = model, checks[id(model)]
     if not plan.int8:  # the budget held only with nothing quantized: that is not int8
-        result.verification = Verification(
-            False, "int8", result.verification.inputs, result.verification.outputs,
-            error="int8 meets the accuracy budget only with every layer kept in fp32",
-        )  # fmt: skip
-    result.precision = "int8"
-    result.plan = {
-        **plan.to_json(),
-        "scheme": "static QDQ (MinMax)" if static else "dynamic",
-        "calibration": calibration_note,
-    }
+        result.verification.ok = False
+        result.verification.error = (
+            f"{precision} meets the accuracy budget only with every layer kept in fp32"
+        )
+    result.precision = precision
+    result.plan = {**plan.to_json(), "scheme": scheme, "calibration": note}
     result.reports.append(
-        PassReport(PASS_NAME, "precision", len(plan.int8), 0, count_nodes(model), 0.0)
+        PassReport(pass_name(precision), "precision", len(plan.int8), 0, count_nodes(model), 0.0)
     )
     return result
+
+
+def _calibration(
+    loaded: LoadedModel, accuracy: PrecisionOptions, inputs, shapes, static: bool
+) -> tuple[list | None, list | None, dict | None]:
+    """(calibration samples, held-out samples for the guard, the manifest's note). The user's
+    --calib samples calibrate; without --inputs a quarter of them is held out for the guard."""
+    model = loaded.model
+    samples = read_calibration(accuracy.calib, model) if accuracy.calib else None
+    if samples and not static:  # nothing to calibrate: all of them judge the accuracy
+        return None, None if inputs else samples, None
+    if not static:
+        return None, None, None
+    if samples:
+        if inputs or len(samples) < 2:
+            return samples, None, {"source": accuracy.calib, "method": accuracy.method}
+        held = max(1, len(samples) // 4)
+        note = {"source": accuracy.calib, "method": accuracy.method, "held_out": held}
+        return samples[:-held], samples[-held:], note
+    if inputs:
+        return [read_inputs(inputs, model)], None, {
+            "source": inputs,
+            "method": accuracy.method,
+            "warning": "calibrated on the verification inputs themselves; give separate "
+            "samples with --calib",
+        }
+    dims = default_dims(model)
+    synthetic = [
+        synthesize(model, dims, seed=100 + i, shapes=shapes) for i in range(CALIBRATION_SETS)
+    ]
+    return synthetic, None, {
+        "source": "synthetic",
+        "method": accuracy.method,
+        "warning": "calibrated on synthetic inputs: accuracy on real data is unproven; "
+        "give real samples with --calib",
+    }
+
+
+def _quantizer(result: CompileResult, precision: str, conv: bool, samples, accuracy):
+    """(per-layer sensitivity, quantize(model, layers kept fp32), scheme) for the engine."""
+    from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_int4, quantize_static_int8
+    from kiln.passes.precision import layer_sensitivity, weight_sensitivity
+
+    model, size = result.model, accuracy.block_size
+    if precision == "int4":
+        return (
+            weight_sensitivity(model, bits=4, block=size, ops=("MatMul",)),
+            lambda m, kept: quantize_int4(m, kept, size),
+            f"4-bit weights (MatMulNBits, block {size})",
+        )
+    sensitivity = weight_sensitivity(model) if conv else layer_sensitivity(model, result.feeds[0])
+    if result.backend == "openvino":
+        from kiln.backends.openvino_quant import quantize_nncf_int8
+
+        return (
+            sensitivity,
+            lambda m, kept: quantize_nncf_int8(m, samples, kept, transformer=not conv),
+            "static QDQ (NNCF)",
+        )
+    if samples is not None:
+        return (
+            sensitivity,
+            lambda m, kept: quantize_static_int8(m, samples, kept, accuracy.method),
+            f"static QDQ ({accuracy.method})",
+        )
+    return sensitivity, quantize_dynamic_int8, "dynamic"
 
 
 def check_precision(backend: str, precision: str) -> None:
@@ -377,6 +435,7 @@ def compile(
     pipeline: list[PassSpec] | None = None,
     backend: str = "ort",
     progress: Progress | None = None,
+    precision_options: PrecisionOptions | None = None,
 ) -> Artifact:
     """Compile a model (path or `zoo:NAME`) into a verified artifact directory."""
     if target != "cpu":
@@ -394,6 +453,7 @@ def compile(
         backend=backend,
         precision=precision,
         progress=progress,
+        precision_options=precision_options,
     )
     return save_result(result, output)
 

@@ -3,7 +3,9 @@
 Dynamic: weights int8 per output channel, activations quantized to uint8 at run time
 (DynamicQuantizeLinear), no calibration; MatMul, Gemm and com.microsoft Attention become
 MatMulInteger / QAttention. Static: QDQ form with activation ranges calibrated on samples;
-ONNX Runtime fuses the QDQ pairs into int8 kernels. Both skip nodes excluded by name.
+ONNX Runtime fuses the QDQ pairs into int8 kernels. 4-bit: MatMul weights packed into
+com.microsoft MatMulNBits, block-wise, activations quantized to int8 inside the kernel. All skip
+nodes excluded by name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import onnx_ir as ir
 from kiln.errors import KilnError
 
 QUANTIZED_OPS = ["MatMul", "Gemm", "Attention"]
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 
 
 def _through_files(model: ir.Model, kind: str, quantize: Callable[[Path, Path], None]) -> ir.Model:
@@ -32,12 +35,16 @@ def _through_files(model: ir.Model, kind: str, quantize: Callable[[Path, Path], 
                 quantize(source, target)
             except Exception as exc:  # the quantizers raise bare errors on graphs they can't read
                 raise KilnError(f"ONNX Runtime's {kind} int8 quantizer failed: {exc}") from None
-            return ir.external_data.load_to_model(ir.load(target))
+            # onnx.load also reads external tensors held in Constant attributes, which
+            # ir's load_to_model leaves pointing into the temporary directory.
+            return ir.serde.deserialize_model(onnx.load(str(target)))
     finally:
         logging.disable(logging.NOTSET)
 
 
-def quantize_dynamic_int8(model: ir.Model, exclude: Sequence[str] = ()) -> ir.Model:
+def quantize_dynamic_int8(
+    model: ir.Model, exclude: Sequence[str] = (), per_channel: bool = True
+) -> ir.Model:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     def quantize(source: Path, target: Path) -> None:
@@ -45,7 +52,7 @@ def quantize_dynamic_int8(model: ir.Model, exclude: Sequence[str] = ()) -> ir.Mo
             source,
             target,
             op_types_to_quantize=QUANTIZED_OPS,
-            per_channel=True,
+            per_channel=per_channel,
             weight_type=QuantType.QInt8,
             nodes_to_exclude=list(exclude),
             use_external_data_format=True,
@@ -57,10 +64,14 @@ def quantize_dynamic_int8(model: ir.Model, exclude: Sequence[str] = ()) -> ir.Mo
 
 
 def quantize_static_int8(
-    model: ir.Model, calibration: Sequence[dict], exclude: Sequence[str] = ()
+    model: ir.Model,
+    calibration: Sequence[dict],
+    exclude: Sequence[str] = (),
+    method: str = "minmax",
+    per_channel: bool = True,
 ) -> ir.Model:
     """Static int8 in QDQ form: per-channel int8 weights, uint8 activations with ranges
-    calibrated (MinMax) on `calibration`."""
+    calibrated on `calibration` by `method` (minmax, entropy or percentile)."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -82,12 +93,35 @@ def quantize_static_int8(
             target,
             Reader(),
             quant_format=QuantFormat.QDQ,
-            per_channel=True,
+            per_channel=per_channel,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
+            calibrate_method={
+                "minmax": CalibrationMethod.MinMax,
+                "entropy": CalibrationMethod.Entropy,
+                "percentile": CalibrationMethod.Percentile,
+            }[method],
             nodes_to_exclude=list(exclude),
             use_external_data_format=True,
         )
 
     return _through_files(model, "static", quantize)
+
+
+def quantize_int4(model: ir.Model, exclude: Sequence[str] = (), block_size: int = 32) -> ir.Model:
+    """4-bit weight-only MatMulNBits, symmetric blocks of `block_size` along the input dim;
+    accuracy level 4 lets the kernel compute with int8 activations (VNNI)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    def quantize(source: Path, target: Path) -> None:
+        quantizer = MatMulNBitsQuantizer(
+            onnx.load(str(source)),
+            block_size=block_size,
+            is_symmetric=True,
+            accuracy_level=4,
+            nodes_to_exclude=list(exclude),
+        )
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(target), use_external_data_format=True)
+
+    return _through_files(model, "4-bit", quantize)

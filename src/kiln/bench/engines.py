@@ -17,7 +17,12 @@ ENGINES = {
     "openvino": "OpenVINO CPU, LATENCY hint, fp32 forced (INFERENCE_PRECISION_HINT=f32)",
     "openvino-bf16": "OpenVINO CPU, LATENCY hint, bf16 (its own default on CPUs with bf16)",
     "ort-transformers": "onnxruntime.transformers.optimizer (opt_level 0), then ORT_ENABLE_ALL",
+    "ort-int8": "onnxruntime.quantization defaults (per-tensor weights): dynamic int8 for "
+    "MatMul-heavy models, static QDQ MinMax on 8 synthetic samples for Conv-heavy ones",
+    "openvino-int8": "NNCF quantize defaults (TRANSFORMER type for MatMul-heavy models) on 8 "
+    "synthetic samples, then OpenVINO CPU with its own default precision elsewhere",
 }
+CALIBRATION_SAMPLES = 8
 
 
 def parse_engines(text: str) -> list[str]:
@@ -56,6 +61,31 @@ def engine_runner(
                 f"engine '{name}': OpenVINO runs {exe.precision} here, not {wanted} "
                 "(no bf16 support on this CPU?)."
             )
+    elif name in ("ort-int8", "openvino-int8"):
+        exe = _int8_by_hand(name, original)
     else:
         raise KilnError(f"unknown engine '{name}'.")
     return lambda: exe.run(feeds)
+
+
+def _int8_by_hand(name: str, original: ir.Model):
+    """What a user gets from the engine's own int8 tools with their defaults, nothing Kiln."""
+    from kiln.backends.openvino import OpenVinoOptions
+    from kiln.backends.openvino_quant import quantize_nncf_int8
+    from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
+    from kiln.ir.inputs import default_dims, synthesize
+    from kiln.passes.precision import conv_heavy
+
+    conv = conv_heavy(original)
+    dims = default_dims(original)
+    samples = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
+    if name == "openvino-int8":
+        model = quantize_nncf_int8(original, samples, transformer=not conv)
+        return get_backend("openvino").compile(model, OpenVinoOptions())
+    # ONNX Runtime's defaults quantize weights per tensor.
+    model = (
+        quantize_static_int8(original, samples, per_channel=False)
+        if conv
+        else quantize_dynamic_int8(original, per_channel=False)
+    )
+    return get_backend("ort").compile(model, OrtOptions(optimization="all"))

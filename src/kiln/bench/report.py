@@ -7,6 +7,7 @@ import platform
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -98,6 +99,8 @@ def run_bench(
         say(f"preparing engine {name}")
         runners[name] = engine_runner(name, original, feeds)
     runners["kiln"] = kiln_for(feeds)
+    say("measuring each engine's drift from the fp32 original")
+    drift = _drift(runners, engine_runner("ort-basic", original, feeds)())
     say("timing, interleaved")
     samples = interleave(
         runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"round {r}/{rounds}")
@@ -120,10 +123,29 @@ def run_bench(
                 "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
                 **stats(flatten(samples[name]), batch).to_json(),
                 "speedup_vs_baseline": ratios[name],
+                "cosine_vs_fp32": drift[name],
             }
             for name in runners
         },
     }
+
+
+def _drift(runners: dict, reference: list[np.ndarray]) -> dict[str, float]:
+    """Each engine's worst per-sample cosine to the fp32 original's floating outputs."""
+    from kiln.verify import cosine
+
+    drift = {}
+    for name, run_once in runners.items():
+        outputs = run_once()
+        drift[name] = min(
+            (
+                cosine(r, o)
+                for r, o in zip(reference, outputs, strict=True)
+                if np.issubdtype(r.dtype, np.floating) and r.shape == o.shape
+            ),
+            default=1.0,
+        )
+    return drift
 
 
 def _versions() -> dict[str, str]:
@@ -155,6 +177,7 @@ def print_bench(result: dict, console: Console) -> None:
         "jitter",
         "samples/s",
         f"× vs {result['baseline']}",
+        "cosine vs fp32",
         title=f"kiln bench {result['model']} (batch {result['batch']}, "
         f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
     )
@@ -167,5 +190,6 @@ def print_bench(result: dict, console: Console) -> None:
             f"{e['jitter']:.2f}",
             f"{e['throughput']:.1f}",
             f"{e['speedup_vs_baseline']:.2f}",
+            f"{e['cosine_vs_fp32']:.5f}",
         )
     console.print(table)

@@ -162,6 +162,48 @@ def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
     return feeds
 
 
+def read_calibration(path: str, model: ir.Model) -> list[dict[str, np.ndarray]]:
+    """Calibration samples from an .npz or a directory of them (sorted by name). In a file,
+    arrays with one more dim than the model's input are stacks: the first axis indexes the
+    samples; otherwise the file is one sample."""
+    where = Path(path)
+    if where.is_dir():
+        files = sorted(where.glob("*.npz"))
+        if not files:
+            raise KilnError(f"{path}: no .npz files in this calibration directory.")
+    elif where.is_file():
+        files = [where]
+    else:
+        raise KilnError(f"{path}: no such calibration file or directory.")
+    ranks = {v.name: len(v.shape) for v in model.graph.inputs if v.shape is not None}
+    samples: list[dict[str, np.ndarray]] = []
+    for file in files:
+        arrays = _read_npz(file)
+        stacked = [k for k, a in arrays.items() if k in ranks and a.ndim == ranks[k] + 1]
+        if stacked and len(stacked) != len(arrays):
+            raise KilnError(
+                f"{file}: some arrays are stacks of samples ({stacked[0]}) and some are not; "
+                "stack every input the same way."
+            )
+        count = len(next(iter(arrays.values()))) if stacked else 1
+        for i in range(count):
+            sample = {k: a[i] for k, a in arrays.items()} if stacked else arrays
+            check_feeds(model, sample, where=str(file))
+            samples.append(sample)
+    return samples
+
+
+def _read_npz(file: Path) -> dict[str, np.ndarray]:
+    if not zipfile.is_zipfile(file):
+        raise KilnError(f"{file}: not an .npz file. Save samples with numpy.savez.")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KilnError(f"{file}: cannot read the .npz file ({reason}).") from None
+
+
 def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inputs") -> None:
     """Raise KilnError naming the first input that is unknown, missing, or of the wrong dtype
     or shape."""

@@ -1,13 +1,14 @@
-"""Precision: int8 under an accuracy guard.
+"""Precision: int8 and int4 under an accuracy guard.
 
 Kiln quantizes every Conv/MatMul/Gemm/Attention weight to int8 — dynamically for
-MatMul-heavy models, statically (QDQ, calibrated) for Conv-heavy ones — measures the task
-metric (cosine to the fp32 outputs) on held-out inputs, and if the budget is broken restores
-the layers that hurt most to fp32, most sensitive first, until it holds. For dynamic int8 the
+MatMul-heavy models, statically (QDQ, calibrated) for Conv-heavy ones and for OpenVINO — or
+MatMul weights to 4 bits, measures the task metric (see `kiln.verify.Budget`) on held-out
+inputs, and if the budget is broken restores the layers that hurt most to fp32, most sensitive
+first, until it holds. For dynamic int8 the
 sensitivity is measured: each layer's own output error when only its input and weight are
 quantized the way ONNX Runtime does it (uint8 per-tensor activations, int8 per-channel
 weights), on real activations captured from the fp32 model. For static int8 it is the
-per-channel weight error.
+per-channel weight error (block-wise for int4).
 """
 
 from __future__ import annotations
@@ -27,18 +28,23 @@ from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, join_origins, or
 PASS_NAME = "quantize-int8"
 
 
+def pass_name(precision: str) -> str:
+    return f"quantize-{precision}"
+
+
 @dataclass
 class PrecisionPlan:
-    """Which layers run int8 and which were kept in fp32, and why."""
+    """Which layers run quantized and which were kept in fp32, and why."""
 
-    int8: list[str] = field(default_factory=list)
+    int8: list[str] = field(default_factory=list)  # the quantized layers (int8 or int4)
     fp32: dict[str, str] = field(default_factory=dict)  # node → reason
     sensitivity: dict[str, float] = field(default_factory=dict)
+    precision: str = "int8"
 
     def to_json(self) -> dict:
-        nodes = dict.fromkeys(self.int8, "int8")
+        nodes = dict.fromkeys(self.int8, self.precision)
         nodes.update({name: f"fp32 ({why})" for name, why in self.fp32.items()})
-        return {"default": "int8", "nodes": nodes}
+        return {"default": self.precision, "nodes": nodes}
 
 
 def _weight(node: ir.Node) -> np.ndarray | None:
@@ -62,6 +68,16 @@ def quantizable(model: ir.Model) -> dict[str, ir.Node]:
     return {n.name: n for n in model.graph if _weight(n) is not None}
 
 
+def conv_heavy(model: ir.Model) -> bool:
+    """Static QDQ int8 suits Conv-heavy models, dynamic int8 MatMul-heavy ones; which kind
+    holds most of the weights decides (no shapes needed, unlike a FLOP count)."""
+    sizes = {"conv": 0, "matmul": 0}
+    for node in quantizable(model).values():
+        weight = node.inputs[1].const_value
+        sizes["conv" if node.op_type == "Conv" else "matmul"] += weight.size if weight else 0
+    return sizes["conv"] > sizes["matmul"]
+
+
 def _fake_quantized_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x·w with x as uint8 per tensor (DynamicQuantizeLinear) and w as int8 per column."""
     low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
@@ -74,16 +90,30 @@ def _fake_quantized_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return xq.astype(np.float32) @ wq.astype(np.float32)
 
 
-def weight_sensitivity(model: ir.Model) -> dict[str, float]:
-    """Per quantizable node, the relative error of its weight under per-channel int8, for
-    layers whose activations are calibrated statically (their ranges are fixed, so the weight
-    is what varies from layer to layer)."""
+def _fake_quantized_weight(w: np.ndarray, bits: int, block: int | None) -> np.ndarray:
+    """Symmetric per-column quantization, in blocks of `block` rows when given (int4)."""
+    top = 2 ** (bits - 1) - 1
+    rows = w.shape[0]
+    size = block or rows
+    pad = (-rows) % size
+    blocks = np.pad(w, ((0, pad), (0, 0))).reshape(-1, size, w.shape[1])
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / top
+    scale[scale == 0] = 1.0
+    return (np.clip(np.round(blocks / scale), -top, top) * scale).reshape(-1, w.shape[1])[:rows]
+
+
+def weight_sensitivity(
+    model: ir.Model, bits: int = 8, block: int | None = None, ops: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Per quantizable node (of `ops`, when given), the relative error of its weight under
+    per-channel int8 — for layers whose activations are calibrated statically (their ranges
+    are fixed, so the weight is what varies from layer to layer) — or block-wise int4."""
     errors = {}
     for name, node in quantizable(model).items():
+        if ops and node.op_type not in ops:
+            continue
         w = _weight(node)
-        scale = np.abs(w).max(axis=0) / 127
-        scale[scale == 0] = 1.0
-        wq = np.clip(np.round(w / scale), -127, 127) * scale
+        wq = _fake_quantized_weight(w, bits, block)
         errors[name] = float(np.linalg.norm(wq - w) / (np.linalg.norm(w) or 1.0))
     return errors
 
@@ -118,29 +148,64 @@ def quantize_guarded(
     meets_budget: Callable[[ir.Model], tuple[bool, float]],
     say: Callable[[str], None] = lambda _m: None,
     quantize: Callable[[ir.Model, list[str]], ir.Model] = quantize_dynamic_int8,
+    precision: str = "int8",
 ) -> tuple[ir.Model, PrecisionPlan, float]:
-    """Quantize all; while the budget fails, restore the most sensitive layers to fp32 (1, 2,
-    4, … of them). Returns the model, its plan and its metric; raises if even restoring
-    every layer cannot meet the budget."""
-    order = sorted(sensitivity, key=sensitivity.get, reverse=True)
-    restore = 0
-    while True:
-        kept = order[:restore]
+    """Quantize all; if the budget fails, find the layers that break it by measurement and
+    keep those in fp32. Layers are taken least sensitive first (by the cheap estimate); the
+    shortest prefix that fails together with the layers already accepted ends in a culprit,
+    found by bisection (each culprit costs about log2(layers) quantizations). The estimate
+    only orders the search: the budget itself decides who is restored. Past a bounded number
+    of trials the layers not yet judged are kept in fp32. Returns the model, its plan and its
+    metric; the plan quantizes nothing when no layer can stay quantized."""
+    order = sorted(sensitivity, key=sensitivity.get)
+    trials = 0
+
+    def trial(quantized: list[str]) -> tuple[ir.Model, bool, float]:
+        nonlocal trials
+        trials += 1
+        kept = [n for n in order if n not in set(quantized)]
         candidate = quantize(model, kept)
-        _stamp(model, candidate)
+        _stamp(model, candidate, pass_name(precision))
         ok, metric = meets_budget(candidate)
-        say(f"int8 with {len(kept)} layers kept in fp32: metric {metric:.4f}")
-        if ok or restore >= len(order):
-            plan = PrecisionPlan(
-                int8=[n for n in order if n not in kept],
-                fp32={n: f"restored: quantization error {sensitivity[n]:.2%}" for n in kept},
-                sensitivity=sensitivity,
-            )
-            return candidate, plan, metric
-        restore = 1 if restore == 0 else min(2 * restore, len(order))
+        say(f"{precision} with {len(kept)} layers kept in fp32: metric {metric:.4f}")
+        return candidate, ok, metric
+
+    limit = 8 + 4 * max(1, len(order)).bit_length()
+    accepted: list[str] = []
+    restored: dict[str, str] = {}
+    rest = list(order)
+    best = trial(rest)
+    while rest and not best[1]:
+        if trials >= limit:
+            restored |= dict.fromkeys(rest, "restored: not judged within the search's bound")
+            best, rest = trial(accepted), []
+            break
+        low, high = 0, len(rest)  # accepted+rest[:low] meets the budget; +rest[:high] fails
+        while high - low > 1:
+            middle = (low + high) // 2
+            _, ok, _ = trial(accepted + rest[:middle])
+            low, high = (middle, high) if ok else (low, middle)
+        culprit = rest[high - 1]
+        restored[culprit] = (
+            f"restored: breaks the budget when quantized (estimated error "
+            f"{sensitivity[culprit]:.2%})"
+        )
+        accepted += rest[: high - 1]
+        rest = rest[high:]
+        best = trial(accepted + rest)
+        if best[1]:
+            accepted += rest
+    candidate, _ok, metric = best
+    plan = PrecisionPlan(
+        int8=[n for n in order if n not in restored],
+        fp32=restored,
+        sensitivity=sensitivity,
+        precision=precision,
+    )
+    return candidate, plan, metric
 
 
-def _stamp(before: ir.Model, after: ir.Model) -> None:
+def _stamp(before: ir.Model, after: ir.Model, name: str = PASS_NAME) -> None:
     """Nodes the quantizer made inherit the origins of the node they are named after (the
     quantized MatMul), or else of the nodes they are wired to (activation quantizers)."""
     known = {n.name: origins_of(n) for n in all_nodes(before.graph) if n.name}
@@ -150,7 +215,7 @@ def _stamp(before: ir.Model, after: ir.Model) -> None:
         prefix = max((k for k in known if name.startswith(k)), key=len, default=None)
         if prefix is not None:
             node.metadata_props[ORIGIN_KEY] = join_origins(known[prefix])
-        node.metadata_props[PASS_KEY] = PASS_NAME
+        node.metadata_props[PASS_KEY] = name
     for node in bare:
         if origins_of(node):
             continue
