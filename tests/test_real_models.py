@@ -44,3 +44,73 @@ def test_ppocr_models_compile_verified_and_match(file, shapes, feed_shape, tmp_p
 def test_rec_model_without_shape_says_what_to_give(tmp_path):
     with pytest.raises(kiln.KilnError, match=r"Give input shapes with --shape INPUT=D0xD1x"):
         kiln.compile(MODELS / "ch_PP-OCRv4_rec_infer.onnx", tmp_path / "m.kiln")
+
+
+_VOCABULARY = (
+    "invoice total amount due date order number customer account paid balance shipping address "
+    "street city north river market station garden kernel compiler tensor model quick brown fox "
+    "jumps over lazy dog alpha beta gamma delta report summary page"
+)
+WORDS = _VOCABULARY.split()
+
+
+def _text_lines(count: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(count):
+        words = [str(w) for w in rng.choice(WORDS, size=int(rng.integers(2, 4)))]
+        if rng.random() < 0.5:
+            words.append(str(int(rng.integers(10, 99999))))
+        lines.append(" ".join(words))
+    return lines
+
+
+def _render(line: str, seed: int) -> np.ndarray:
+    """A text line as PP-OCR's recogniser wants it: 48 px high, padded to 320, in [-1, 1]."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    font = ImageFont.truetype(FONT, int(rng.integers(26, 34)))
+    left, top, right, bottom = font.getbbox(line)
+    image = Image.new("L", (right - left + 12, 48), int(rng.integers(200, 256)))
+    ImageDraw.Draw(image).text((6 - left, (48 - bottom - top) // 2), line, font=font, fill=0)
+    width = min(320, image.width * 48 // image.height)
+    pixels = np.asarray(image.resize((width, 48)), np.float32) / 255.0
+    canvas = np.zeros((48, 320), np.float32)
+    canvas[:, :width] = (pixels - 0.5) / 0.5
+    return np.repeat(canvas[None, None], 3, axis=1)
+
+
+def _read(probabilities: np.ndarray) -> tuple[int, ...]:
+    """CTC greedy decoding: best class per step, repeats merged, blanks (0) dropped."""
+    best = probabilities[0].argmax(axis=-1)
+    return tuple(int(c) for i, c in enumerate(best) if c != 0 and (i == 0 or c != best[i - 1]))
+
+
+FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+
+
+@pytest.mark.slow  # the recogniser is int8-sensitive: the guard's search takes minutes
+@pytest.mark.skipif(not Path(FONT).exists(), reason="DejaVu fonts are not installed")
+def test_int8_recogniser_reads_rendered_lines_as_fp32_does(tmp_path):
+    pytest.importorskip("PIL")
+    from kiln.compiler import PrecisionOptions
+
+    calibration = np.stack([_render(t, i) for i, t in enumerate(_text_lines(32, seed=1))])
+    np.savez(tmp_path / "calib.npz", x=calibration)  # [32, 1, 3, 48, 320]: 32 samples
+    options = PrecisionOptions(calib=str(tmp_path / "calib.npz"), method="percentile")
+    source = MODELS / "ch_PP-OCRv4_rec_infer.onnx"
+    shapes = {"x": (1, 3, 48, 320)}
+    fp32 = kiln.Session(kiln.compile(source, tmp_path / "fp32.kiln", shapes=shapes).path)
+    int8 = kiln.compile(source, tmp_path / "int8.kiln", shapes=shapes, precision="int8",
+                        precision_options=options)  # fmt: skip
+    assert int8.manifest["precision"]["calibration"]["held_out"] == 8
+    session = kiln.Session(int8.path)
+
+    held_out = _text_lines(40, seed=2)
+    same = sum(
+        _read(session.run(None, {"x": x})[0]) == _read(fp32.run(None, {"x": x})[0])
+        for x in (_render(t, 1000 + i) for i, t in enumerate(held_out))
+    )
+    print(f"int8 reads {same}/{len(held_out)} held-out lines exactly as fp32 does")
+    assert same >= 0.95 * len(held_out)

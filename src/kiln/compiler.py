@@ -318,7 +318,7 @@ def _calibration(
 def _quantizer(result: CompileResult, precision: str, conv: bool, samples, accuracy):
     """(per-layer sensitivity, quantize(model, layers kept fp32), scheme) for the engine."""
     from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_int4, quantize_static_int8
-    from kiln.passes.precision import layer_sensitivity, weight_sensitivity
+    from kiln.passes.precision import activation_matmuls, layer_sensitivity, weight_sensitivity
 
     model, size = result.model, accuracy.block_size
     if precision == "int4":
@@ -328,6 +328,8 @@ def _quantizer(result: CompileResult, precision: str, conv: bool, samples, accur
             f"4-bit weights (MatMulNBits, block {size})",
         )
     sensitivity = weight_sensitivity(model) if conv else layer_sensitivity(model, result.feeds[0])
+    if samples is not None:  # static: activation×activation MatMuls are quantized as well
+        sensitivity |= dict.fromkeys(activation_matmuls(model), 0.0)
     if result.backend == "openvino":
         from kiln.backends.openvino_quant import quantize_nncf_int8
 

@@ -64,7 +64,11 @@ class Verification:
             return self.error
         failing = [o for o in self.outputs if not o.ok] or self.outputs
         if self.metric is not None:
-            return f"{self.metric} {self.score:.4f}, needs ≥ {self.threshold:.4f}"
+            where = ""
+            if self.metric == "cosine":
+                worst = min(failing, key=lambda o: o.cosine if o.cosine is not None else 1.0)
+                where = f"output '{worst.name}' "
+            return f"{where}{self.metric} {self.score:.4f}, needs ≥ {self.threshold:.4f}"
         worst = max(failing, key=lambda o: o.max_abs / max(o.bound, 1e-30))
         return f"output '{worst.name}' max abs error {worst.max_abs:.3g}, bound {worst.bound:.3g}"
 

@@ -60,6 +60,10 @@ class OpenVinoOptions:
     inference_num_threads: int = 0
     cache_dir: str | None = None  # OpenVINO's compiled-model cache; None = off
     extra: dict[str, str] = field(default_factory=dict)
+    # Symbolic dim name -> fixed size: the model is reshaped to static before compiling (one
+    # executable per shape bucket); static shapes can run faster (ENGINE-NOTES: BERT batch 8,
+    # 17 -> 24 samples/s on a Xeon; about 1.0x on this EPYC at 1x64 and 4x128).
+    dim_overrides: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -202,7 +206,7 @@ class OpenVinoExecutable:
         props = {**self.options.properties(), "PERF_COUNT": "YES"}
         # A profiling build must neither come from nor land in the model cache.
         props.pop("CACHE_DIR", None)
-        compiled, _ = _compile(self._model, self.options.device, props)
+        compiled, _ = _compile(self._model, self.options.device, props, self.options.dim_overrides)
         origins = _origins(compiled)
         request = compiled.create_infer_request()
         request.infer(feeds, share_inputs=True, share_outputs=True)
@@ -259,7 +263,9 @@ class OpenVinoBackend:
         if not self.available():
             raise KilnError("backend 'openvino' is not installed; pip install openvino.")
         options = options or OpenVinoOptions()
-        compiled, names = _compile(model, options.device, options.properties())
+        compiled, names = _compile(
+            model, options.device, options.properties(), options.dim_overrides
+        )
         return OpenVinoExecutable(compiled, names, options, model)
 
 
@@ -273,11 +279,16 @@ def _core() -> ov.Core:
 
 
 def _compile(
-    model: ir.Model | str, device: str, props: dict[str, str]
+    model: ir.Model | str,
+    device: str,
+    props: dict[str, str],
+    dim_overrides: dict[str, int] | None = None,
 ) -> tuple[ov.CompiledModel, tuple[list[str], list[str]]]:
     _check_device(device)
     try:
         ov_model = _read(model)
+        if dim_overrides:
+            ov_model.reshape(_fixed_shapes(model, dim_overrides))
         names = (
             [_port_name(p) for p in ov_model.inputs],
             [_port_name(p) for p in ov_model.outputs],
@@ -318,6 +329,20 @@ def _read(model: ir.Model | str) -> ov.Model:
         ir.save(model, path, external_data="model.onnx.data")
         # No mmap: the weights must be copied in before the temporary file goes away.
         return core.read_model(str(path), config={"ENABLE_MMAP": False})
+
+
+def _fixed_shapes(model: ir.Model | str, dim_overrides: dict[str, int]) -> dict[str, list[int]]:
+    """Input name -> shape with the named dims fixed (-1 stays dynamic). OpenVINO's reader
+    drops ONNX dim names, so they are read from the ONNX graph itself."""
+    graph = (ir.load(str(model)) if isinstance(model, str | os.PathLike) else model).graph
+    shapes = {}
+    for value in graph.inputs:
+        if value.name in graph.initializers or value.shape is None:
+            continue
+        shapes[value.name] = [
+            d if isinstance(d, int) else dim_overrides.get(str(d.value), -1) for d in value.shape
+        ]
+    return shapes
 
 
 def _port_name(port: Any) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,12 @@ class OrtOptions:
     memory_arena: bool = True
     memory_pattern: bool = True
     extra: dict[str, str] = field(default_factory=dict)
+    # Symbolic dim name -> fixed size: a shape-specialised session (one per shape bucket).
+    dim_overrides: dict[str, int] = field(default_factory=dict)
+    # Sessions of one model file share one copy of its weights (only when compiled from a
+    # path). ORT copies weights per session (20 BERT-base bucket sessions took 7 GB); and
+    # its weight prepacking makes a per-session copy too, so that is turned off with it.
+    share_weights: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +71,8 @@ class OrtOptions:
         )
         for key, value in self.extra.items():
             so.add_session_config_entry(key, value)
+        for dim, size in self.dim_overrides.items():
+            so.add_free_dimension_override_by_name(dim, int(size))
         return so
 
 
@@ -75,6 +85,7 @@ class OrtExecutable:
         self.session = session
         self.options = options
         self._model = model  # kept to open a profiling session on demand
+        self.weights: _Weights | None = None
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
 
@@ -119,7 +130,47 @@ class OrtBackend:
     def compile(self, model: ir.Model | str, options: OrtOptions | None = None) -> OrtExecutable:
         options = options or OrtOptions()
         so = options.session_options()
-        return OrtExecutable(_open(model, so), options, model)
+        weights = None
+        if options.share_weights and isinstance(model, str | os.PathLike) and Path(model).is_file():
+            weights = _shared_weights(str(model))
+            so.add_session_config_entry("session.disable_prepacking", "1")
+            for name, value in weights.values.items():
+                so.add_initializer(name, value)
+        executable = OrtExecutable(_open(model, so), options, model)
+        executable.weights = weights  # the shared copy lives as long as a session using it
+        return executable
+
+
+class _Weights:
+    """A model file's large initializers as OrtValues, shared by sessions (add_initializer
+    uses the buffer without copying it)."""
+
+    def __init__(self, path: str) -> None:
+        graph = ir.load(path).graph
+        self.arrays = {}
+        for name, value in graph.initializers.items():
+            # Small ones (shapes, axes) stay in the model, where ORT can constant-fold them.
+            if value.const_value is None or value.const_value.nbytes < 4096:
+                continue
+            array = np.ascontiguousarray(value.const_value.numpy())
+            if array.dtype.kind in "biuf":  # bfloat16, float8, int4 have no plain numpy type
+                self.arrays[name] = array
+        self.values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.arrays.items()}
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[str, int], _Weights] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_weights(path: str) -> _Weights:
+    file = Path(path).resolve()
+    key = (str(file), file.stat().st_mtime_ns)  # a rewritten file is read again
+    with _SHARED_LOCK:
+        weights = _SHARED.get(key)
+        if weights is None:
+            weights = _Weights(str(file))
+            _SHARED[key] = weights
+    return weights
 
 
 def _open(model: ir.Model | str, so: ort.SessionOptions) -> ort.InferenceSession:
@@ -148,6 +199,7 @@ def _kernel_records(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "op_type": args.get("op_name", ""),
                 "provider": args.get("provider", ""),
                 "dur_us": float(event.get("dur", 0)),
+                "ts_us": float(event.get("ts", 0)),  # start, for timelines
                 "run": run,
             }
         )

@@ -22,6 +22,9 @@ from kiln.errors import KilnError
 
 QUANTIZED_OPS = ["MatMul", "Gemm", "Attention"]
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+# Static QDQ quantizes only the layers the guard can judge and restore; ONNX Runtime's default
+# would also quantize every Add, Mul, Concat, pooling... with no one answering for them.
+STATIC_OPS: list[str] | None = ["Conv", "MatMul", "Gemm"]
 
 
 def _through_files(model: ir.Model, kind: str, quantize: Callable[[Path, Path], None]) -> ir.Model:
@@ -40,6 +43,18 @@ def _through_files(model: ir.Model, kind: str, quantize: Callable[[Path, Path], 
             return ir.serde.deserialize_model(onnx.load(str(target)))
     finally:
         logging.disable(logging.NOTSET)
+
+
+def _at_least_opset(model: ir.Model, version: int) -> ir.Model:
+    """A copy converted up to `version` when the model is older (per-channel QDQ needs the
+    `axis` attribute of opset 13's QuantizeLinear); the model itself is left as it is."""
+    if model.opset_imports.get("", version) >= version:
+        return model
+    from onnx import version_converter  # onnxscript's converts only to opset 18 and up
+
+    return ir.serde.deserialize_model(
+        version_converter.convert_version(ir.serde.serialize_model(model), version)
+    )
 
 
 def quantize_dynamic_int8(
@@ -93,6 +108,7 @@ def quantize_static_int8(
             target,
             Reader(),
             quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=STATIC_OPS,
             per_channel=per_channel,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
@@ -105,7 +121,7 @@ def quantize_static_int8(
             use_external_data_format=True,
         )
 
-    return _through_files(model, "static", quantize)
+    return _through_files(_at_least_opset(model, 13), "static", quantize)
 
 
 def quantize_int4(model: ir.Model, exclude: Sequence[str] = (), block_size: int = 32) -> ir.Model:

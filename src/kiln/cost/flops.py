@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -41,7 +41,7 @@ def count_flops_by_op(
 ) -> dict[str, int]:
     """FLOPs per operator type (only the counted MAC operators appear)."""
     out: dict[str, int] = {}
-    for node, flops in _node_flops(model, dims):
+    for _, node, flops in _node_flops(model, dims):
         out[node.op_type] = out.get(node.op_type, 0) + flops
     return out
 
@@ -49,25 +49,26 @@ def count_flops_by_op(
 def count_flops_by_node(
     model: onnx.ModelProto, dims: Mapping[str, int] | None = None
 ) -> dict[str, int]:
-    """FLOPs per counted node, keyed by node name (``#index:OpType`` for unnamed nodes)."""
+    """FLOPs per counted node, keyed by node name (``#index:OpType`` for unnamed nodes, the
+    index being the node's position in the graph, as in :func:`kiln.cost.node_costs`)."""
     return {
-        node.name or f"#{i}:{node.op_type}": flops
-        for i, (node, flops) in enumerate(_node_flops(model, dims))
+        node.name or f"#{i}:{node.op_type}": flops for i, node, flops in _node_flops(model, dims)
     }
 
 
 # ---------------------------------------------------------------------------- internals
 def _node_flops(
     model: onnx.ModelProto, dims: Mapping[str, int] | None
-) -> list[tuple[onnx.NodeProto, int]]:
+) -> list[tuple[int, onnx.NodeProto, int]]:
+    """(index in the graph, node, FLOPs) of every counted node."""
     inferred = _infer(model, _resolve_dims(model, dims))
     shapes = _shapes(inferred)
     for t in model.graph.initializer:  # in case folding consumed one
         shapes.setdefault(t.name, list(t.dims))
     result = []
-    for node in model.graph.node:
+    for i, node in enumerate(model.graph.node):
         if node.op_type in MAC_OPS and node.domain in ("", "ai.onnx"):
-            result.append((node, 2 * _macs(node, shapes, model)))
+            result.append((i, node, 2 * _macs(node, shapes, model)))
     return result
 
 
@@ -82,15 +83,21 @@ def _resolve_dims(model: onnx.ModelProto, dims: Mapping[str, int] | None) -> dic
     return resolved
 
 
-def _infer(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
+def _infer(
+    model: onnx.ModelProto,
+    dims: Mapping[str, int],
+    hints: Sequence[onnx.ValueInfoProto] = (),
+) -> onnx.ModelProto:
     """A copy of the graph with big weights turned into typed inputs, dims fixed, shapes inferred.
 
-    Dropping the weight bytes keeps this fast on models of hundreds of megabytes.
+    Dropping the weight bytes keeps this fast on models of hundreds of megabytes. ``hints``
+    are shapes known from elsewhere (value_info), e.g. of ops ONNX cannot infer.
     """
     src = model.graph
     init_names = {t.name for t in src.initializer}
     graph = onnx.GraphProto(name=src.name)
     graph.node.extend(src.node)
+    graph.value_info.extend(hints)
     for out in src.output:  # declared output shapes may be symbolic: let inference decide
         if out.type.HasField("tensor_type"):
             out = helper.make_tensor_value_info(out.name, out.type.tensor_type.elem_type, None)
@@ -119,19 +126,35 @@ def _infer(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
             graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     copy = onnx.ModelProto(ir_version=max(model.ir_version, 4), graph=graph)
     copy.opset_import.extend(model.opset_import)
+    # ONNX Runtime accepts contrib-op domains that are not declared (its transformers optimizer
+    # writes such models); ONNX inference refuses them.
+    declared = {o.domain for o in model.opset_import}
+    for domain in sorted({n.domain for n in src.node} - declared - {"", "ai.onnx"}):
+        copy.opset_import.append(helper.make_opsetid(domain, 1))
     copy.functions.extend(model.functions)
     # ONNX shape inference cannot see through shape arithmetic such as exported position ids
     # (Slice(buffer, 0, Unsqueeze(Gather(Shape(ids), 1)))); folding those constants first lets it.
-    try:
-        folded = ir.from_proto(copy)
-        onnxscript.optimizer.fold_constants(folded)
-        copy = ir.to_proto(folded)
-    except Exception:  # noqa: BLE001 - folding only helps; plain inference may still suffice
-        pass
-    try:
-        return onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
-    except onnx.shape_inference.InferenceError as exc:
-        raise KilnError(f"model {src.name!r}: shape inference failed: {exc}") from exc
+    # A second round folds what the first round's shapes made constant (Shape → Slice → Concat
+    # → Reshape chains, as paddle2onnx writes them).
+    for _ in range(2):
+        try:
+            folded = ir.from_proto(copy)
+            onnxscript.optimizer.fold_constants(folded)
+            copy = ir.to_proto(folded)
+        except Exception:  # noqa: BLE001 - folding only helps; plain inference may still suffice
+            pass
+        try:
+            copy = onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
+        except onnx.shape_inference.InferenceError as exc:
+            raise KilnError(f"model {src.name!r}: shape inference failed: {exc}") from exc
+        if _all_shapes_static(copy):
+            break
+    return copy
+
+
+def _all_shapes_static(model: onnx.ModelProto) -> bool:
+    shapes = _shapes(model)
+    return all(shapes.get(o) is not None for node in model.graph.node for o in node.output if o)
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int] | None]:

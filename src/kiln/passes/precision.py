@@ -68,6 +68,18 @@ def quantizable(model: ir.Model) -> dict[str, ir.Node]:
     return {n.name: n for n in model.graph if _weight(n) is not None}
 
 
+def activation_matmuls(model: ir.Model) -> list[str]:
+    """MatMuls of two computed tensors (attention's QK and AV): static int8 quantizes them
+    too, so the guard must be able to restore them."""
+    return [
+        n.name
+        for n in model.graph
+        if n.op_type == "MatMul"
+        and n.domain in ("", "ai.onnx")
+        and all(v is not None and _ir_utils.get_numpy_value(v) is None for v in n.inputs)
+    ]
+
+
 def conv_heavy(model: ir.Model) -> bool:
     """Static QDQ int8 suits Conv-heavy models, dynamic int8 MatMul-heavy ones; which kind
     holds most of the weights decides (no shapes needed, unlike a FLOP count)."""

@@ -1,0 +1,80 @@
+"""`kiln profile`: where the time and memory go, against this machine's measured limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def profile(
+    model: Annotated[
+        str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact directory.")
+    ],
+    backend: Annotated[
+        str | None,
+        typer.Option(help="Engine: ort or openvino (default: the artifact's own, else ort)."),
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
+    shape: Annotated[
+        list[str],
+        typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input (repeatable)."),
+    ] = [],  # noqa: B006
+    runs: Annotated[int, typer.Option(help="Profiled runs, and as many timed runs.")] = 20,
+    rounds: Annotated[
+        int, typer.Option(help="Rounds alternating timing and profiling (noise control).")
+    ] = 5,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace (JSON).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Profile MODEL op by op: latency (P50/P90/P99, jitter), per-kernel times mapped to the
+    original nodes, a roofline against measured peaks, and the bottlenecks with a Kiln action
+    for each."""
+    import json
+    import sys
+
+    from kiln.cli import _progress, console
+    from kiln.errors import KilnError
+    from kiln.ir.inputs import parse_shapes
+    from kiln.profile import profile_model
+    from kiln.report import print_profile, write_html, write_trace
+
+    for path in (output, trace):
+        if path is not None and not path.absolute().parent.is_dir():
+            raise KilnError(f"{path}: the directory {path.absolute().parent} does not exist.")
+    with _progress() as progress:
+        task = progress.add_task(f"loading {model}")
+        say = lambda msg: progress.update(task, description=msg)  # noqa: E731
+        result = profile_model(
+            model,
+            backend=backend,
+            batch=batch,
+            shapes=parse_shapes(shape),
+            runs=runs,
+            rounds=rounds,
+            say=say,
+        )
+        try:
+            if output is not None:
+                say(f"writing {output}")
+                write_html(result, output)
+            if trace is not None:
+                say(f"writing {trace}")
+                write_trace(result, trace)
+        except OSError as exc:
+            raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
+    if as_json:
+        # The raw per-run records go to --trace; everything derived from them is here.
+        shown = {k: v for k, v in result.items() if k != "records"}
+        sys.stdout.write(json.dumps(shown, indent=2, default=float) + "\n")
+        return
+    print_profile(result, console)
+    for path, what in ((output, "report"), (trace, "trace")):
+        if path is not None:
+            console.print(f"wrote {what} {path}")

@@ -1,0 +1,164 @@
+"""`profile_model`: measure, aggregate, place on the roofline, diagnose; one JSON-ready dict."""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import onnx_ir as ir
+
+from kiln import __version__
+from kiln.bench.latency import stats
+from kiln.errors import KilnError
+from kiln.profile.aggregate import attach_costs, per_node, per_op_type, run_totals, timeline
+from kiln.profile.diagnose import Context, diagnose
+from kiln.profile.mapping import NodeMatcher
+from kiln.profile.measure import measure
+from kiln.profile.roofline import place, roofs
+from kiln.profile.target import feed_dims, load_target, target_feeds
+
+
+def profile_model(
+    source: str,
+    *,
+    backend: str | None = None,
+    batch: int = 1,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    runs: int = 20,
+    rounds: int = 5,
+    peaks: Any = None,
+    say: Callable[[str], None] = lambda _msg: None,
+) -> dict[str, Any]:
+    """Profile a model (.onnx, zoo:NAME) or artifact (NAME.kiln) on a backend.
+
+    `peaks` (a `kiln.hardware.Peaks`) defaults to this machine's measured peaks.
+    """
+    if runs < 1 or rounds < 1:
+        raise KilnError("--runs and --rounds must be 1 or more.")
+    say(f"loading {source}")
+    target = load_target(source, backend)
+    feeds = target_feeds(target, batch, shapes)
+    if peaks is None:
+        from kiln.hardware import measured_peaks
+
+        peaks = measured_peaks(progress=lambda step: say(f"measuring this machine: {step}"))
+    measured = measure(target, feeds, runs=runs, rounds=min(rounds, runs), say=say)
+    say("aggregating and diagnosing")
+    nodes = per_node(measured.records, NodeMatcher(target.model), target.provenance)
+    cost_note = _attach_costs(nodes, target.model, feed_dims(target, feeds))
+    for node in nodes:
+        place(node, peaks)
+    latency = stats(measured.latency_s, batch)
+    totals = run_totals(measured.records)
+    findings = diagnose(
+        Context(
+            nodes=nodes,
+            model=target.model,
+            source=_original_source(source, target.manifest),
+            peaks=peaks,
+            cpu_utilization=measured.cpu_utilization,
+            cores=measured.cores,
+            idle_fraction=measured.idle_fraction,
+        )
+    )
+    median_run = sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2]
+    runs_seen = sorted({r["run"] for r in measured.records})
+    return {
+        "kiln_version": __version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "name": target.name,
+        "artifact": target.is_artifact,
+        "backend": {"name": target.backend, "options": target.options.to_json()},
+        "batch": batch,
+        "inputs": {k: list(v.shape) for k, v in feeds.items()},
+        "latency": latency.to_json(),
+        "node_time": {
+            "profiled_runs": len(totals),
+            "mean_ms": statistics.fmean(totals) if totals else 0.0,
+            "median_ms": statistics.median(totals) if totals else 0.0,
+            # the per-node sum of a run against the end-to-end latency measured without the
+            # profiler (in the same alternating rounds, so under the same load)
+            "ratio_to_p50": statistics.median(totals) / latency.p50_ms if totals else 0.0,
+        },
+        "roofline": _whole_model(nodes, latency.p50_ms, peaks, cost_note),
+        "cpu_utilization": measured.cpu_utilization,
+        "cores": measured.cores,
+        "idle_fraction": measured.idle_fraction,
+        "memory": measured.memory,
+        "findings": [f.to_json() for f in findings],
+        "nodes": nodes,
+        "op_types": per_op_type(nodes),
+        "timeline": timeline(measured.records, runs_seen[median_run]) if runs_seen else [],
+        "records": measured.records,
+        "provenance": _provenance_view(nodes) if target.is_artifact else None,
+        "manifest": _manifest_summary(target.manifest),
+    }
+
+
+def _attach_costs(nodes: list[dict], model: ir.Model, dims: dict[str, int]) -> str | None:
+    """FLOPs and bytes per kernel from kiln.cost; a model it cannot cost is still profiled."""
+    from kiln.cost import node_costs
+
+    try:
+        costs = node_costs(ir.to_proto(model), dims)
+    except KilnError as exc:
+        return f"no roofline: {exc}"
+    attach_costs(nodes, costs)
+    return None
+
+
+def _whole_model(nodes: list[dict], p50_ms: float, peaks: Any, note: str | None) -> dict:
+    """Achieved GFLOP/s against the peak, and the fraction of the roofline: the time the
+    roofline allows for all the work (kernel by kernel) over the end-to-end P50."""
+    costed = [n for n in nodes if n.get("flops") is not None]
+    flops = sum(n["flops"] for n in costed)
+    floor_ms = sum(n.get("roofline_ms", 0.0) for n in costed)
+    node_ms = sum(n["median_ms"] for n in nodes)
+    return {
+        "peaks": peaks.to_json(),
+        "roofs": roofs(peaks),
+        "flops": flops,
+        "bytes": sum(n["bytes"] for n in costed),
+        "achieved_gflops": flops / (p50_ms * 1e6) if p50_ms > 0 else 0.0,
+        "fraction_of_peak": flops / (p50_ms * 1e6) / peaks.fp32_gflops if p50_ms > 0 else 0.0,
+        "roofline_ms": floor_ms,
+        "fraction_of_roofline": floor_ms / p50_ms if p50_ms > 0 else 0.0,
+        "costed_share": sum(n["median_ms"] for n in costed) / node_ms if node_ms else 0.0,
+        "note": note,
+    }
+
+
+def _original_source(source: str, manifest: dict | None) -> str:
+    """What to hand `kiln optimize` again: the model an artifact was built from."""
+    if not manifest:
+        return source
+    return (manifest.get("source") or {}).get("path") or "<the original model>"
+
+
+def _provenance_view(nodes: list[dict]) -> list[dict]:
+    """Kernel → compiled node → original nodes (and passes), slowest kernels first."""
+    return [
+        {
+            "kernel": n["node"],
+            "op_type": n["op_type"],
+            "median_ms": n["median_ms"],
+            "compiled_nodes": n["graph_nodes"],
+            "original": n["original"],
+            "passes": n["passes"],
+        }
+        for n in nodes
+    ]
+
+
+def _manifest_summary(manifest: dict | None) -> dict | None:
+    if not manifest:
+        return None
+    return {
+        "source": manifest.get("source"),
+        "precision": (manifest.get("precision") or {}).get("default"),
+        "passes": [p["name"] for p in manifest.get("passes", []) if p.get("rewrites")],
+        "nodes": manifest.get("nodes"),
+    }

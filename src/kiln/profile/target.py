@@ -1,0 +1,103 @@
+"""What `kiln profile` runs: an original model (.onnx / zoo:NAME) or a compiled artifact.
+
+Either way the result is the ONNX graph the engine is given, the engine and its options, and
+for an artifact the provenance that maps each compiled node to the user's original nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class Target:
+    """A model ready to be compiled by a backend and profiled."""
+
+    source: str  # what the user typed
+    name: str
+    model: ir.Model  # the graph the engine runs (nodes all named)
+    runnable: ir.Model | str  # what the backend compiles: the model, or the artifact's file
+    backend: str
+    options: Any
+    provenance: dict[str, dict[str, Any]] | None  # compiled node → origins; None if original
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def is_artifact(self) -> bool:
+        return self.provenance is not None
+
+
+def load_target(source: str, backend: str | None = None) -> Target:
+    """Open `source`; `backend` None means the artifact's own engine, or ONNX Runtime."""
+    from kiln.backends import default_options, get_backend, options_from_json
+
+    if Path(source).is_dir():
+        from kiln.artifact import read_artifact
+
+        artifact = read_artifact(source)
+        recorded = artifact.manifest.get("backend", {})
+        name = backend or recorded.get("name", "ort")
+        get_backend(name)
+        if name == recorded.get("name"):
+            options = options_from_json(name, recorded.get("options", {}))
+        else:  # run elsewhere than it was built for: that engine's defaults
+            options = default_options(name)
+        return Target(
+            source=source,
+            name=Path(source).name.removesuffix(".kiln"),
+            model=ir.load(str(artifact.model_path)),  # graph only: weights stay on disk
+            runnable=str(artifact.model_path),
+            backend=name,
+            options=options,
+            provenance=artifact.provenance(),
+            manifest=artifact.manifest,
+        )
+    from kiln.ir import load_model, stamp_origins
+
+    name = backend or "ort"
+    get_backend(name)
+    loaded = load_model(source)
+    # Unnamed nodes get names here, so the engine's per-node records can be matched to them.
+    stamp_origins(loaded.model)
+    return Target(
+        source=source,
+        name=loaded.name,
+        model=loaded.model,
+        runnable=loaded.model,
+        backend=name,
+        options=default_options(name),
+        provenance=None,
+    )
+
+
+def target_feeds(
+    target: Target, batch: int = 1, shapes: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, np.ndarray]:
+    """Synthesised inputs at the given batch size (and --shape overrides)."""
+    from kiln.ir.inputs import default_dims, synthesize
+
+    if batch < 1:
+        raise KilnError(f"--batch {batch}: the batch size must be 1 or more.")
+    dims = {**default_dims(target.model), "batch": batch, "batch_size": batch, "N": batch}
+    if target.manifest and target.manifest.get("dims"):
+        dims = {**target.manifest["dims"], "batch": batch, "batch_size": batch, "N": batch}
+    return synthesize(target.model, dims, shapes=shapes)
+
+
+def feed_dims(target: Target, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """The value of every symbolic input dim in these feeds (for the cost model)."""
+    dims: dict[str, int] = {}
+    for value in target.model.graph.inputs:
+        if value.name not in feeds or value.shape is None:
+            continue
+        for dim, size in zip(value.shape, feeds[value.name].shape, strict=False):
+            if not isinstance(dim, int) and dim.value:
+                dims[str(dim.value)] = int(size)
+    return dims

@@ -1,0 +1,107 @@
+"""The report's plotly figures: roofline, timeline, memory over time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
+
+
+def roofline_figure(result: dict[str, Any]) -> go.Figure:
+    """Log-log: the memory slope and one compute roof per measured precision, and every
+    costed kernel at (arithmetic intensity, achieved GFLOP/s), sized by its time."""
+    roofs = result["roofline"]["roofs"]
+    nodes = [n for n in result["nodes"] if n.get("intensity") and n.get("achieved_gflops")]
+    bandwidth = roofs["bandwidth_gbs"]
+    xs = [n["intensity"] for n in nodes] or [1.0]
+    low = min(min(xs), 0.01) / 2
+    high = max(max(xs), 2 * max(roofs["compute"].values()) / bandwidth) * 2
+    figure = go.Figure()
+    for precision, peak in roofs["compute"].items():
+        ridge = peak / bandwidth
+        figure.add_trace(
+            go.Scatter(
+                x=[low, ridge, high],
+                y=[low * bandwidth, peak, peak],
+                mode="lines",
+                name=f"{precision} roof ({peak:.0f} GFLOP/s, {bandwidth:.0f} GB/s)",
+                line={"dash": "solid" if precision == "fp32" else "dot"},
+            )
+        )
+    by_op: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        by_op.setdefault(node["op_type"], []).append(node)
+    longest = max((n["median_ms"] for n in nodes), default=1.0) or 1.0
+    for op_type, members in sorted(by_op.items()):
+        figure.add_trace(
+            go.Scatter(
+                x=[n["intensity"] for n in members],
+                y=[n["achieved_gflops"] for n in members],
+                mode="markers",
+                name=op_type,
+                marker={"size": [6 + 24 * (n["median_ms"] / longest) ** 0.5 for n in members]},
+                text=[
+                    f"{n['node']}<br>{n['median_ms']:.3f} ms/run, "
+                    f"{n.get('efficiency', 0):.0%} of roof ({n.get('bound', '?')}-bound)"
+                    for n in members
+                ],
+                hoverinfo="text",
+            )
+        )
+    figure.update_layout(
+        title="roofline",
+        xaxis={"type": "log", "title": "arithmetic intensity (FLOP/byte)"},
+        yaxis={"type": "log", "title": "achieved GFLOP/s"},
+        height=520,
+        **_LAYOUT,
+    )
+    return figure
+
+
+def timeline_figure(result: dict[str, Any]) -> go.Figure:
+    """One run (the median one): a bar per kernel, one row per operator type."""
+    spans = result["timeline"]
+    figure = go.Figure(
+        go.Bar(
+            base=[s["start_us"] / 1e3 for s in spans],
+            x=[s["dur_us"] / 1e3 for s in spans],
+            y=[s["op_type"] for s in spans],
+            orientation="h",
+            text=[s["node"] for s in spans],
+            hovertemplate="%{text}<br>start %{base:.3f} ms, %{x:.3f} ms<extra></extra>",
+            textposition="none",
+        )
+    )
+    rows = len({s["op_type"] for s in spans})
+    figure.update_layout(
+        title="timeline of one run (ms)",
+        xaxis={"title": "ms from the start of the run"},
+        height=max(240, 60 + 22 * rows),
+        **_LAYOUT,
+    )
+    return figure
+
+
+def memory_figure(result: dict[str, Any]) -> go.Figure:
+    """RSS over the whole measurement, with the phase boundaries marked."""
+    memory = result["memory"]
+    figure = go.Figure(
+        go.Scatter(x=memory["t_s"], y=memory["rss_mib"], mode="lines", name="RSS (MiB)")
+    )
+    for mark in memory["marks"]:
+        figure.add_vline(x=mark["t_s"], line={"width": 1, "dash": "dot", "color": "#999"})
+        figure.add_annotation(
+            x=mark["t_s"], y=1, yref="paper", text=mark["label"], showarrow=False,
+            textangle=-90, xanchor="left", yanchor="top", font={"size": 9},
+        )  # fmt: skip
+    figure.update_layout(
+        title="process memory (RSS) over time",
+        xaxis={"title": "seconds"},
+        yaxis={"title": "MiB"},
+        height=340,
+        showlegend=False,
+        **_LAYOUT,
+    )
+    return figure

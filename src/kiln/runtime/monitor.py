@@ -1,0 +1,121 @@
+"""The load monitor: what ran where, how fast, how much of it was padding, and every decision
+the runtime took. Thread-safe; recording costs a lock and a few appends per run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("kiln.runtime")
+
+LATENCY_SAMPLES = 1000  # per bucket: enough for a stable P99, bounded memory
+
+
+@dataclass
+class Observation:
+    dims: dict[str, int]
+    bucket: str  # key text, or "dynamic" for a miss
+    seconds: float
+    real: int  # input elements the requests brought
+    executed: int  # input elements actually run (with padding)
+
+
+@dataclass
+class _BucketStats:
+    runs: int = 0
+    requests: int = 0
+    real: int = 0
+    executed: int = 0
+    latencies: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+
+
+class LoadMonitor:
+    def __init__(self, window: int = 2000) -> None:
+        self._lock = threading.Lock()
+        self._buckets: dict[str, _BucketStats] = {}
+        self.hits = self.misses = 0
+        self.missed_shapes: Counter[str] = Counter()
+        # Recent traffic only: the adaptive policy judges the current bucket set on it.
+        self._window: deque[Observation] = deque(maxlen=window)
+        self.compiles = 0  # bucket executables built (lazily, at warm-up or for a swap)
+        self.evictions = 0  # least recently used executables dropped (memory cap)
+        self.recompiles = self.swaps = 0  # bucket-set rebuilds started; swaps completed
+        self.decisions: list[dict[str, Any]] = []
+
+    def record(self, obs: Observation, requests: int) -> None:
+        with self._lock:
+            stats = self._buckets.setdefault(obs.bucket, _BucketStats())
+            stats.runs += 1
+            stats.requests += requests
+            stats.real += obs.real
+            stats.executed += obs.executed
+            stats.latencies.append(obs.seconds)
+            if obs.bucket == "dynamic":
+                self.misses += requests
+                self.missed_shapes[_shape_text(obs.dims)] += requests
+            else:
+                self.hits += requests
+            self._window.append(obs)
+
+    def decide(self, trigger: str, action: str) -> None:
+        log.info("kiln.runtime: %s -> %s", trigger, action)
+        with self._lock:
+            self.decisions.append({"time": time.time(), "trigger": trigger, "action": action})
+
+    def window(self) -> list[Observation]:
+        with self._lock:
+            return list(self._window)
+
+    def reset_window(self) -> None:
+        with self._lock:
+            self._window.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            buckets = {
+                key: {
+                    "runs": s.runs,
+                    "requests": s.requests,
+                    "padding_waste": _waste(s.real, s.executed),
+                    "p50_ms": _percentile(s.latencies, 50),
+                    "p99_ms": _percentile(s.latencies, 99),
+                }
+                for key, s in self._buckets.items()
+            }
+            real = sum(s.real for s in self._buckets.values())
+            executed = sum(s.executed for s in self._buckets.values())
+            return {
+                "requests": self.hits + self.misses,
+                "hits": self.hits,
+                "misses": self.misses,
+                "missed_shapes": dict(self.missed_shapes),
+                "padding_waste": _waste(real, executed),
+                "buckets": buckets,
+                "compiles": self.compiles,
+                "evictions": self.evictions,
+                "recompiles": self.recompiles,
+                "swaps": self.swaps,
+                "decisions": list(self.decisions),
+            }
+
+
+def _shape_text(dims: dict[str, int]) -> str:
+    return ",".join(f"{d}={v}" for d, v in sorted(dims.items()))
+
+
+def _waste(real: int, executed: int) -> float:
+    return 0.0 if executed == 0 else 1.0 - real / executed
+
+
+def _percentile(latencies: deque, q: float) -> float:
+    return float(np.percentile(latencies, q) * 1e3) if latencies else 0.0
+
+
+def waste_of(window: list[Observation]) -> float:
+    return _waste(sum(o.real for o in window), sum(o.executed for o in window))

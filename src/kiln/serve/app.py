@@ -1,0 +1,272 @@
+"""The HTTP application: KServe v2 endpoints over one `kiln.Session`, with dynamic batching.
+
+Every error is answered in KServe's form, `{"error": "..."}`: 400 for a request the protocol or
+the model cannot take (the message names the input and what was expected), 404 for an unknown
+model, 413 for a body over the size limit, 503 when the queue is full or the server is shutting
+down, 500 for a failure inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln import __version__
+from kiln.errors import KilnError
+from kiln.serve.batcher import Batcher, Closed, Overloaded
+from kiln.serve.metrics import ServeMetrics
+from kiln.serve.protocol import (
+    DATATYPES,
+    ProtocolError,
+    RequestTooLarge,
+    decompress,
+    encode_response,
+    parse_request,
+)
+
+log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
+VERSION = "1"  # one model, one version: the protocol wants a version string to name
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def create_app(
+    session: Any,
+    name: str,
+    *,
+    max_batch: int = 16,
+    max_delay_ms: float = 5.0,
+    max_queue: int = 256,
+    max_request_bytes: int = 64 << 20,
+) -> FastAPI:
+    """A FastAPI app serving `session` (a `kiln.Session`) as model `name`."""
+    metrics = ServeMetrics(name, session.stats)
+    batcher = Batcher(
+        session.run_batch,
+        max_batch=max_batch,
+        max_delay=max_delay_ms / 1000,
+        max_queue=max_queue,
+        observe=metrics.observe_batch,
+    )
+    metrics.queue_depth.set_function(lambda: batcher.depth)
+    inputs = {spec["name"]: spec for spec in session.inputs}
+    output_names = list(session.output_names)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        yield
+        # uvicorn has already waited for requests in flight; this finishes anything still
+        # queued (nothing, normally) before the engine is released.
+        await run_in_threadpool(batcher.close)
+        close = getattr(session, "close", None)
+        if close is not None:
+            close()
+
+    app = FastAPI(title=f"kiln serve {name}", version=__version__, lifespan=lifespan)
+    app.state.session, app.state.batcher, app.state.metrics = session, batcher, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods, in KServe's error form too.
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    def check_model(model: str, version: str | None = None) -> None:
+        if model != name:
+            raise ApiError(404, f"unknown model '{model}'; this server serves '{name}'")
+        if version is not None and version != VERSION:
+            raise ApiError(404, f"model '{name}' has no version '{version}'; it has '{VERSION}'")
+
+    def ready() -> bool:
+        return batcher.accepting
+
+    @app.get("/v2/health/live")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/v2/health/ready")
+    async def server_ready() -> JSONResponse:
+        return JSONResponse({"ready": ready()}, status_code=200 if ready() else 503)
+
+    @app.get("/v2")
+    async def server_metadata() -> dict[str, Any]:
+        return {"name": "kiln", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    @app.get("/v2/models/{model}")
+    @app.get("/v2/models/{model}/versions/{version}")
+    async def model_metadata(model: str, version: str | None = None) -> dict[str, Any]:
+        check_model(model, version)
+        return {
+            "name": name,
+            "versions": [VERSION],
+            "platform": "kiln",
+            "inputs": list(session.inputs),
+            "outputs": list(session.outputs),
+        }
+
+    @app.get("/v2/models/{model}/ready")
+    @app.get("/v2/models/{model}/versions/{version}/ready")
+    async def model_ready(model: str, version: str | None = None) -> JSONResponse:
+        check_model(model, version)
+        return JSONResponse({"name": name, "ready": ready()}, status_code=200 if ready() else 503)
+
+    @app.post("/v2/models/{model}/infer")
+    @app.post("/v2/models/{model}/versions/{version}/infer")
+    async def infer(model: str, request: Request, version: str | None = None) -> Response:
+        check_model(model, version)
+        started = time.perf_counter()
+        metrics.requests.inc()
+        try:
+            if batcher.full():  # refuse before reading a body we could not queue anyway
+                raise Overloaded(
+                    f"server overloaded: {batcher.depth} requests are queued (the limit, "
+                    "kiln serve --max-queue); retry later"
+                )
+            body = await _read_body(request, max_request_bytes)
+            decoded = await run_in_threadpool(_decode, body, request.headers, max_request_bytes)
+            _check_inputs(decoded.inputs, inputs)
+            unknown = sorted(set(decoded.outputs) - set(output_names))
+            if unknown:
+                raise ApiError(
+                    400, f"unknown output '{unknown[0]}'; the model's outputs are {output_names}"
+                )
+            values = await asyncio.wrap_future(batcher.submit(decoded.inputs))
+            outputs = dict(zip(output_names, values, strict=True))
+            content, header_length = await run_in_threadpool(
+                encode_response, name, decoded, outputs, VERSION
+            )
+        except Exception as exc:
+            status, message = _status_of(exc)
+            metrics.failure(status)
+            if status == 500:  # not the client's fault: keep the traceback for the operator
+                log.exception("inference failed")
+            raise ApiError(status, message) from exc
+        finally:
+            metrics.latency.observe(time.perf_counter() - started)
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_length)},
+        )
+
+    @app.post("/v2/models/{model}/swap")
+    async def swap(model: str, request: Request) -> dict[str, Any]:
+        """Kiln's admin extension: build a bucket set (the current one afresh, or `buckets`,
+        e.g. {"buckets": "batch=1,4,8 seq=32,64"}) in the background, verify it and swap it in
+        while serving. Answers once swapped, or at once with {"wait": false}."""
+        check_model(model)
+        body = await request.body()
+        try:
+            args = json.loads(body) if body.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"malformed JSON in the request: {exc}") from None
+        if not isinstance(args, dict) or set(args) - {"buckets", "wait"}:
+            raise ApiError(
+                400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}'
+            )
+        swaps = session.stats()["swaps"]
+        try:
+            await run_in_threadpool(
+                lambda: session.swap(args.get("buckets"), wait=bool(args.get("wait", True)))
+            )
+        except KilnError as exc:
+            raise ApiError(400, str(exc)) from None
+        stats = session.stats()
+        return {"name": name, "swapped": stats["swaps"] > swaps, "stats": stats}
+
+    @app.get("/v2/models/{model}/runtime")
+    async def runtime(model: str) -> dict[str, Any]:
+        """Kiln's extension: the session's buckets, per-bucket figures and every decision."""
+        check_model(model)
+        return session.stats()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(body: bytes, headers: Any, limit: int):
+    body = decompress(body, headers.get("content-encoding"), limit)
+    header_length = headers.get("inference-header-content-length")
+    if header_length is not None and not header_length.strip().isdigit():
+        raise ProtocolError(
+            f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"
+        )
+    return parse_request(body, int(header_length) if header_length is not None else None)
+
+
+def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]) -> None:
+    """Names, datatypes, ranks and fixed dims against the model's inputs; 400 naming the input
+    and what it should be. Also one batch size across inputs, which batching relies on."""
+    unknown = sorted(set(feeds) - set(specs))
+    if unknown:
+        raise ApiError(400, f"unknown input '{unknown[0]}'; the model's inputs are {sorted(specs)}")
+    for spec in specs.values():
+        want = f"{spec['datatype']} with shape {spec['shape']} (-1: any size)"
+        array = feeds.get(spec["name"])
+        if array is None:
+            raise ApiError(400, f"missing input '{spec['name']}': expected {want}")
+        datatype = next(k for k, v in DATATYPES.items() if v == array.dtype)
+        if datatype != spec["datatype"]:
+            raise ApiError(400, f"input '{spec['name']}' has datatype {datatype}, expected {want}")
+        shape = spec["shape"]
+        if len(array.shape) != len(shape) or any(
+            w >= 0 and g != w for g, w in zip(array.shape, shape, strict=True)
+        ):
+            raise ApiError(
+                400, f"input '{spec['name']}' has shape {list(array.shape)}, expected {want}"
+            )
+    batched = {k: v.shape[0] for k, v in feeds.items() if v.ndim and specs[k]["shape"][0] < 0}
+    if len(set(batched.values())) > 1:
+        raise ApiError(
+            400, f"inputs disagree on the batch size (dim 0): {batched}; give them all the same"
+        )
+
+
+def _status_of(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, ApiError):
+        return exc.status, str(exc)
+    if isinstance(exc, ProtocolError | KilnError):
+        return 400, str(exc)
+    if isinstance(exc, RequestTooLarge):
+        return 413, str(exc)
+    if isinstance(exc, Overloaded | Closed):
+        return 503, str(exc)
+    return 500, f"inference failed: {type(exc).__name__}: {exc}"

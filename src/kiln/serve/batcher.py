@@ -1,0 +1,171 @@
+"""Dynamic batching: concurrent requests are queued and run together by one worker thread.
+
+The worker takes the oldest request, waits up to `max_delay` (counted from that request's
+arrival) for more to fill `max_batch` samples, and hands them to `run_batch` in one call. One
+worker, because the engine already uses every core for one batch: two batches at once would
+only fight over them. The queue is bounded; a full queue refuses new work at once (`Overloaded`,
+HTTP 503) instead of growing memory and latency without limit. `close()` stops taking new work
+and lets the worker finish everything already queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Feeds = dict[str, np.ndarray]
+RunBatch = Callable[[list[Feeds]], list[list[np.ndarray]]]
+
+
+class Overloaded(Exception):
+    """The queue is full; the client should retry later (HTTP 503)."""
+
+
+class Closed(Exception):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    feeds: Feeds
+    samples: int
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class BatchRecord:
+    """What one executed batch looked like, for metrics."""
+
+    requests: int
+    samples: int
+    queue_times: list[float]
+    run_time: float
+    failed: bool
+
+
+def samples_of(feeds: Feeds) -> int:
+    """A request's batch size: the leading dimension of its first input (1 for scalars)."""
+    first = next(iter(feeds.values()), None)
+    return int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+class Batcher:
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        max_batch: int = 16,
+        max_delay: float = 0.005,
+        max_queue: int = 256,
+        observe: Callable[[BatchRecord], None] | None = None,
+    ) -> None:
+        self._run_batch = run_batch
+        self.max_batch, self.max_delay, self.max_queue = max_batch, max_delay, max_queue
+        self._observe = observe
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-batcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closing and self._thread.is_alive()
+
+    def full(self) -> bool:
+        return len(self._queue) >= self.max_queue
+
+    def submit(self, feeds: Feeds) -> Future:
+        """Queue one request; its future resolves to the outputs, in the model's order."""
+        job = Job(feeds, samples_of(feeds))
+        with self._cond:
+            if self._closing:
+                raise Closed("the server is shutting down and takes no new requests")
+            if len(self._queue) >= self.max_queue:
+                raise Overloaded(
+                    f"server overloaded: {len(self._queue)} requests are queued (the limit, "
+                    "kiln serve --max-queue); retry later"
+                )
+            self._queue.append(job)
+            self._cond.notify()
+        return job.future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new requests, finish the queued ones, stop the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (batch := self._take()) is not None:
+            self._run(batch)
+
+    def _take(self) -> list[Job] | None:
+        """The next batch; None once closing and the queue is empty."""
+        with self._cond:
+            while not self._queue and not self._closing:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            deadline = self._queue[0].enqueued + self.max_delay
+            # Wait for company while there is room and time; when draining, don't wait.
+            while not self._closing and self._queued_samples() < self.max_batch:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            batch = [self._queue.popleft()]
+            samples = batch[0].samples
+            while self._queue and samples + self._queue[0].samples <= self.max_batch:
+                samples += self._queue[0].samples
+                batch.append(self._queue.popleft())
+            return batch
+
+    def _queued_samples(self) -> int:
+        return sum(job.samples for job in self._queue)
+
+    def _run(self, batch: list[Job]) -> None:
+        start = time.perf_counter()
+        failed = False
+        try:
+            results = self._run_batch([job.feeds for job in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"run_batch gave {len(results)} results for {len(batch)}")
+        except Exception as exc:  # every error goes back to its request
+            failed = True
+            if len(batch) == 1:
+                batch[0].future.set_exception(exc)
+            else:
+                # One bad request must not fail its neighbours: run each alone.
+                for job in batch:
+                    try:
+                        job.future.set_result(self._run_batch([job.feeds])[0])
+                    except Exception as one:
+                        job.future.set_exception(one)
+        else:
+            for job, outputs in zip(batch, results, strict=True):
+                job.future.set_result(outputs)
+        if self._observe is not None:
+            self._observe(  # metrics only: must not raise
+                BatchRecord(
+                    requests=len(batch),
+                    samples=sum(job.samples for job in batch),
+                    queue_times=[start - job.enqueued for job in batch],
+                    run_time=time.perf_counter() - start,
+                    failed=failed,
+                )
+            )

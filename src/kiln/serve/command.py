@@ -1,0 +1,90 @@
+"""`kiln serve`: the CLI verb. Heavy imports stay inside, so `kiln --help` stays fast."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.errors import KilnError
+
+
+def model_name(model: str) -> str:
+    """The served name: zoo:NAME → NAME; path/NAME.kiln or path/NAME.onnx → NAME."""
+    if model.startswith("zoo:"):
+        return model[len("zoo:") :]
+    return Path(model.rstrip("/")).stem
+
+
+def serve(
+    model: Annotated[str, typer.Argument(help="A NAME.kiln artifact, an .onnx file, or zoo:NAME.")],
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
+        "127.0.0.1"
+    ),
+    name: Annotated[
+        str | None, typer.Option(help="Model name in URLs (default: the model file's stem).")
+    ] = None,
+    buckets: Annotated[
+        str | None,
+        typer.Option(help='Shape buckets per dynamic dim, e.g. "batch=1,4,8 seq=32,64".'),
+    ] = None,
+    max_batch: Annotated[
+        int, typer.Option(help="Most samples batched together (a bigger request runs alone).")
+    ] = 16,
+    max_delay_ms: Annotated[
+        float, typer.Option(help="Longest a request waits for others to batch with (ms).")
+    ] = 5.0,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests allowed to wait; beyond this the server answers 503.")
+    ] = 256,
+    max_request_mb: Annotated[
+        float, typer.Option(help="Largest request body (MiB); beyond this the answer is 413.")
+    ] = 64.0,
+    warmup: Annotated[bool, typer.Option(help="Compile every bucket before serving.")] = False,
+    adaptive: Annotated[
+        bool, typer.Option(help="Learn buckets from traffic; recompile and swap in background.")
+    ] = False,
+) -> None:
+    """Serve a model over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
+
+    Ctrl-C or SIGTERM answers every queued request before exiting.
+    """
+    import uvicorn
+    from rich.console import Console
+
+    from kiln.runtime import Session
+    from kiln.serve.app import create_app
+
+    for flag, value in [("--max-batch", max_batch), ("--max-queue", max_queue)]:
+        if value < 1:
+            raise KilnError(f"{flag} must be at least 1, got {value}.")
+    if max_delay_ms < 0 or max_request_mb <= 0:
+        raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
+    served = name or model_name(model)
+    session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive)
+    app = create_app(
+        session,
+        served,
+        max_batch=max_batch,
+        max_delay_ms=max_delay_ms,
+        max_queue=max_queue,
+        max_request_bytes=int(max_request_mb * 2**20),
+    )
+    console = Console(stderr=True)
+    console.print(
+        f"serving '{served}' on http://{host}:{port}/v2/models/{served} (Ctrl-C to stop)",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight and queued are
+    # answered), then re-raises the signal under the handlers found at start. These no-op
+    # handlers make that a normal exit (status 0) instead of a kill or a KeyboardInterrupt.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    # No access log: one line per request costs real time at high request rates.
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    console.print("stopped; every queued request was answered.", highlight=False)

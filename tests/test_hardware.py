@@ -1,0 +1,125 @@
+"""kiln.hardware: measured peaks are plausible for a CPU, cached per machine, and survive a
+corrupt cache; `kiln doctor` shows them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kiln.hardware import Peaks, cpu_info, measured_peaks
+from kiln.hardware import peaks as peaks_module
+
+FAKE = Peaks(100.0, None, 400.0, 20.0, 2, "2026-01-01T00:00:00+00:00")
+
+
+@pytest.fixture(scope="module")
+def shared_home(tmp_path_factory):
+    """One KILN_HOME for the tests that need a real measurement: it is made only once."""
+    return tmp_path_factory.mktemp("peaks-home")
+
+
+@pytest.fixture
+def measured(shared_home, monkeypatch) -> Peaks:
+    monkeypatch.setenv("KILN_HOME", str(shared_home))
+    return measured_peaks()
+
+
+@pytest.fixture
+def fake_measure(monkeypatch) -> list[int]:
+    """Replace the measurement by FAKE; the list counts the calls."""
+    calls: list[int] = []
+
+    def measure(progress=None) -> Peaks:
+        calls.append(1)
+        return FAKE
+
+    monkeypatch.setattr(peaks_module, "measure", measure)
+    return calls
+
+
+def test_measured_peaks_are_plausible_for_a_cpu(shared_home, monkeypatch) -> None:
+    monkeypatch.setenv("KILN_HOME", str(shared_home))
+    start = time.perf_counter()
+    peaks = measured_peaks(refresh=True)
+    took = time.perf_counter() - start
+    assert took < 40, took  # ≤ 20 s by design; the slack is for a loaded, shared machine
+    cores = cpu_info().physical_cores
+    assert peaks.threads == cores
+    # Loose bounds: the machine is shared, so a measurement may come out low.
+    assert 5 < peaks.fp32_gflops < 2_000 * cores
+    assert 1 < peaks.bandwidth_gbs < 1_000
+    if peaks.int8_gops is not None:
+        assert 5 < peaks.int8_gops < 20_000 * cores
+    has_bf16 = {"avx512_bf16", "amx_bf16"} & set(cpu_info().features)
+    if not has_bf16:
+        assert peaks.bf16_gflops is None
+    if peaks.bf16_gflops is not None:
+        assert 5 < peaks.bf16_gflops < 20_000 * cores
+    assert Peaks.from_json(json.loads(json.dumps(peaks.to_json()))) == peaks
+
+
+def test_second_call_reads_the_cache(measured, fake_measure) -> None:
+    path = peaks_module.cache_path()
+    assert json.loads(path.read_text())["fingerprint"] == cpu_info().fingerprint
+    assert measured_peaks() == measured
+    assert fake_measure == []  # nothing was measured again
+
+
+def test_refresh_measures_again(fake_measure) -> None:
+    assert measured_peaks() == FAKE
+    assert measured_peaks() == FAKE
+    assert measured_peaks(refresh=True) == FAKE
+    assert len(fake_measure) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "{not json",
+        "[1, 2]",
+        '{"fingerprint": "FP", "peaks": {"fp32_gflops": -1}}',
+        '{"fingerprint": "FP", "peaks": {"fp32_gflops": "fast", "bf16_gflops": null, '
+        '"int8_gops": null, "bandwidth_gbs": 10, "threads": 2, "measured_at": "x"}}',
+        '{"fingerprint": "another machine", "peaks": PEAKS}',
+    ],
+)
+def test_corrupt_or_foreign_cache_is_measured_again(text, fake_measure) -> None:
+    path = peaks_module.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    good = json.dumps(Peaks(1.0, None, None, 1.0, 1, "x").to_json())
+    path.write_text(text.replace("FP", cpu_info().fingerprint).replace("PEAKS", good))
+    assert measured_peaks() == FAKE
+    assert fake_measure == [1]
+    assert Peaks.from_json(json.loads(path.read_text())["peaks"]) == FAKE  # rewritten whole
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_cache_without_optional_fields_is_read(fake_measure) -> None:
+    path = peaks_module.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = {k: v for k, v in FAKE.to_json().items() if k != "load_average"}
+    path.write_text(json.dumps({"fingerprint": cpu_info().fingerprint, "peaks": old}))
+    assert measured_peaks() == FAKE and fake_measure == []
+
+
+def test_unwritable_home_still_gives_peaks(tmp_path, monkeypatch, fake_measure) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("KILN_HOME", str(blocker))
+    assert measured_peaks() == FAKE
+
+
+def test_doctor_shows_the_peaks(measured, tmp_path) -> None:
+    """`measured` leaves the cache in KILN_HOME, which the `kiln` process inherits."""
+    run = [sys.executable, "-m", "kiln", "doctor"]
+    out = subprocess.run([*run, "--json"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["peaks"] == measured.to_json()
+    table = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert "peak fp32" in table.stdout and "GB/s" in table.stdout

@@ -1,0 +1,374 @@
+"""`kiln serve`: a real server process on loopback, driven by the real tritonclient[http]."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.http as triton
+
+from kiln import zoo
+from kiln.serve.batcher import Batcher, Overloaded
+from kiln.serve.protocol import ProtocolError, encode_response, parse_request
+
+BERT = "bert-tiny"
+RESNET = "resnet-tiny"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str  # host:port, as tritonclient wants it
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.url}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.base}/metrics").text
+        match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        assert match, f"{name} not in /metrics"
+        return float(match[1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(home: Path, model: str, *args: str) -> Server:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kiln", "serve", model, "--port", str(port), *args]
+    env = {**os.environ, "KILN_HOME": str(home)}
+    log = home / f"serve-{port}.log"  # a file, not a pipe nobody drains
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = Server(proc, f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"kiln serve exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"{server.base}/v2/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("kiln serve did not become ready within 60 s")
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGINT)
+        try:
+            server.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Iterator[Server]:
+    home = tmp_path_factory.mktemp("serve-home")
+    server = _start(
+        home, f"zoo:{BERT}", "--buckets", "batch=1,4,8 seq=16,32", "--max-request-mb", "1"
+    )
+    yield server
+    _stop(server)
+
+
+@functools.cache
+def _ort_session(model: str) -> ort.InferenceSession:
+    return ort.InferenceSession(zoo.build(model).SerializeToString())
+
+
+def _reference(model: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return _ort_session(model).run(None, feeds)
+
+
+def _bert_feeds(batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[0, seq - seq // 3 :] = 0  # a padded first row, as real traffic has
+    return {
+        "input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64),
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((batch, seq), np.int64),
+    }
+
+
+def _triton_infer(
+    client: triton.InferenceServerClient,
+    feeds: dict[str, np.ndarray],
+    binary: bool,
+    outputs: list[str] | None,
+) -> triton.InferResult:
+    inputs = []
+    for name, array in feeds.items():
+        tensor = triton.InferInput(name, list(array.shape), "INT64")
+        tensor.set_data_from_numpy(array, binary_data=binary)
+        inputs.append(tensor)
+    requested = [triton.InferRequestedOutput(n, binary_data=binary) for n in outputs or []]
+    return client.infer(BERT, inputs, outputs=requested or None, request_id="r1")
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_tritonclient_outputs_equal_onnxruntime(bert: Server, binary: bool) -> None:
+    client = triton.InferenceServerClient(bert.url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(BERT)
+    meta = client.get_model_metadata(BERT)
+    assert [i["name"] for i in meta["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert meta["inputs"][0] == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}
+    feeds = _bert_feeds(3, 11)  # padded to the batch=4 seq=16 bucket, sliced back
+    want = _reference(BERT, feeds)
+    # Both outputs named, and none named (then the server sends every output in binary).
+    for outputs in (["last_hidden_state", "pooler_output"], None):
+        result = _triton_infer(client, feeds, binary, outputs)
+        assert result.get_response()["id"] == "r1"
+        for name, expected in zip(["last_hidden_state", "pooler_output"], want, strict=True):
+            got = result.as_numpy(name)
+            assert got.shape == expected.shape and got.dtype == np.float32
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_concurrent_requests_are_batched_and_answered_correctly(bert: Server) -> None:
+    shapes = [(1, 5), (2, 16), (1, 30), (3, 9), (1, 16), (2, 20), (1, 1), (4, 12)] * 2
+    feeds = [_bert_feeds(b, s, seed=i) for i, (b, s) in enumerate(shapes)]
+
+    def call(f: dict[str, np.ndarray]) -> np.ndarray:
+        client = triton.InferenceServerClient(bert.url)  # one per thread: not thread-safe
+        return _triton_infer(client, f, True, ["pooler_output"]).as_numpy("pooler_output")
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(call, feeds))
+    for f, got in zip(feeds, results, strict=True):
+        np.testing.assert_allclose(got, _reference(BERT, f)[1], rtol=1e-4, atol=1e-5)
+    assert bert.metric("kiln_batch_requests_count") < bert.metric("kiln_requests_total")
+
+
+def _post(server: Server, body: bytes | str, model: str = BERT, **headers: str) -> httpx.Response:
+    return httpx.post(f"{server.base}/v2/models/{model}/infer", content=body, headers=headers)
+
+
+def _json_request(**override: dict) -> str:
+    tensors = {
+        name: {"name": name, "datatype": "INT64", "shape": [1, 4], "data": [0, 1, 1, 0]}
+        for name in ["input_ids", "attention_mask", "token_type_ids"]
+    }
+    for name, fields in override.items():
+        tensors[name].update(fields)
+    return json.dumps({"inputs": list(tensors.values())})
+
+
+def test_bad_requests_answer_400_in_kserve_form(bert: Server) -> None:
+    response = _post(bert, _json_request())
+    assert response.status_code == 200, response.text
+    cases = {
+        '{"inputs": [': "malformed JSON",
+        '{"outputs": []}': "'inputs' list",
+        _json_request(input_ids={"datatype": "FP32", "data": [0.5] * 4}): (
+            "input 'input_ids' has datatype FP32, expected INT64 with shape [-1, -1]"
+        ),
+        _json_request(input_ids={"shape": [4]}): (
+            "input 'input_ids' has shape [4], expected INT64 with shape [-1, -1]"
+        ),
+        _json_request(input_ids={"shape": [1, 5]}): "shape [1, 5] needs 5 values, the data has 4",
+        _json_request(input_ids={"name": "ids"}): "unknown input 'ids'",
+        _json_request(attention_mask={"shape": [2, 2]}): "disagree on the batch size",
+    }
+    for body, message in cases.items():
+        response = _post(bert, body)
+        assert response.status_code == 400, (body, response.text)
+        assert message in response.json()["error"], (body, response.text)
+
+
+def test_oversize_unknown_model_and_metrics(bert: Server) -> None:
+    big = np.zeros((1, 200_000), np.int64)  # 1.6 MB of binary data, over --max-request-mb 1
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input_ids",
+                    "datatype": "INT64",
+                    "shape": [1, 200_000],
+                    "parameters": {"binary_data_size": big.nbytes},
+                }
+            ]
+        }
+    ).encode()
+    response = _post(
+        bert, header + big.tobytes(), **{"Inference-Header-Content-Length": str(len(header))}
+    )
+    assert response.status_code == 413
+    assert "--max-request-mb" in response.json()["error"]
+
+    response = _post(bert, _json_request(), model="nope")
+    assert response.status_code == 404
+    assert response.json() == {"error": "unknown model 'nope'; this server serves 'bert-tiny'"}
+    assert httpx.get(f"{bert.base}/v2/models/nope/ready").status_code == 404
+    assert httpx.get(f"{bert.base}/v2").json()["extensions"] == ["binary_tensor_data"]
+
+    text = httpx.get(f"{bert.base}/metrics").text
+    for name in [
+        "kiln_requests_total",
+        "kiln_request_failures_total",
+        "kiln_request_latency_seconds_bucket",
+        "kiln_queue_time_seconds_bucket",
+        "kiln_batch_size_bucket",
+        "kiln_bucket_hits_total",
+        "kiln_bucket_misses_total",
+        "kiln_padding_waste_ratio",
+        "kiln_bucket_recompiles_total",
+        "kiln_bucket_swaps_total",
+    ]:
+        assert name in text, name
+    assert bert.metric('kiln_request_failures_total{code="413",model="bert-tiny"}') >= 1
+
+
+def test_swap_while_serving(bert: Server) -> None:
+    stop, failures, answered = threading.Event(), [], [0]
+
+    def traffic() -> None:
+        client = triton.InferenceServerClient(bert.url)
+        while not stop.is_set():
+            try:
+                _triton_infer(client, _bert_feeds(2, 13), True, ["pooler_output"])
+                answered[0] += 1
+            except Exception as exc:  # noqa: BLE001 - any failure fails the test below
+                failures.append(exc)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        response = httpx.post(
+            f"{bert.base}/v2/models/{BERT}/swap", json={"buckets": "batch=1,2,4 seq=16"}, timeout=60
+        )
+    finally:
+        stop.set()
+        thread.join()
+    assert response.status_code == 200, response.text
+    assert response.json()["swapped"] and response.json()["stats"]["bucket_set"]["seq"] == [16]
+    assert not failures and answered[0] > 0
+    assert bert.metric("kiln_bucket_swaps_total") >= 1
+    runtime = httpx.get(f"{bert.base}/v2/models/{BERT}/runtime").json()
+    assert runtime["bucket_set"] == {"batch": [1, 2, 4], "seq": [16]}
+    assert any(d["action"].startswith("swapped") for d in runtime["decisions"])
+
+
+def _resnet_request(batch: int = 1) -> bytes:
+    data = np.random.default_rng(0).random((batch, 3, 32, 32), dtype=np.float32)
+    return json.dumps(
+        {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(data.shape),
+                     "data": data.ravel().tolist()}]}
+    ).encode()  # fmt: skip
+
+
+def test_overload_answers_503(tmp_path) -> None:
+    # A long batching delay keeps requests queued, so a burst deterministically overflows.
+    server = _start(
+        tmp_path, f"zoo:{RESNET}", "--max-queue", "2", "--max-batch", "64", "--max-delay-ms", "2000"
+    )
+    try:
+        body = _resnet_request()
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda _: _post(server, body, RESNET), range(8)))
+    finally:
+        _stop(server)
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+    refused = next(r for r in responses if r.status_code == 503)
+    assert "server overloaded" in refused.json()["error"]
+    assert "--max-queue" in refused.json()["error"]
+
+
+def test_shutdown_answers_queued_requests(tmp_path) -> None:
+    # A long batching delay holds the requests in the queue when the signal comes.
+    server = _start(tmp_path, f"zoo:{RESNET}", "--max-batch", "64", "--max-delay-ms", "2500")
+    body = _resnet_request(2)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_post, server, body, RESNET) for _ in range(4)]
+        deadline = time.monotonic() + 2
+        while server.metric("kiln_queue_depth") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.metric("kiln_queue_depth") >= 1  # requests are waiting in the queue
+        server.proc.send_signal(signal.SIGTERM)
+        responses = [f.result(timeout=30) for f in futures]
+    assert [r.status_code for r in responses] == [200] * 4
+    sent = json.loads(body)["inputs"][0]["data"]
+    want = _reference(RESNET, {"input": np.asarray(sent, np.float32).reshape(2, 3, 32, 32)})[0]
+    np.testing.assert_allclose(
+        np.asarray(responses[0].json()["outputs"][0]["data"]).reshape(2, 10), want, atol=1e-4
+    )
+    assert server.proc.wait(20) == 0
+
+
+def test_bad_model_or_settings_exit_2_with_one_line(tmp_path) -> None:
+    for args, message in [
+        (["nothere.onnx"], "nothere.onnx: no such file"),
+        (["zoo:bert-tiny", "--buckets", "foo=1"], "buckets name dim 'foo'"),
+        (["zoo:bert-tiny", "--max-queue", "0"], "--max-queue must be at least 1"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "kiln", "serve", *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "KILN_HOME": str(tmp_path)},
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- in-process units
+
+
+def test_batcher_batches_up_to_max_batch_and_isolates_failures() -> None:
+    calls: list[int] = []
+
+    def run_batch(requests: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        calls.append(sum(len(r["x"]) for r in requests))
+        if any(r["x"][0] < 0 for r in requests):
+            raise ValueError("negative")
+        return [[r["x"] * 2] for r in requests]
+
+    batcher = Batcher(run_batch, max_batch=4, max_delay=0.2, max_queue=3)
+    futures = [batcher.submit({"x": np.array([i, i])}) for i in range(2)]
+    bad = batcher.submit({"x": np.array([-1])})
+    with pytest.raises(Overloaded):
+        batcher.submit({"x": np.array([9])})
+    batcher.start()
+    batcher.close()  # drains: everything queued is answered
+    assert [f.result()[0].tolist() for f in futures] == [[0, 0], [2, 2]]
+    with pytest.raises(ValueError, match="negative"):
+        bad.result()
+    assert calls[0] == 4  # the two good requests (2 samples each) batched together
+
+
+def test_protocol_binary_sizes_are_checked() -> None:
+    def body(size: int) -> tuple[bytes, int]:
+        tensor = {"name": "x", "datatype": "FP32", "shape": [2]}
+        header = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": size}}]})
+        return header.encode() + bytes(size), len(header)
+
+    with pytest.raises(ProtocolError, match="binary_data_size is 12 bytes"):
+        parse_request(*body(12))
+    request = parse_request(*body(8))
+    assert request.inputs["x"].tolist() == [0.0, 0.0]
+    content, length = encode_response("m", request, {"y": np.ones(2, np.float32)})
+    assert length is None and json.loads(content)["outputs"][0]["data"] == [1.0, 1.0]
