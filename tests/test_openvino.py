@@ -198,3 +198,16 @@ def test_module_imports_and_reports_unavailable_without_openvino():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no bf16 support in OpenVINO")
+def test_bf16_plan_names_the_layers_openvino_keeps_in_fp32(tmp_path):
+    import kiln
+
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", backend="openvino",
+                            precision="bf16")  # fmt: skip
+    plan = artifact.manifest["precision"]
+    assert plan["default"] == "bf16" and plan["nodes"]
+    names = set(artifact.provenance())  # the artifact's own nodes
+    for node, why in plan["nodes"].items():
+        assert why.startswith("fp32 (kept by openvino: ") and node in names

@@ -371,12 +371,14 @@ def _print_optimize(summary: dict) -> None:
     table.add_row("backend", escape(summary["backend"]["name"]))
     precision = summary["precision"]
     nodes = precision.get("nodes", {})
-    kept = [n for n, p in nodes.items() if not p.startswith(precision["default"])]
+    kept = {n: p.split(" ")[0] for n, p in nodes.items() if not p.startswith(precision["default"])}
     if precision["default"] != "fp32":
+        shown = ", ".join(f"{n} ({p})" for n, p in list(kept.items())[:12])
+        more = f" and {len(kept) - 12} more (see manifest.json)" if len(kept) > 12 else ""
         table.add_row(
             "precision",
-            escape(f"{precision['default']} ({precision.get('scheme', '')}); kept in fp32: ")
-            + escape(", ".join(kept) or "none"),
+            escape(f"{precision['default']} ({precision.get('scheme', '')}); kept higher: ")
+            + escape((shown or "none") + more),
         )
     warning = (precision.get("calibration") or {}).get("warning")
     if warning:
@@ -461,9 +463,22 @@ def run(
 def bench(
     model: Annotated[str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact.")],
     against: Annotated[
-        str, typer.Option(help="Comma-separated engines: ort, ort-basic, ort-transformers.")
+        str,
+        typer.Option(
+            help="Comma-separated engines: ort, ort-basic, ort-transformers, ort-int8, openvino, "
+            "openvino-bf16, openvino-int8 (the int8 ones: each tool's defaults, calibrated on "
+            "--calib or on synthetic samples)."
+        ),
     ] = "ort,ort-basic",
     batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
+    inputs: Annotated[
+        str | None,
+        typer.Option(help="Time and measure drift on these inputs (.npz) instead of synthetic."),
+    ] = None,
+    calib: Annotated[
+        str | None,
+        typer.Option(help="Calibration samples (.npz or directory) for the int8 engines."),
+    ] = None,
     shape: Annotated[
         list[str], typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input.")
     ] = [],  # noqa: B006
@@ -485,8 +500,9 @@ def bench(
         task = progress.add_task("preparing")
         say = lambda msg: progress.update(task, description=msg)  # noqa: E731
         result = run_bench(
-            model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape)
-        )
+            model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape),
+            inputs=inputs, calib=calib,
+        )  # fmt: skip
     if output:
         output.write_text(json.dumps(result, indent=2) + "\n")
     if as_json:

@@ -205,7 +205,20 @@ def optimize_model(
         backend=backend,
         options=options,
         precision=precision,
+        plan=_engine_plan(model, backend, options) if precision == "bf16" else None,
     )
+
+
+def _engine_plan(model: ir.Model, backend: str, options: Any) -> dict:
+    """bf16 is the engine's decision layer by layer: record the layers it kept in fp32."""
+    exe = get_backend(backend).compile(model, options)
+    nodes = {n.name for n in model.graph}  # the engine also names layers it made itself
+    kept = {
+        name: f"fp32 (kept by {backend}: {kind})"
+        for name, (precision, kind) in exe.layer_precisions().items()
+        if precision == "f32" and name in nodes
+    }
+    return {"default": "bf16", "scheme": f"{backend} inference precision bf16", "nodes": kept}
 
 
 PRECISIONS = {
@@ -247,8 +260,16 @@ def _quantized(
     )
     if result.verification is None or not result.verification.ok:
         return result  # save_result reports the fp32 failure
+    result.options = default_options(backend, precision)
     say(f"measuring each layer's {precision} sensitivity")
     sensitivity, quantize, scheme = _quantizer(result, precision, conv, samples, accuracy)
+    result.precision = precision
+    if not sensitivity:
+        result.verification = Verification(
+            False, precision, result.verification.inputs, [],
+            error=f"the model has no layers {precision} quantizes ({scheme})",
+        )  # fmt: skip
+        return result
     names = [v.name for v in result.model.graph.outputs]
     checks: dict[int, Verification] = {}
 
@@ -265,6 +286,8 @@ def _quantized(
     model, plan, _ = quantize_guarded(
         result.model, sensitivity, meets_budget, say, quantize, precision
     )
+    if getattr(result.options, "inference_precision", None) == "bf16":
+        plan.restored_to = "bf16"
     result.model, result.verification = model, checks[id(model)]
     if not plan.int8:  # the budget held only with nothing quantized: that is not int8
         result.verification.ok = False

@@ -26,6 +26,11 @@ def default_options(name: str, precision: str = "fp32") -> Any:
     """Each engine's settings for a precision: fp32 is forced where an engine would pick
     something else (OpenVINO runs bf16 by default on CPUs that have it)."""
     if name == "openvino":
+        if precision == "int8":
+            # As OpenVINO itself does: what stays out of int8 runs in bf16 where the CPU can.
+            from kiln.backends.openvino import cpu_runs_bf16
+
+            return OpenVinoOptions(inference_precision="bf16" if cpu_runs_bf16() else "f32")
         return OpenVinoOptions(inference_precision="bf16" if precision == "bf16" else "f32")
     return OrtOptions()
 

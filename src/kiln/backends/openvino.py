@@ -132,6 +132,23 @@ class OpenVinoExecutable:
         value = self._property("INFERENCE_PRECISION_HINT")
         return value.get_type_name() if hasattr(value, "get_type_name") else str(value)
 
+    def layer_precisions(self) -> dict[str, tuple[str, str]]:
+        """Original node → (precision OpenVINO runs it in, the kernel's layer type), read from
+        the runtime model: e.g. LayerNorm stays f32 (MVN) under a bf16 hint."""
+        out: dict[str, tuple[str, str]] = {}
+        for op in self.compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            if "originalLayersNames" not in info or "runtimePrecision" not in info:
+                continue
+            kind = str(info["layerType"].astype(str)) if "layerType" in info else "?"
+            if kind in ("Input", "Output", "Const", "Reorder", "Convert"):
+                continue  # plumbing, not computation
+            precision = str(info["runtimePrecision"].astype(str))
+            for name in str(info["originalLayersNames"].astype(str)).split(","):
+                if name:
+                    out[name] = (precision, kind)
+        return out
+
     def settings(self) -> dict[str, str]:
         """What OpenVINO made of the options: for manifests and reports."""
         devices = self._property("EXECUTION_DEVICES")
@@ -267,6 +284,12 @@ class OpenVinoBackend:
             model, options.device, options.properties(), options.dim_overrides
         )
         return OpenVinoExecutable(compiled, names, options, model)
+
+
+@functools.cache
+def cpu_runs_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin has bf16 kernels here (AMX or AVX512_BF16)."""
+    return "BF16" in _core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 @functools.cache

@@ -18,9 +18,9 @@ ENGINES = {
     "openvino-bf16": "OpenVINO CPU, LATENCY hint, bf16 (its own default on CPUs with bf16)",
     "ort-transformers": "onnxruntime.transformers.optimizer (opt_level 0), then ORT_ENABLE_ALL",
     "ort-int8": "onnxruntime.quantization defaults (per-tensor weights): dynamic int8 for "
-    "MatMul-heavy models, static QDQ MinMax on 8 synthetic samples for Conv-heavy ones",
-    "openvino-int8": "NNCF quantize defaults (TRANSFORMER type for MatMul-heavy models) on 8 "
-    "synthetic samples, then OpenVINO CPU with its own default precision elsewhere",
+    "MatMul-heavy models, static QDQ MinMax on --calib or 8 synthetic samples for Conv-heavy ones",
+    "openvino-int8": "NNCF quantize defaults (TRANSFORMER type for MatMul-heavy models) on --calib "
+    "or 8 synthetic samples, then OpenVINO CPU with its own default precision elsewhere",
 }
 CALIBRATION_SAMPLES = 8
 
@@ -36,7 +36,10 @@ def parse_engines(text: str) -> list[str]:
 
 
 def engine_runner(
-    name: str, original: ir.Model, feeds: dict[str, np.ndarray]
+    name: str,
+    original: ir.Model,
+    feeds: dict[str, np.ndarray],
+    calibration: list[dict[str, np.ndarray]] | None = None,
 ) -> Callable[[], object]:
     """Compile the original model for a baseline engine and return a run-once function."""
     ort = get_backend("ort")
@@ -62,13 +65,13 @@ def engine_runner(
                 "(no bf16 support on this CPU?)."
             )
     elif name in ("ort-int8", "openvino-int8"):
-        exe = _int8_by_hand(name, original)
+        exe = _int8_by_hand(name, original, calibration)
     else:
         raise KilnError(f"unknown engine '{name}'.")
     return lambda: exe.run(feeds)
 
 
-def _int8_by_hand(name: str, original: ir.Model):
+def _int8_by_hand(name: str, original: ir.Model, samples: list | None = None):
     """What a user gets from the engine's own int8 tools with their defaults, nothing Kiln."""
     from kiln.backends.openvino import OpenVinoOptions
     from kiln.backends.openvino_quant import quantize_nncf_int8
@@ -78,7 +81,8 @@ def _int8_by_hand(name: str, original: ir.Model):
 
     conv = conv_heavy(original)
     dims = default_dims(original)
-    samples = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
+    if samples is None:
+        samples = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
     if name == "openvino-int8":
         model = quantize_nncf_int8(original, samples, transformer=not conv)
         return get_backend("openvino").compile(model, OpenVinoOptions())

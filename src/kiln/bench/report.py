@@ -90,14 +90,22 @@ def run_bench(
     command: str = "",
     shapes: dict | None = None,
     backend: str = "ort",
+    inputs: str | None = None,
+    calib: str | None = None,
 ) -> dict:
+    from kiln.ir.inputs import read_calibration, read_inputs
+
     engines = parse_engines(against)
     original, kiln_for = _kiln_runner(model, say, shapes, backend)
-    feeds = synthesize(original, {**default_dims(original), "batch": batch}, shapes=shapes)
+    if inputs:
+        feeds = read_inputs(inputs, original)
+    else:
+        feeds = synthesize(original, {**default_dims(original), "batch": batch}, shapes=shapes)
+    samples = read_calibration(calib, original) if calib else None
     runners = {}
     for name in engines:
         say(f"preparing engine {name}")
-        runners[name] = engine_runner(name, original, feeds)
+        runners[name] = engine_runner(name, original, feeds, samples)
     runners["kiln"] = kiln_for(feeds)
     say("measuring each engine's drift from the fp32 original")
     drift = _drift(runners, engine_runner("ort-basic", original, feeds)())
@@ -113,6 +121,8 @@ def run_bench(
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "model": model,
         "batch": batch,
+        "inputs": inputs or "synthesized",
+        "calibration": calib or "synthetic",
         "rounds": rounds,
         "runs_per_round": runs,
         "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features},

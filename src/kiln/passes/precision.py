@@ -40,10 +40,11 @@ class PrecisionPlan:
     fp32: dict[str, str] = field(default_factory=dict)  # node → reason
     sensitivity: dict[str, float] = field(default_factory=dict)
     precision: str = "int8"
+    restored_to: str = "fp32"  # what a restored layer runs in (bf16 where the engine says so)
 
     def to_json(self) -> dict:
         nodes = dict.fromkeys(self.int8, self.precision)
-        nodes.update({name: f"fp32 ({why})" for name, why in self.fp32.items()})
+        nodes.update({name: f"{self.restored_to} ({why})" for name, why in self.fp32.items()})
         return {"default": self.precision, "nodes": nodes}
 
 

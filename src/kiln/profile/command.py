@@ -33,9 +33,10 @@ def profile(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """Profile MODEL op by op: latency (P50/P90/P99, jitter), per-kernel times mapped to the
-    original nodes, a roofline against measured peaks, and the bottlenecks with a Kiln action
-    for each."""
+    """Where the time goes, op by op, against this machine's measured peaks.
+
+    Latency (P50/P90/P99, jitter), per-kernel times mapped to the original nodes, a roofline
+    against measured peaks, and the bottlenecks with a Kiln action for each."""
     import json
     import sys
 

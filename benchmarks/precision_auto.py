@@ -1,0 +1,108 @@
+"""Issue-3 benchmark: `kiln optimize --backend auto --precision auto` against each engine's own
+lower-precision tools run by hand with their defaults, interleaved in one process.
+
+    python benchmarks/precision_auto.py [--models resnet50,bert-base,unet3d] \
+        [--minilm minilm.onnx --minilm-inputs sentences.npz --minilm-calib calib.npz] \
+        [--rounds 7] [--runs 10]
+
+For each model: build the auto artifact (every engine × precision verified against the
+accuracy budget, fastest kept), then `kiln bench ARTIFACT --against` ORT fp32, ORT int8
+(onnxruntime.quantization defaults), OpenVINO fp32 / bf16 / int8 (NNCF defaults). Each row
+shows the P50 ratio to ORT fp32 and the worst cosine to the fp32 outputs; a hand-run engine
+whose cosine is under 0.99 breaks the default budget Kiln holds itself to. For MiniLM the
+real sentences are the timing inputs and the drift reference, and the calibration sentences
+calibrate Kiln's and the hand-run engines' int8 alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+import kiln
+from kiln.bench.report import print_bench, run_bench
+from kiln.compiler import optimize_model, save_result
+from kiln.ir import load_model
+
+AGAINST = "ort,ort-int8,openvino,openvino-bf16,openvino-int8"
+PAIRS = [
+    ("ort", "fp32"),
+    ("openvino", "fp32"),
+    ("openvino", "bf16"),
+    ("ort", "int8"),
+    ("openvino", "int8"),
+    ("ort", "int4"),
+]
+
+
+def auto_artifact(
+    model: str, inputs: str | None, calib: str | None, out: Path, rounds: int, say
+) -> dict:
+    """What `kiln optimize MODEL --backend auto --precision auto` does, step by step."""
+    from kiln.bench.report import time_candidates
+    from kiln.cli import _fastest, label
+    from kiln.compiler import PrecisionOptions
+
+    loaded = load_model(model)
+    results = []
+    for backend, precision in PAIRS:
+        say(f"{model}: building {backend}/{precision}")
+        try:
+            results.append(
+                optimize_model(
+                    loaded, backend=backend, precision=precision, inputs=inputs,
+                    precision_options=PrecisionOptions(calib=calib),
+                )  # fmt: skip
+            )
+        except kiln.KilnError as exc:
+            say(f"  {backend}/{precision} refused: {exc}")
+    verified = [r for r in results if r.verification is None or r.verification.ok]
+    timing = time_candidates(verified, rounds, 5, say)
+    best, bench = _fastest(verified, timing)
+    bench["refused"] = {label(r): r.verification.summary() for r in results if r not in verified}
+    save_result(best, out, benchmark=bench)
+    return bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="resnet50,bert-base,unet3d")
+    parser.add_argument("--minilm", help="all-MiniLM-L6-v2 exported to ONNX (real weights)")
+    parser.add_argument("--minilm-inputs", help="real sentences (.npz) for the MiniLM guard")
+    parser.add_argument("--minilm-calib", help="other real sentences (.npz) to calibrate on")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--out", default="results/precision_auto.json")
+    args = parser.parse_args()
+    console = Console(stderr=True)
+    say = lambda msg: console.log(msg)  # noqa: E731
+    models = [(f"zoo:{m}", None, None) for m in args.models.split(",") if m]
+    if args.minilm:
+        models.append((args.minilm, args.minilm_inputs, args.minilm_calib))
+    report = {"command": "python benchmarks/precision_auto.py", "models": {}}
+    with tempfile.TemporaryDirectory(prefix="kiln-auto-") as tmp:
+        for model, inputs, calib in models:
+            start = time.time()
+            artifact = Path(tmp) / f"{Path(model.replace(':', '_')).stem}.kiln"
+            choice = auto_artifact(model, inputs, calib, artifact, 3, say)
+            result = run_bench(
+                str(artifact), AGAINST, 1, args.rounds, args.runs, say, inputs=inputs, calib=calib
+            )
+            print_bench(result, Console())
+            Console().print(
+                f"auto chose {choice['choice']} (candidates: {choice['candidates']}; refused: "
+                f"{choice['refused']}) in {time.time() - start:.0f} s"
+            )
+            report["models"][model] = {"auto": choice, "bench": result}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=float))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
