@@ -17,6 +17,8 @@ previous one is answered).
   model, in this process; one worker thread serves the same client threads' requests one by
   one in arrival order, with no HTTP cost at all (which favours it).
 
+The two sides are interleaved (`--rounds`, default 2): the stream is cut into rounds and each
+round is served by both, in alternating order, because the machine is shared and drifts.
 Reported per side: requests/s, samples/s, P50/P99 latency (from sending a request to having
 its outputs), and throughput stability: the coefficient of variation of samples/s over 5-s
 windows. Then two runs on kiln with swaps: three forced swaps (POST /v2/models/NAME/swap,
@@ -28,6 +30,7 @@ no request slower than 3× the steady-state P99. Results go to results/serve_dyn
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -35,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -159,18 +163,25 @@ def drive(
     return records
 
 
-def summarize(records: list[Record], window_s: float = 5.0) -> dict:
+def summarize(segments: list[list[Record]], window_s: float = 5.0) -> dict:
+    """Figures over one or more runs (the rounds of one side): wall time is the sum of the
+    runs' own, and stability the CV of samples/s over every run's full 5-s windows."""
+    records = [r for segment in segments for r in segment]
     ok = [r for r in records if r.error is None]
-    t0 = min(r.start for r in records)
-    wall = max(r.end for r in records) - t0
+    wall, windows = 0.0, []
+    for segment in filter(None, segments):
+        t0 = min(r.start for r in segment)
+        span = max(r.end for r in segment) - t0
+        wall += span
+        counts = np.zeros(int(span // window_s))  # the last, partial window is left out
+        for r in segment:
+            index = int((r.end - t0) // window_s)
+            if r.error is None and index < len(counts):
+                counts[index] += r.samples / window_s
+        windows.extend(counts)
+    rates = np.array(windows)
+    cv = float(rates.std() / rates.mean()) if len(rates) >= 2 and rates.mean() else None
     latencies = np.array([r.end - r.start for r in ok]) * 1e3
-    # Samples completed per full 5-s window; the last, partial window is left out.
-    windows = np.zeros(int(wall // window_s))
-    for r in ok:
-        index = int((r.end - t0) // window_s)
-        if index < len(windows):
-            windows[index] += r.samples / window_s
-    cv = float(windows.std() / windows.mean()) if len(windows) >= 2 and windows.mean() else None
     return {
         "requests": len(records),
         "failed": len(records) - len(ok),
@@ -182,7 +193,7 @@ def summarize(records: list[Record], window_s: float = 5.0) -> dict:
         "p99_ms": round(float(np.percentile(latencies, 99)), 1) if len(ok) else None,
         "max_ms": round(float(latencies.max()), 1) if len(ok) else None,
         "throughput_cv_5s": round(cv, 3) if cv is not None else None,
-        "windows_5s": len(windows),
+        "windows_5s": len(rates),
     }
 
 
@@ -227,13 +238,17 @@ class KilnServer:
             self.port = s.getsockname()[1]
         self.url, self.name = f"127.0.0.1:{self.port}", name
         cmd = [sys.executable, "-m", "kiln", "serve", source, "--name", name, "--port",
-               str(self.port), "--buckets", buckets, "--max-batch", str(max_batch),
-               "--max-delay-ms", "5", "--warmup", *extra]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+               str(self.port), "--max-batch", str(max_batch), "--max-delay-ms", "5",
+               "--warmup", *(["--buckets", buckets] if buckets else []), *extra]  # fmt: skip
+        log = (
+            Path(tempfile.gettempdir()) / f"kiln-serve-{self.port}.log"
+        )  # not a pipe: no one drains it
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600  # --warmup compiles every bucket first
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kiln serve exited: {self.proc.stderr.read()}")
+                raise RuntimeError(f"kiln serve exited: {log.read_text()}")
             try:
                 if httpx.get(f"http://{self.url}/v2/health/ready", timeout=1).is_success:
                     return
@@ -286,25 +301,42 @@ def triton_dtype(array: np.ndarray) -> str:
 
 def run_case(case: Case, source: str, args: argparse.Namespace) -> dict:
     n = case.requests // 4 if args.quick else case.requests
+    if args.buckets is not None:  # an override, e.g. "" for none: every request unpadded
+        case = dataclasses.replace(case, buckets=args.buckets)
     makers = [case.make] * n
     warm = [case.make] * 2
     out: dict = {"model": case.model, "kiln_serves": source, "requests": n}
 
-    print(f"[{case.model}] ort: {n} requests, {args.clients} clients", flush=True)
-    call, stop = ort_caller(case.model)
-    drive(call, warm, 1, seed=10_000)
-    out["ort"] = summarize(drive(call, makers, args.clients, 0, time_cap=args.time_cap))
-    stop()
-    print(f"  {out['ort']}", flush=True)
-
     print(f"[{case.model}] kiln serve {source} --buckets '{case.buckets}'", flush=True)
     server = KilnServer(source, case.model, case.buckets, case.max_batch)
+    ort_call, ort_stop = ort_caller(case.model)
     try:
         call = server.caller()
         drive(call, warm, 1, seed=10_000)
-        out["kiln"] = summarize(drive(call, makers, args.clients, 0, time_cap=args.time_cap))
+        drive(ort_call, warm, 1, seed=10_000)
+        # Interleaved: the stream is cut into rounds; each round is served by both sides, in
+        # alternating order, so the machine's drift (it is shared) hits both alike.
+        segments: dict[str, list[list[Record]]] = {"ort": [], "kiln": []}
+        bounds = np.linspace(0, n, args.rounds + 1).astype(int)
+        for r, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            sides = [("ort", ort_call), ("kiln", call)][:: 1 if r % 2 == 0 else -1]
+            for side, caller in sides:
+                print(f"[{case.model}] round {r + 1}/{args.rounds}: {side}", flush=True)
+                cap = args.time_cap / args.rounds
+                segments[side].append(drive(caller, makers[lo:hi], args.clients, lo, None, cap))
+        ort_stop()
+        out["ort"], out["kiln"] = summarize(segments["ort"]), summarize(segments["kiln"])
         out["kiln"]["runtime"] = _runtime_summary(server.runtime())
-        print(f"  {out['kiln']}", flush=True)
+        ratios = [
+            summarize([k])["samples_per_s"] / summarize([o])["samples_per_s"]
+            for k, o in zip(segments["kiln"], segments["ort"], strict=True)
+        ]
+        out["kiln_vs_ort"] = {
+            "throughput_x": round(out["kiln"]["samples_per_s"] / out["ort"]["samples_per_s"], 2),
+            "throughput_x_per_round": [round(x, 2) for x in ratios],
+            "p99_x": round(out["kiln"]["p99_ms"] / out["ort"]["p99_ms"], 2),
+        }
+        print(f"  ort  {out['ort']}\n  kiln {out['kiln']}", flush=True)
 
         # Three forced swaps alternating two bucket sets, one after another from the moment
         # an eighth of the requests are answered, so all three land inside the traffic.
@@ -321,16 +353,12 @@ def run_case(case: Case, source: str, args: argparse.Namespace) -> dict:
         swapper.join()
         for swap in swaps:
             swap["during_traffic"] = swap.pop("ended") < last_answer
-        forced = summarize(records)
+        forced = summarize([records])
         forced["runtime"] = _runtime_summary(server.runtime())
         out["forced_swaps"] = _judge(forced, out["kiln"]["p99_ms"], swaps)
         print(f"  {out['forced_swaps']}", flush=True)
     finally:
         server.stop()
-    out["kiln_vs_ort"] = {
-        "throughput_x": round(out["kiln"]["samples_per_s"] / out["ort"]["samples_per_s"], 2),
-        "p99_x": round(out["kiln"]["p99_ms"] / out["ort"]["p99_ms"], 2),
-    }
     return out
 
 
@@ -369,8 +397,8 @@ def run_organic(case: Case, source: str, args: argparse.Namespace) -> dict:
     finally:
         server.stop()
     records.sort(key=lambda r: r.start)
-    steady = summarize(records[: n_a - args.clients])  # phase A, before the shift
-    result = _judge(summarize(records), steady["p99_ms"], [])
+    steady = summarize([records[: n_a - args.clients]])  # phase A, before the shift
+    result = _judge(summarize([records]), steady["p99_ms"], [])
     result["serves"] = source
     result["steady_phase_a"] = steady
     result["organic_swaps"] = runtime["swaps"]
@@ -408,6 +436,8 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,resnet50")
     parser.add_argument("--artifact", action="append", default=[], help="MODEL=PATH.kiln")
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--buckets", default=None, help="override the steady run's buckets")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per side")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     parser.add_argument("--no-organic", action="store_true")
     parser.add_argument("--organic-only", action="store_true")
