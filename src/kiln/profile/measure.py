@@ -33,6 +33,7 @@ class Measurement:
     # share of all cores' time that nobody (neither we nor other processes) used while timing
     idle_fraction: float | None
     memory: dict[str, Any]  # RSS samples and the figures around compile and first run
+    profiled_ms: list[float]  # wall time of each profiled run, as the engine measured it
 
 
 def measure(
@@ -50,6 +51,7 @@ def measure(
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     latency: list[float] = []
     records: list[dict[str, Any]] = []
+    profiled_ms: list[float] = []
     cpu_s = wall_s = idle_s = machine_s = 0.0
     model_peak = 0.0
     with RssSampler() as rss:
@@ -83,6 +85,7 @@ def measure(
             offset = index * per_round
             for record in exe.profile(feeds, per_round):
                 records.append({**record, "run": record["run"] + offset})
+            profiled_ms += getattr(exe, "profiled_run_ms", [])
         after = rss.mark("done")
     memory = {
         **rss.to_json(),
@@ -98,7 +101,7 @@ def measure(
     enough = wall_s >= MIN_CPU_WALL_S
     utilization = cpu_s / (wall_s * cores) if enough and cores else None
     idle = idle_s / machine_s if enough and machine_s > 0 else None
-    return Measurement(latency, records, utilization, cores or 1, idle, memory)
+    return Measurement(latency, records, utilization, cores or 1, idle, memory, profiled_ms)
 
 
 def _idle(times: Any) -> float:

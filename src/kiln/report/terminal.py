@@ -21,7 +21,7 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
     )
     console.print(
         f"per-node sum {node_time['median_ms']:.2f} ms per run "
-        f"({node_time['ratio_to_p50']:.0%} of the end-to-end P50) · "
+        f"({node_time['ratio_to_p50']:.0%} of the end-to-end P50{_profiled(node_time)}) · "
         f"{roof['achieved_gflops']:.1f} GFLOP/s = {roof['fraction_of_peak']:.0%} of the fp32 "
         f"peak · {roof['fraction_of_roofline']:.0%} of the roofline · "
         f"peak RSS {result['memory']['model_peak_mib']:.0f} MiB"
@@ -55,3 +55,12 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
             escape(", ".join(node["original"][:6]) + (" …" if len(node["original"]) > 6 else "")),
         )
     console.print(nodes)
+
+
+def _profiled(node_time: dict) -> str:
+    if node_time.get("ratio_to_profiled") is None:
+        return ""
+    return (
+        f"; {node_time['ratio_to_profiled']:.0%} of the profiled runs' own time, the profiler "
+        f"adding {node_time['profiler_overhead']:+.0%}"
+    )
