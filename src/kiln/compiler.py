@@ -156,7 +156,10 @@ def optimize_model(
         reference = run_reference(original, feeds, source)
         noise = engine_noise(original, feeds, reference, backend, options)
 
+    last: dict[str, Any] = {}  # the final attempt's executable, for the bf16 plan
+
     def attempt(specs: list[PassSpec]) -> tuple[ir.Model, list[PassReport], Verification | None]:
+        last.clear()
         model = copy_model(original)
         if specs and specs[-1].name != "cleanup":
             # A prefix may stop between fusions that leave helper functions behind.
@@ -171,6 +174,7 @@ def optimize_model(
             outputs = [exe.run(f) for f in feeds]
         except KilnError as exc:
             return model, reports, Verification(False, precision, source, [], error=str(exc))
+        last["exe"] = exe
         verification = compare(
             names, reference, outputs, source, precision, noise=noise, budget=accuracy.budget
         )
@@ -205,13 +209,16 @@ def optimize_model(
         backend=backend,
         options=options,
         precision=precision,
-        plan=_engine_plan(model, backend, options) if precision == "bf16" else None,
+        plan=_engine_plan(model, backend, options, last.get("exe"))
+        if precision == "bf16"
+        else None,
     )
 
 
-def _engine_plan(model: ir.Model, backend: str, options: Any) -> dict:
-    """bf16 is the engine's decision layer by layer: record the layers it kept in fp32."""
-    exe = get_backend(backend).compile(model, options)
+def _engine_plan(model: ir.Model, backend: str, options: Any, exe: Any = None) -> dict:
+    """bf16 is the engine's decision layer by layer: record the layers it kept in fp32 (read
+    from the executable verification already built, when there is one)."""
+    exe = exe or get_backend(backend).compile(model, options)
     nodes = {n.name for n in model.graph}  # the engine also names layers it made itself
     kept = {
         name: f"fp32 (kept by {backend}: {kind})"
@@ -310,7 +317,7 @@ def _calibration(
     model = loaded.model
     samples = read_calibration(accuracy.calib, model) if accuracy.calib else None
     if samples and not static:  # nothing to calibrate: all of them judge the accuracy
-        return None, None if inputs else samples, None
+        return None, (None if inputs else samples), None
     if not static:
         return None, None, None
     if samples:

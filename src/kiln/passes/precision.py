@@ -176,7 +176,8 @@ def quantize_guarded(
     def trial(quantized: list[str]) -> tuple[ir.Model, bool, float]:
         nonlocal trials
         trials += 1
-        kept = [n for n in order if n not in set(quantized)]
+        chosen = set(quantized)
+        kept = [n for n in order if n not in chosen]
         candidate = quantize(model, kept)
         _stamp(model, candidate, pass_name(precision))
         ok, metric = meets_budget(candidate)
