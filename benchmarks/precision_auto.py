@@ -25,48 +25,21 @@ from pathlib import Path
 from rich.console import Console
 
 import kiln
-from kiln.bench.report import print_bench, run_bench
-from kiln.compiler import optimize_model, save_result
-from kiln.ir import load_model
+from kiln.bench.report import run_bench
+from kiln.report.terminal import print_bench
 
 AGAINST = "ort,ort-int8,openvino,openvino-bf16,openvino-int8"
-PAIRS = [
-    ("ort", "fp32"),
-    ("openvino", "fp32"),
-    ("openvino", "bf16"),
-    ("ort", "int8"),
-    ("openvino", "int8"),
-    ("ort", "int4"),
-]
 
 
 def auto_artifact(
     model: str, inputs: str | None, calib: str | None, out: Path, rounds: int, say
 ) -> dict:
-    """What `kiln optimize MODEL --backend auto --precision auto` does, step by step."""
-    from kiln.bench.report import time_candidates
-    from kiln.cli import _fastest, label
-    from kiln.compiler import PrecisionOptions
-
-    loaded = load_model(model)
-    results = []
-    for backend, precision in PAIRS:
-        say(f"{model}: building {backend}/{precision}")
-        try:
-            results.append(
-                optimize_model(
-                    loaded, backend=backend, precision=precision, inputs=inputs,
-                    precision_options=PrecisionOptions(calib=calib),
-                )  # fmt: skip
-            )
-        except kiln.KilnError as exc:
-            say(f"  {backend}/{precision} refused: {exc}")
-    verified = [r for r in results if r.verification is None or r.verification.ok]
-    timing = time_candidates(verified, rounds, 5, say)
-    best, bench = _fastest(verified, timing)
-    bench["refused"] = {label(r): r.verification.summary() for r in results if r not in verified}
-    save_result(best, out, benchmark=bench)
-    return bench
+    """`kiln optimize MODEL --backend auto --precision auto`, from Python."""
+    artifact = kiln.compile(
+        model, out, backend="auto", precision="auto", inputs=inputs, calib=calib,
+        rounds=rounds, runs=5, progress=say,
+    )  # fmt: skip
+    return artifact.manifest.benchmark
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ figure is a median of per-round P50 ratios; the JSON has all the per-engine stat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 import kiln
-from kiln.bench.report import print_bench, run_bench
+from kiln.bench.report import run_bench
+from kiln.report.terminal import print_bench
 
 MODELS = {
     "bert-base": "ort,ort-transformers,ort-basic",
@@ -46,7 +48,7 @@ def main() -> None:
         start = time.perf_counter()
         artifact = kiln.compile(f"zoo:{name}", out.parent / f"{name}.kiln")
         compile_s = time.perf_counter() - start
-        verification = artifact.manifest["verification"]
+        verification = artifact.manifest.verification.to_json()
         result = run_bench(
             str(artifact.path),
             MODELS[name],
@@ -58,7 +60,7 @@ def main() -> None:
         )
         result["compile_seconds"] = compile_s
         result["verification"] = verification
-        result["passes"] = artifact.manifest["passes"]
+        result["passes"] = [dataclasses.asdict(p) for p in artifact.manifest.passes]
         results[name] = result
         print_bench(result, console)
         worst = max(o["max_abs"] / o["bound"] for o in verification["outputs"])

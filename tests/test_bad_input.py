@@ -23,7 +23,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.artifact import write_artifact
+from kiln.artifact import BackendInfo, Manifest, SourceInfo, new_manifest, write_artifact
+from kiln.config import CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.load import MAX_OPSET
 
@@ -350,6 +351,14 @@ def test_session_on_a_directory_that_is_not_an_artifact(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- writing the artifact
 
 
+def _manifest(model: ir.Model, note: str = "") -> Manifest:
+    return new_manifest(
+        source=SourceInfo("model", note, "0"), model=model, config=CompileConfig(),
+        backend=BackendInfo("ort"), passes=[], dropped_passes=[], nodes={},
+        precision={"default": "fp32", "nodes": {}}, dims={}, verification=None,
+    )  # fmt: skip
+
+
 def _no_space(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
@@ -359,7 +368,7 @@ def test_full_disk_leaves_no_partial_artifact(tmp_path, monkeypatch):
     monkeypatch.setattr(ir, "save", _no_space)
     destination = tmp_path / "model.kiln"
     with pytest.raises(KilnError) as info:
-        write_artifact(destination, model, {})
+        write_artifact(destination, model, _manifest(model))
     assert str(info.value) == (
         f"{destination}: could not write the artifact (No space left on device). Nothing was "
         "written; fix that or choose another -o path."
@@ -370,11 +379,11 @@ def test_full_disk_leaves_no_partial_artifact(tmp_path, monkeypatch):
 def test_full_disk_keeps_the_previous_artifact(tmp_path, monkeypatch):
     model = ir.serde.deserialize_model(model_proto())
     destination = tmp_path / "model.kiln"
-    write_artifact(destination, model, {"note": "first"})
+    write_artifact(destination, model, _manifest(model, "first"))
     before = snapshot(tmp_path)
     monkeypatch.setattr(ir, "save", _no_space)
     with pytest.raises(KilnError, match="No space left on device"):
-        write_artifact(destination, model, {"note": "second"})
+        write_artifact(destination, model, _manifest(model, "second"))
     assert snapshot(tmp_path) == before
 
 
@@ -383,6 +392,7 @@ def test_refused_destination_is_untouched_and_checked_before_writing(tmp_path, m
     before = snapshot(tmp_path)
     monkeypatch.setattr(ir, "save", _no_space)  # never reached: refused before writing
     with pytest.raises(KilnError) as info:
-        write_artifact(tmp_path / "model.kiln", ir.serde.deserialize_model(model_proto()), {})
+        model = ir.serde.deserialize_model(model_proto())
+        write_artifact(tmp_path / "model.kiln", model, _manifest(model))
     assert "exists and is not a Kiln artifact; refusing to replace it." in str(info.value)
     assert snapshot(tmp_path) == before

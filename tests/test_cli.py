@@ -9,8 +9,17 @@ import sys
 import numpy as np
 import onnx
 import pytest
+from rich.console import Console
 
 from kiln import zoo
+from kiln.report.terminal import print_bench, print_doctor, print_optimize, print_zoo_info
+
+
+def rendered(render, data) -> str:
+    """What a verb's table shows for `data` (its --json output), on a wide terminal."""
+    console = Console(record=True, width=200)
+    render(data, console)
+    return console.export_text()
 
 
 def kiln(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -38,6 +47,15 @@ def test_optimize_json_reports_passes_verification_and_timing(artifact):
     assert summary["nodes"]["after"] < summary["nodes"]["before"]
     bench = summary["benchmark"]
     assert bench["speedup"] > 0 and bench["artifact"]["p99_ms"] >= bench["artifact"]["p50_ms"]
+
+
+def test_optimize_table_shows_what_the_json_says(artifact):
+    _, summary = artifact
+    text = rendered(print_optimize, summary)
+    for name in {p["name"] for p in summary["passes"] if p["rewrites"]}:
+        assert f"pass {name}" in text
+    assert f"{summary['nodes']['before']} → {summary['nodes']['after']}" in text
+    assert "passed" in text and f"{summary['benchmark']['speedup']:.2f}×" in text
 
 
 def test_run_writes_the_outputs_onnxruntime_gives(artifact, tmp_path):
@@ -73,6 +91,9 @@ def test_zoo_list_info_export(tmp_path):
     assert info["gflops"] > 0 and info["parameters"] > 0
     kiln("zoo", "export", "gpt2-tiny", "-o", "g.onnx", cwd=tmp_path)
     onnx.checker.check_model(str(tmp_path / "g.onnx"))
+    table = kiln("zoo", "list", cwd=tmp_path).stdout
+    assert all(name in table for name in zoo.names())
+    assert f"{info['gflops']:.3f}" in rendered(print_zoo_info, info)
 
 
 def test_bench_compares_engines_and_writes_json(tmp_path):
@@ -84,12 +105,35 @@ def test_bench_compares_engines_and_writes_json(tmp_path):
     assert set(result["engines"]) == {"ort", "ort-basic", "kiln"}
     assert result["engines"]["ort"]["speedup_vs_baseline"] == 1.0
     assert json.loads((tmp_path / "bench.json").read_text())["model"] == "zoo:resnet-tiny"
+    rows = {
+        cells[1].strip(): cells[2].strip()
+        for cells in (line.split("│") for line in rendered(print_bench, result).splitlines())
+        if len(cells) > 2
+    }
+    for name, engine in result["engines"].items():
+        assert rows[name] == f"{engine['p50_ms']:.2f}"
 
 
 def test_doctor_names_engines_and_cpu(tmp_path):
     info = json.loads(kiln("doctor", "--json", cwd=tmp_path).stdout)
     assert info["engines"]["ort"]["engine"] == "onnxruntime"
     assert info["cpu"]["logical_cores"] >= 1 and info["hardware_fingerprint"]
+    text = rendered(print_doctor, info)
+    assert info["cpu"]["model"] in text
+    assert all(f"engine {name}" in text for name in info["engines"])
+
+
+def test_help_lists_every_verb_without_loading_their_dependencies(tmp_path):
+    verbs = ("zoo", "optimize", "run", "bench", "doctor", "serve", "profile")
+    shown = kiln("--help", cwd=tmp_path).stdout
+    assert all(verb in shown for verb in verbs)
+    # The verbs import the compiler, engines, servers and report templates when they run.
+    probe = "import sys, kiln.cli; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    heavy = {"kiln.compiler", "kiln.runtime", "onnx", "onnxruntime", "uvicorn", "plotly"}
+    assert not heavy & set(loaded)
 
 
 def test_backend_auto_times_every_engine_and_records_the_choice(tmp_path):

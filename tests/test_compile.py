@@ -98,9 +98,9 @@ def test_bisection_finds_and_drops_a_wrong_pass(tmp_path):
     pipeline.insert(3, planted)
     artifact = kiln.compile("zoo:bert-tiny", tmp_path / "out.kiln", pipeline=pipeline)
     manifest = artifact.manifest
-    assert manifest["dropped_passes"] == ["break-add"]
-    assert manifest["verification"]["ok"]
-    assert "break-add" not in {p["name"] for p in manifest["passes"]}
+    assert manifest.dropped_passes == ["break-add"]
+    assert manifest.verification.ok
+    assert "break-add" not in {p.name for p in manifest.passes}
     assert op_counts(artifact.model_path)["Attention"] == 2, "other passes must still run"
 
 
@@ -148,7 +148,7 @@ def test_control_flow_contrib_ops_and_constant_weights_pass_through(tmp_path):
     path = tmp_path / "messy.onnx"
     onnx.save(messy_model(), str(path))
     artifact = kiln.compile(path, tmp_path / "messy.kiln")
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     session = kiln.Session(artifact.path)
     for sign in (1.0, -1.0):
         x = sign * np.arange(1, 5, dtype=np.float32).reshape(1, 4)
@@ -168,7 +168,7 @@ def test_session_rejects_wrong_input_naming_it(tmp_path):
 
 def test_unverified_compile_is_marked(tmp_path):
     artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False)
-    assert artifact.manifest["verification"] is None
+    assert artifact.manifest.verification is None
 
 
 def test_external_data_model_compiles_and_artifact_runs(tmp_path):
@@ -179,7 +179,7 @@ def test_external_data_model_compiles_and_artifact_runs(tmp_path):
     )
     assert (tmp_path / "ext.onnx.data").stat().st_size > 0
     artifact = kiln.compile(path, tmp_path / "ext.kiln")
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     proto = zoo.build("resnet-tiny")  # onnx.save moved the weights out of the first one
     feeds = synthesize(ir.serde.deserialize_model(proto))
     np.testing.assert_allclose(
@@ -202,7 +202,7 @@ def test_opset_11_model_passes_through(tmp_path):
     path = tmp_path / "old.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 11)]), str(path))
     artifact = kiln.compile(path, tmp_path / "old.kiln")
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
     np.testing.assert_allclose(kiln.Session(artifact.path).run(None, {"x": x})[0], np.maximum(x, 0))
 
@@ -222,17 +222,17 @@ def test_a_crashing_pass_is_dropped_not_fatal(tmp_path):
     pipeline = default_pipeline()
     pipeline.insert(2, PassSpec("crash", "fuse", CrashingPass, "raises"))
     artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", pipeline=pipeline)
-    assert artifact.manifest["dropped_passes"] == ["crash"]
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.dropped_passes == ["crash"]
+    assert artifact.manifest.verification.ok
 
 
 def test_openvino_artifact_runs_with_its_recorded_engine(tmp_path):
     pytest.importorskip("openvino")
     artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "ov.kiln", backend="openvino")
     manifest = artifact.manifest
-    assert manifest["backend"]["name"] == "openvino"
-    assert manifest["backend"]["options"]["inference_precision"] == "f32"
-    assert manifest["verification"]["ok"]
+    assert manifest.backend.name == "openvino"
+    assert manifest.backend.options["inference_precision"] == "f32"
+    assert manifest.verification.ok
     ops = op_counts(artifact.model_path)
     assert not any(op in ops for op in ("FusedConv", "Attention")), "ORT-only ops leaked"
     session = kiln.Session(artifact.path)
@@ -250,11 +250,11 @@ def test_bf16_artifact_is_verified_by_cosine(tmp_path):
         "zoo:bert-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16"
     )
     manifest = artifact.manifest
-    assert manifest["precision"]["default"] == "bf16"
-    assert manifest["backend"]["options"]["inference_precision"] == "bf16"
-    verification = manifest["verification"]
-    assert verification["ok"] and verification["precision"] == "bf16"
-    assert all(o["cosine"] >= 0.99 for o in verification["outputs"])
+    assert manifest.precision["default"] == "bf16"
+    assert manifest.backend.options["inference_precision"] == "bf16"
+    verification = manifest.verification
+    assert verification.ok and verification.precision == "bf16"
+    assert all(o.cosine >= 0.99 for o in verification.outputs)
 
 
 def test_bf16_on_onnxruntime_is_refused_with_the_way_out(tmp_path):

@@ -33,7 +33,7 @@ from onnx.backend.test.case.test_case import TestCase
 from onnx.backend.test.runner import Runner
 
 from kiln.backends.ort import OrtBackend, OrtOptions
-from kiln.compiler import optimize_model
+from kiln.compiler import CompileConfig, compile_candidate
 from kiln.errors import KilnError
 from kiln.ir import all_nodes, load_model, origins_of, stamp_origins
 from kiln.ir.load import MIN_OPSET
@@ -162,11 +162,10 @@ def _run_case(case: TestCase, directory: Path) -> Outcome:
     if not original_passes:
         return Outcome(case.name, ORT_FAILS)
     pipeline = default_pipeline()
-    steps: list[str] = []  # optimize_model reports "pass NAME" as each pass starts
+    steps: list[str] = []  # the compiler reports "pass NAME" as each pass starts
     try:
-        compiled = optimize_model(
-            loaded, pipeline=pipeline, verify=False, progress=steps.append
-        ).model
+        config = CompileConfig(verify=False)
+        compiled = compile_candidate(loaded, config, pipeline=pipeline, say=steps.append).model
     except Exception as exc:
         where = steps[-1] if steps else "before the first pass"
         return Outcome(case.name, FAILED, f"[{where}] compiling raised {_root_cause(exc)}")

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common
 from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
+from onnxscript.rewriter import pattern
 
+import kiln
+from kiln import zoo
 from kiln.backends import get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.ir import stamp_origins
+from kiln.passes import KilnPass, default_pipeline, run_pipeline
 from kiln.passes.canonical_mask import CanonicalMaskPass
+from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.prune_rows import PruneRowsPass
+from kiln.passes.refine_shapes import RefineShapesPass
+from kiln.passes.rules import FUSIONS, FusionPass
+from kiln.passes.shape_reads import ShapeReadsPass
+from kiln.passes.simplify import SimplifyPass
 
 RNG = np.random.default_rng(0)
 
@@ -180,7 +193,164 @@ def test_written_out_layernorm_and_conv_relu_fuse_and_match(tmp_path):
     path = tmp_path / "ln.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]), str(path))
     artifact = kiln.compile(path, tmp_path / "ln.kiln")
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
+    written = collections.Counter(n.op_type for n in nodes)
     counts = collections.Counter(n.op_type for n in onnx.load(str(artifact.model_path)).graph.node)
-    assert counts["LayerNormalization"] == 1 and counts["ReduceMean"] == 0, counts
-    assert counts["FusedConv"] == 1 and counts["Relu"] == 0, counts
+    assert counts["LayerNormalization"] == written["Sqrt"] and counts["ReduceMean"] == 0, counts
+    assert counts["FusedConv"] == written["Conv"] and counts["Relu"] == 0, counts
+
+
+def two_equal_weights() -> onnx.ModelProto:
+    """y = (x + w1) · w2 with w1 and w2 equal: deduplication rewires one reader in place."""
+    w = RNG.normal(size=8).astype(np.float32)
+    nodes = [
+        h.make_node("Add", ["x", "w1"], ["a"], name="add"),
+        h.make_node("Mul", ["a", "w2"], ["y"], name="mul"),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "dedup",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [nh.from_array(w, "w1"), nh.from_array(w.copy(), "w2")],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_a_rewrite_that_keeps_the_node_count_is_a_modification():
+    model = ir.serde.deserialize_model(two_equal_weights())
+    common.ShapeInferencePass()(model)  # so that only the rewrite itself can change the model
+    nodes = len(model.graph)
+    simplify = SimplifyPass()
+    result = simplify(model)
+    assert len(model.graph) == nodes
+    assert simplify.count == 1 and result.modified  # the Mul now reads w1
+    assert model.graph.node(1).inputs[1] is model.graph.node(0).inputs[1]
+
+
+class RenameAddUncounted(KilnPass):
+    """Turns every Add into a Sub in place, and under-reports: says it rewrote nothing."""
+
+    name = "rename-add"
+
+    def apply(self, model: ir.Model) -> int:
+        for node in model.graph:
+            if node.op_type == "Add":
+                node.op_type = "Sub"
+        return 0
+
+
+def test_modified_comes_from_the_model_not_the_count():
+    model = ir.serde.deserialize_model(two_equal_weights())
+    assert RenameAddUncounted()(model).modified
+    assert not RenameAddUncounted()(model).modified  # no Add left: nothing changes
+
+
+def test_a_pass_that_matches_nothing_is_not_a_modification():
+    model = ir.serde.deserialize_model(classifier_head())
+    common.ShapeInferencePass()(model)
+    passes = [NoopReshapesPass(), ShapeReadsPass(), CanonicalMaskPass(), RefineShapesPass()]
+    passes += [FusionPass(spec) for spec in FUSIONS if spec.name != "fuse-skip-layernorm"]
+    for kiln_pass in passes:
+        result = kiln_pass(model)
+        assert (result.modified, kiln_pass.count) == (False, 0), kiln_pass.name
+
+
+def test_a_second_pipeline_run_changes_nothing():
+    """Every pass of the default pipeline, run again on its own output, reports no change."""
+    model = ir.serde.deserialize_model(zoo.build("bert-tiny"))
+    stamp_origins(model)
+    first = run_pipeline(model, default_pipeline())
+    assert sum(r.rewrites for r in first) > 0
+    for spec in default_pipeline():
+        kiln_pass = spec.make()
+        assert not kiln_pass(model).modified, spec.name
+        assert kiln_pass.count == 0, spec.name
+
+
+# ---------------------------------------------------------------------------- the onnxscript fence
+SRC = Path(kiln.__file__).parent
+FENCE = SRC / "ir" / "onnxscript_internals.py"
+
+
+def _is_private(name: str) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in name.split("."))
+
+
+def _root(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_onnxscript_uses(path: Path) -> list[str]:
+    """`line: what` for every private onnxscript name a file imports or reaches through an
+    imported onnxscript module (`from onnxscript.x import _y`, `onnxscript.x._y`,
+    `module._y` where `module` came from onnxscript)."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: set[str] = set()
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "onnxscript":
+                    aliases.add(alias.asname or "onnxscript")
+                    if _is_private(alias.name):
+                        found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("onnxscript"):
+            for alias in node.names:
+                aliases.add(alias.asname or alias.name)
+                if _is_private(f"{node.module}.{alias.name}"):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and _root(node) in aliases:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_onnxscript_names_are_used_only_through_the_fence():
+    assert private_onnxscript_uses(FENCE), "the checker must see what the fence itself imports"
+    leaks = {
+        str(path.relative_to(SRC)): uses
+        for path in sorted(SRC.rglob("*.py"))
+        if path != FENCE and (uses := private_onnxscript_uses(path))
+    }
+    assert leaks == {}, f"import these from kiln.ir.onnxscript_internals instead: {leaks}"
+
+
+def test_the_fence_gives_working_symbols():
+    from kiln.ir import onnxscript_internals as internals
+
+    assert set(internals.__all__) <= set(dir(internals))
+    for name in ("get_numpy_value", "FoldConstantsPass", "register_metadata_merger"):
+        assert callable(getattr(internals, name)), name
+    assert callable(internals.guard_split_to_sequence)
+    rule_sets = [
+        internals.DEFAULT_REWRITE_RULES,
+        internals.FUSE_BATCHNORM_RULES,
+        internals.FUSE_PAD_INTO_CONV_RULES,
+        internals.MATMUL_ADD_TO_GEMM_RULES,
+        internals.LAYER_NORMALIZATION_RULES,
+        internals.MHA_SCALE_RULES,
+        internals.SDPA_VIA_MHA_RULES,
+    ]
+    for rules in rule_sets:
+        rules = list(rules)
+        assert rules and all(isinstance(r, pattern.RewriteRule) for r in rules)
+    value = ir.Value(name="c", const_value=ir.tensor(np.arange(3, dtype=np.int64)))
+    np.testing.assert_array_equal(internals.get_numpy_value(value), [0, 1, 2])
+    assert internals.get_numpy_value(ir.Value(name="x")) is None
+    assert isinstance(internals.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT, int)
+
+
+def test_the_installed_onnxscript_is_in_the_tested_range():
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    from kiln.ir.onnxscript_internals import TESTED_RANGE
+
+    assert version("onnxscript") in SpecifierSet(TESTED_RANGE)
+    pyproject = SRC.parent.parent / "pyproject.toml"
+    if pyproject.exists():  # a source checkout: the pin and the fence say the same
+        assert f'"onnxscript{TESTED_RANGE}"' in pyproject.read_text()

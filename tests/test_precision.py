@@ -10,7 +10,6 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import kiln
-from kiln.compiler import PrecisionOptions
 
 
 def hostile_model(path) -> None:
@@ -46,11 +45,11 @@ def test_guard_restores_exactly_the_hostile_layer(tmp_path):
     artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
                             shapes={"x": (16, 64)})  # fmt: skip
     manifest = artifact.manifest
-    nodes = manifest["precision"]["nodes"]
+    nodes = manifest.precision["nodes"]
     assert [n for n, p in nodes.items() if p.startswith("fp32")] == ["mm2"], nodes
     assert nodes["mm1"] == nodes["mm3"] == "int8"
-    verification = manifest["verification"]
-    assert verification["ok"] and verification["outputs"][0]["cosine"] >= 0.99
+    verification = manifest.verification
+    assert verification.ok and verification.outputs[0].cosine >= 0.99
     ops = [n.op_type for n in onnx.load(str(artifact.model_path)).graph.node]
     assert ops.count("MatMulInteger") == 2 and ops.count("MatMul") == 1
 
@@ -62,7 +61,7 @@ def test_int8_without_verification_is_refused(tmp_path):
 
 def test_int8_transformer_is_quantized_and_traced(tmp_path):
     artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="int8")
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     ops = {record["op_type"].split("::")[-1] for record in artifact.provenance().values()}
     assert {"MatMulInteger", "QAttention"} <= ops
     assert all(record["origin"] for record in artifact.provenance().values())
@@ -72,11 +71,11 @@ def test_conv_model_gets_static_qdq_int8_and_a_calibration_warning(tmp_path):
     import collections
 
     artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8")
-    precision = artifact.manifest["precision"]
+    precision = artifact.manifest.precision
     assert precision["scheme"].startswith("static QDQ")
     assert precision["calibration"]["source"] == "synthetic"
     assert "unproven" in precision["calibration"]["warning"]
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     ops = collections.Counter(n.op_type for n in onnx.load(str(artifact.model_path)).graph.node)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and ops["FusedConv"] == 0
 
@@ -87,7 +86,7 @@ def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
     artifact = kiln.compile(
         "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", inputs=str(tmp_path / "calib.npz")
     )
-    calibration = artifact.manifest["precision"]["calibration"]
+    calibration = artifact.manifest.precision["calibration"]
     assert calibration["source"] == str(tmp_path / "calib.npz")
     assert "give separate samples with --calib" in calibration["warning"]
 
@@ -95,15 +94,15 @@ def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
 def test_calib_samples_calibrate_and_a_quarter_is_held_out(tmp_path):
     x = np.random.default_rng(1).random((8, 1, 3, 32, 32), dtype=np.float32)
     np.savez(tmp_path / "calib.npz", input=x)
-    options = PrecisionOptions(calib=str(tmp_path / "calib.npz"), method="percentile")
     artifact = kiln.compile(
-        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", precision_options=options
+        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8",
+        calib=str(tmp_path / "calib.npz"), calib_method="percentile"
     )
     manifest = artifact.manifest
-    assert manifest["precision"]["scheme"] == "static QDQ (percentile)"
-    assert manifest["precision"]["calibration"]["held_out"] == 2
-    assert "warning" not in manifest["precision"]["calibration"]
-    assert manifest["verification"]["inputs"] == "held-out calibration samples"
+    assert manifest.precision["scheme"] == "static QDQ (percentile)"
+    assert manifest.precision["calibration"]["held_out"] == 2
+    assert "warning" not in manifest.precision["calibration"]
+    assert manifest.verification.inputs == "held-out calibration samples"
 
 
 def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
@@ -132,7 +131,6 @@ def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
 
 
 def test_int4_guard_restores_exactly_the_hostile_weight(tmp_path):
-    from kiln.verify import Budget
 
     hostile_model(tmp_path / "m.onnx")
     model = onnx.load(str(tmp_path / "m.onnx"))
@@ -146,12 +144,11 @@ def test_int4_guard_restores_exactly_the_hostile_weight(tmp_path):
         t.CopyFrom(nh.from_array(arrays[t.name], t.name))
     onnx.save(model, str(tmp_path / "m.onnx"))
     # 4 bits cost a Gaussian 64×64 layer ≈ 10 % error: a 3 % budget lets mm1 and mm3 pass.
-    options = PrecisionOptions(budget=Budget("cosine", 0.03))
     artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int4",
-                            shapes={"x": (16, 64)}, precision_options=options)  # fmt: skip
-    nodes = artifact.manifest["precision"]["nodes"]
+                            shapes={"x": (16, 64)}, max_drop=0.03)  # fmt: skip
+    nodes = artifact.manifest.precision["nodes"]
     assert [n for n, p in nodes.items() if p.startswith("fp32")] == ["mm2"], nodes
-    assert artifact.manifest["verification"]["ok"]
+    assert artifact.manifest.verification.ok
     ops = [n.op_type for n in onnx.load(str(artifact.model_path)).graph.node]
     assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1
 
@@ -160,12 +157,12 @@ def test_int4_guard_restores_exactly_the_hostile_weight(tmp_path):
 def test_openvino_int8_through_nncf_is_verified(tmp_path, model):
     artifact = kiln.compile(model, tmp_path / "m.kiln", precision="int8", backend="openvino")
     manifest = artifact.manifest
-    assert manifest["precision"]["scheme"] == "static QDQ (NNCF)"
-    assert manifest["verification"]["ok"] and manifest["verification"]["score"] >= 0.99
-    assert manifest["backend"]["name"] == "openvino"
+    assert manifest.precision["scheme"] == "static QDQ (NNCF)"
+    assert manifest.verification.ok and manifest.verification.score >= 0.99
+    assert manifest.backend.name == "openvino"
     ops = [n.op_type for n in onnx.load(str(artifact.model_path)).graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
-    quantized = [n for n, p in manifest["precision"]["nodes"].items() if p == "int8"]
+    quantized = [n for n, p in manifest.precision["nodes"].items() if p == "int8"]
     assert quantized
     session = kiln.Session(artifact.path)  # runs on OpenVINO, as recorded
     assert session.executable.__class__.__name__ == "OpenVinoExecutable"
@@ -174,11 +171,11 @@ def test_openvino_int8_through_nncf_is_verified(tmp_path, model):
 def test_int4_transformer_packs_matmul_weights(tmp_path):
     artifact = kiln.compile(
         "zoo:bert-tiny", tmp_path / "b.kiln", precision="int4",
-        precision_options=PrecisionOptions(block_size=64),
+        block_size=64,
     )  # fmt: skip
     manifest = artifact.manifest
-    assert manifest["precision"]["scheme"] == "4-bit weights (MatMulNBits, block 64)"
-    assert manifest["verification"]["ok"] and manifest["verification"]["score"] >= 0.99
+    assert manifest.precision["scheme"] == "4-bit weights (MatMulNBits, block 64)"
+    assert manifest.verification.ok and manifest.verification.score >= 0.99
     graph = onnx.load(str(artifact.model_path)).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert nbits and all(h.get_attribute_value(a) == 64 for n in nbits for a in n.attribute
@@ -219,7 +216,6 @@ def test_user_metric_decides_the_int8_guard(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     hostile_model(tmp_path / "m.onnx")
-    strict = PrecisionOptions(budget=__import__("kiln.verify").verify.budget_for("strict:exact"))
     with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
-                     shapes={"x": (16, 64)}, precision_options=strict)  # fmt: skip
+                     shapes={"x": (16, 64)}, metric="strict:exact")  # fmt: skip

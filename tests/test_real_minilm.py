@@ -98,8 +98,8 @@ def test_int8_guard_meets_the_budget_on_real_weights(minilm):
         inputs=str(minilm / "sentences.npz"),
     )  # fmt: skip
     manifest = artifact.manifest
-    assert manifest["verification"]["ok"]
-    guarded = manifest["verification"]["outputs"][0]["cosine"]
+    assert manifest.verification.ok
+    guarded = manifest.verification.outputs[0].cosine
     assert guarded >= 0.99
 
     # Without the guard: every layer int8. The guard restores layers exactly when that fails.
@@ -119,25 +119,24 @@ def test_int8_guard_meets_the_budget_on_real_weights(minilm):
     print(f"MiniLM int8: ORT defaults {defaults_cosine:.4f}, all layers per-channel "
           f"{plain_cosine:.4f}, guarded {guarded:.4f}")  # fmt: skip
     assert defaults_cosine < 0.99
-    restored = [n for n, p in manifest["precision"]["nodes"].items() if p.startswith("fp32")]
+    restored = [n for n, p in manifest.precision["nodes"].items() if p.startswith("fp32")]
     assert bool(restored) == (plain_cosine < 0.99), (plain_cosine, restored)
-    assert guarded >= plain_cosine
+    assert guarded >= plain_cosine - 1e-6  # the same model when nothing is restored
 
 
 @pytest.mark.slow  # NNCF runs once per guard trial: minutes on 2 cores
 def test_openvino_int8_on_real_weights_calibrated_on_real_sentences(minilm):
-    from kiln.compiler import PrecisionOptions
 
     artifact = kiln.compile(
         minilm / "minilm.onnx", minilm / "ov-int8.kiln", precision="int8", backend="openvino",
         inputs=str(minilm / "sentences.npz"),
-        precision_options=PrecisionOptions(calib=str(minilm / "calib.npz")),
+        calib=str(minilm / "calib.npz"),
     )  # fmt: skip
     manifest = artifact.manifest
-    assert manifest["precision"]["calibration"]["source"] == str(minilm / "calib.npz")
-    assert manifest["verification"]["ok"] and manifest["verification"]["score"] >= 0.99
-    assert manifest["verification"]["inputs"] == str(minilm / "sentences.npz")
-    int8 = [n for n, p in manifest["precision"]["nodes"].items() if p == "int8"]
-    print(f"MiniLM OpenVINO int8: cosine {manifest['verification']['score']:.4f}, "
-          f"{len(int8)}/{len(manifest['precision']['nodes'])} layers int8")  # fmt: skip
+    assert manifest.precision["calibration"]["source"] == str(minilm / "calib.npz")
+    assert manifest.verification.ok and manifest.verification.score >= 0.99
+    assert manifest.verification.inputs == str(minilm / "sentences.npz")
+    int8 = [n for n, p in manifest.precision["nodes"].items() if p == "int8"]
+    print(f"MiniLM OpenVINO int8: cosine {manifest.verification.score:.4f}, "
+          f"{len(int8)}/{len(manifest.precision['nodes'])} layers int8")  # fmt: skip
     assert int8

@@ -32,8 +32,8 @@ def test_ppocr_models_compile_verified_and_match(file, shapes, feed_shape, tmp_p
 
     source = MODELS / file
     artifact = kiln.compile(source, tmp_path / "m.kiln", shapes=shapes)
-    assert artifact.manifest["verification"]["ok"]
-    assert artifact.manifest["dropped_passes"] == []
+    assert artifact.manifest.verification.ok
+    assert artifact.manifest.dropped_passes == []
     x = np.random.default_rng(0).random(feed_shape, dtype=np.float32)
     want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     got = kiln.Session(artifact.path).run(None, {"x": x})
@@ -94,17 +94,15 @@ FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
 @pytest.mark.skipif(not Path(FONT).exists(), reason="DejaVu fonts are not installed")
 def test_int8_recogniser_reads_rendered_lines_as_fp32_does(tmp_path):
     pytest.importorskip("PIL")
-    from kiln.compiler import PrecisionOptions
 
     calibration = np.stack([_render(t, i) for i, t in enumerate(_text_lines(32, seed=1))])
     np.savez(tmp_path / "calib.npz", x=calibration)  # [32, 1, 3, 48, 320]: 32 samples
-    options = PrecisionOptions(calib=str(tmp_path / "calib.npz"), method="percentile")
     source = MODELS / "ch_PP-OCRv4_rec_infer.onnx"
     shapes = {"x": (1, 3, 48, 320)}
     fp32 = kiln.Session(kiln.compile(source, tmp_path / "fp32.kiln", shapes=shapes).path)
     int8 = kiln.compile(source, tmp_path / "int8.kiln", shapes=shapes, precision="int8",
-                        precision_options=options)  # fmt: skip
-    assert int8.manifest["precision"]["calibration"]["held_out"] == 8
+                        calib=str(tmp_path / "calib.npz"), calib_method="percentile")  # fmt: skip
+    assert int8.manifest.precision["calibration"]["held_out"] == 8
     session = kiln.Session(int8.path)
 
     held_out = _text_lines(40, seed=2)

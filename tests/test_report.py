@@ -15,6 +15,7 @@ import kiln
 from kiln.hardware import Peaks
 from kiln.profile import profile_model
 from kiln.report import print_profile, trace_events, write_html, write_trace
+from kiln.report.terminal import print_bench
 
 PEAKS = Peaks(100.0, 200.0, 400.0, 20.0, 2, "test")
 
@@ -129,3 +130,23 @@ def test_terminal_shows_the_top_findings(result):
     text = console.export_text()
     assert "top bottlenecks" in text and "slowest kernels" in text
     assert result["findings"][0]["title"] in text
+
+
+def test_bench_table_shows_paths_literally():
+    """Paths a user typed may hold rich markup ('[red]'); tables show them as typed."""
+    result = {
+        "command": "kiln bench [red]m.onnx",
+        "model": "[bold]m.onnx",
+        "date": "2025-01-01T00:00:00+00:00",
+        "machine": {"cpu": "cpu", "cores": 2},
+        "versions": {"kiln": kiln.__version__},
+        "baseline": "ort",
+        "batch": 1,
+        "rounds": 1,
+        "runs_per_round": 1,
+        "engines": {},
+    }
+    console = Console(record=True, width=160)
+    print_bench(result, console)
+    text = console.export_text()
+    assert "kiln bench [red]m.onnx" in text and "kiln bench [bold]m.onnx" in text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import onnx
@@ -32,7 +31,7 @@ def bert_feeds(batch: int, seq: int, valid: int | None = None) -> dict[str, np.n
 
 def reference(session: kiln.Session) -> ort.InferenceSession:
     """Plain ONNX Runtime on the same model file, dynamic shapes, nothing padded."""
-    return ort.InferenceSession(session._model_path, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(session._source.model_path, providers=["CPUExecutionProvider"])
 
 
 def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
@@ -201,16 +200,20 @@ def test_forced_swap_under_load_drops_nothing(bert):
     errors: list[BaseException] = []
     stop = threading.Event()
     runs = [0] * 4
+    progress = threading.Condition()  # notified after every round of every worker
 
     def hammer(worker: int) -> None:
         while not stop.is_set():
             try:
                 for f, want in zip(feeds, expected, strict=True):
                     assert_same(bert.run(None, f), want)
-                runs[worker] += 1
             except BaseException as exc:  # noqa: BLE001 - every failure counts
                 errors.append(exc)
                 return
+            finally:
+                with progress:
+                    runs[worker] += 1
+                    progress.notify_all()
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
     for t in threads:
@@ -218,7 +221,9 @@ def test_forced_swap_under_load_drops_nothing(bert):
     swaps = bert.stats()["swaps"]
     bert.swap(wait=True)  # the same set, rebuilt and swapped
     bert.swap("batch=2,8 seq=16,32", wait=True)
-    time.sleep(0.2)
+    with progress:  # every worker finishes a whole round on the new set (or fails)
+        after = list(runs)
+        progress.wait_for(lambda: all(r >= a + 2 for r, a in zip(runs, after, strict=True)), 120)
     stop.set()
     for t in threads:
         t.join()
@@ -238,13 +243,15 @@ def test_adaptive_rebuilds_when_the_traffic_shifts():
     try:
         for _ in range(20):
             session.run(None, bert_feeds(1, 32))
-        time.sleep(0.3)
-        assert session.stats()["swaps"] == 0  # no waste, no miss: nothing to do
-        deadline = time.monotonic() + 30
-        while session.stats()["swaps"] == 0 and time.monotonic() < deadline:
+        # The worker's first judgement of a full window sees exactly these 20 runs.
+        assert session.monitor.wait_until(lambda m: m.checks >= 1, timeout=60)
+        stats = session.stats()
+        assert stats["swaps"] == 0, stats["decisions"]  # no waste, no miss: nothing to do
+        assert not [d for d in stats["decisions"] if d["trigger"].startswith("padding waste")]
+        for _ in range(8):
             for seq in (4, 5, 6, 4, 5, 6, 8):
                 session.run(None, bert_feeds(1, seq))
-            time.sleep(0.05)
+        assert session.wait_for_swap(1, timeout=60), session.stats()["decisions"]
         stats = session.stats()
         assert stats["swaps"] == 1, stats["decisions"]
         decision = stats["decisions"][-1]
@@ -261,11 +268,10 @@ def test_adaptive_adds_a_bucket_for_a_frequent_missed_shape(tmp_path):
     session = kiln.Session(batch_mixing_model(tmp_path), buckets="batch=1", adaptive=True)
     session.policy.min_samples, session.policy.interval_s = 20, 0.1
     try:
-        deadline = time.monotonic() + 30
-        while session.stats()["swaps"] == 0 and time.monotonic() < deadline:
+        for _ in range(10):
             for batch in (3, 3, 3, 1):
                 session.run(None, {"x": RNG.random((batch, 4), dtype=np.float32)})
-            time.sleep(0.02)
+        assert session.wait_for_swap(1, timeout=60), session.stats()["decisions"]
         stats = session.stats()
         assert stats["swaps"] == 1, stats["decisions"]
         assert stats["decisions"][-1]["trigger"].startswith("frequent shape batch=3")
@@ -325,18 +331,23 @@ def test_bucket_proposals_and_scores():
 
 
 def test_p99_drift_triggers_a_rebuild_decision():
-    from kiln.runtime.adaptive import AdaptivePolicy, find_trigger
+    from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind, find_trigger
     from kiln.runtime.monitor import Observation
 
     policy, baseline = AdaptivePolicy(min_samples=10), {}
     fast = [Observation({"batch": 1, "seq": 16}, "batch=1,seq=16", 1e-3, 1, 1)] * 10
     assert find_trigger(fast, policy, baseline) is None  # sets the baseline
     slow = [Observation({"batch": 1, "seq": 16}, "batch=1,seq=16", 5e-3, 1, 1)] * 10
-    assert find_trigger(fast + slow, policy, baseline).startswith("P99 drift on batch=1,seq=16")
+    drift = find_trigger(fast + slow, policy, baseline)
+    assert drift.kind is TriggerKind.P99_DRIFT
+    assert str(drift).startswith("P99 drift on batch=1,seq=16")
     missed = [Observation({"batch": 3}, "dynamic", 1e-3, 1, 1)] * 2
-    assert find_trigger(fast + missed, policy, baseline).startswith("frequent shape batch=3")
+    miss = find_trigger(fast + missed, policy, baseline)
+    assert miss.kind is TriggerKind.MISSES and str(miss).startswith("frequent shape batch=3")
     wasteful = [Observation({"batch": 1}, "batch=4", 1e-3, 1, 4)] * 10
-    assert find_trigger(wasteful, policy, {}) == "padding waste 75% > 35%"
+    assert find_trigger(wasteful, policy, {}) == Trigger(
+        TriggerKind.WASTE, "padding waste 75% > 35%"
+    )
 
 
 def test_the_next_session_starts_from_what_this_one_learnt(tmp_path):
@@ -367,7 +378,7 @@ def test_least_recently_used_executables_are_dropped_beyond_the_cap():
 
 def test_bad_options_and_corrupt_records_name_the_problem(tmp_path, kiln_home):
     with pytest.raises(KilnError, match="unknown option.*'threads'.*intra_op_threads"):
-        kiln.Session("zoo:bert-tiny", threads=2)
+        kiln.Session("zoo:bert-tiny", options={"threads": 2})
     with pytest.raises(KilnError, match="unknown backend 'tpu'"):
         kiln.Session("zoo:bert-tiny", backend="tpu")
     path = batch_mixing_model(tmp_path)

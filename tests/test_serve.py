@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,18 +61,31 @@ def _start(home: Path, model: str, *args: str) -> Server:
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     server = Server(proc, f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"kiln serve exited with {proc.returncode}: {log.read_text()}")
         try:
-            if httpx.get(f"{server.base}/v2/health/ready", timeout=1).status_code == 200:
-                return server
+            return httpx.get(f"{server.base}/v2/health/ready", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    pytest.fail("kiln serve did not become ready within 60 s")
+            return False
+
+    try:
+        _until(ready, "kiln serve to be ready")
+    except BaseException:
+        proc.kill()
+        raise
+    return server
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll the server's state until `condition` holds: across a process boundary there is no
+    event to wait on (the server prints no readiness line). `timeout` is a safety net only."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        time.sleep(0.02)
 
 
 def _stop(server: Server) -> None:
@@ -299,15 +312,13 @@ def test_overload_answers_503(tmp_path) -> None:
 
 
 def test_shutdown_answers_queued_requests(tmp_path) -> None:
-    # A long batching delay holds the requests in the queue when the signal comes.
-    server = _start(tmp_path, f"zoo:{RESNET}", "--max-batch", "64", "--max-delay-ms", "2500")
+    # A long batching delay (well beyond the wait below) holds the requests in the queue
+    # when the signal comes.
+    server = _start(tmp_path, f"zoo:{RESNET}", "--max-batch", "64", "--max-delay-ms", "4000")
     body = _resnet_request(2)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_post, server, body, RESNET) for _ in range(4)]
-        deadline = time.monotonic() + 2
-        while server.metric("kiln_queue_depth") < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.metric("kiln_queue_depth") >= 1  # requests are waiting in the queue
+        _until(lambda: server.metric("kiln_queue_depth") >= 4, "4 queued requests", timeout=3)
         server.proc.send_signal(signal.SIGTERM)
         responses = [f.result(timeout=30) for f in futures]
     assert [r.status_code for r in responses] == [200] * 4

@@ -66,8 +66,8 @@ def test_pytorch_bert_comes_out_with_attention_fused(attention, tmp_path):
     source = tmp_path / "bert.onnx"
     export_bert(source, attention)
     artifact = kiln.compile(source, tmp_path / "bert.kiln")
-    assert artifact.manifest["verification"]["ok"]
-    assert artifact.manifest["dropped_passes"] == []
+    assert artifact.manifest.verification.ok
+    assert artifact.manifest.dropped_passes == []
     graph = onnx.load(str(artifact.model_path)).graph
     counts = collections.Counter(n.op_type for n in graph.node)
     assert counts["Attention"] == 2, counts

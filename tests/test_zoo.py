@@ -11,6 +11,7 @@ import pytest
 
 from kiln import zoo
 from kiln.errors import KilnError
+from kiln.zoo import bert, gpt2
 
 TINY = [n for n in zoo.names() if zoo.entry(n).tiny]
 FULL = [n for n in zoo.names() if not zoo.entry(n).tiny]
@@ -124,20 +125,21 @@ def test_full_model(name: str) -> None:
 
 def test_transformer_patterns() -> None:
     """The attention layout the fusion rules look for (see kiln.zoo._builder.attention_core)."""
+    cfg = bert.TINY  # what zoo:bert-tiny is built from
     model = zoo.build("bert-tiny")
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("LayerNormalization") == 1 + 2 * 2
-    assert ops.count("Erf") == 2 and ops.count("Softmax") == 2
+    assert ops.count("LayerNormalization") == 1 + 2 * cfg.layers  # embeddings, then 2 a layer
+    assert ops.count("Erf") == cfg.layers and ops.count("Softmax") == cfg.layers
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     reshapes = {tuple(inits[n.input[1]]) for n in model.graph.node if n.op_type == "Reshape"}
-    assert reshapes == {(0, 0, 4, 16), (0, 0, 64)}
+    assert reshapes == {(0, 0, cfg.heads, cfg.hidden // cfg.heads), (0, 0, cfg.hidden)}
     perms = {
         tuple(a.ints) for n in model.graph.node if n.op_type == "Transpose" for a in n.attribute
     }
     assert perms == {(0, 2, 1, 3), (0, 2, 3, 1)}
     gpt = zoo.build("gpt2-tiny")
     gops = [n.op_type for n in gpt.graph.node]
-    assert gops.count("Split") == 2 and gops.count("Where") == 2 and gops.count("Tanh") == 2
+    assert all(gops.count(op) == gpt2.TINY.layers for op in ("Split", "Where", "Tanh")), gops
     head = [n for n in gpt.graph.node if n.name == "lm_head.Transpose"]
     assert head and head[0].input[0] == "transformer.wte.weight"  # tied to the embedding
 

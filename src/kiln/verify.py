@@ -59,6 +59,11 @@ class Verification:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict) -> Verification:
+        outputs = [OutputCheck(**o) for o in data.get("outputs", [])]
+        return cls(**{**data, "outputs": outputs})
+
     def summary(self) -> str:
         if self.error:
             return self.error

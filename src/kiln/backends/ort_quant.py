@@ -21,7 +21,6 @@ import onnx_ir as ir
 from kiln.errors import KilnError
 
 QUANTIZED_OPS = ["MatMul", "Gemm", "Attention"]
-CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 # Static QDQ quantizes only the layers the guard can judge and restore; ONNX Runtime's default
 # would also quantize every Add, Mul, Concat, pooling... with no one answering for them.
 STATIC_OPS: list[str] | None = ["Conv", "MatMul", "Gemm"]
@@ -57,6 +56,13 @@ def _at_least_opset(model: ir.Model, version: int) -> ir.Model:
     )
 
 
+def _excluded(exclude: Sequence[str]) -> list[str]:
+    """ONNX Runtime's quantizers (1.32) first rewrite a Gemm into MatMul + Add named
+    `<gemm>_MatMul` and then quantize that MatMul whatever `nodes_to_exclude` says about the
+    Gemm: exclude both names."""
+    return [*exclude, *(f"{name}_MatMul" for name in exclude)]
+
+
 def quantize_dynamic_int8(
     model: ir.Model, exclude: Sequence[str] = (), per_channel: bool = True
 ) -> ir.Model:
@@ -69,7 +75,7 @@ def quantize_dynamic_int8(
             op_types_to_quantize=QUANTIZED_OPS,
             per_channel=per_channel,
             weight_type=QuantType.QInt8,
-            nodes_to_exclude=list(exclude),
+            nodes_to_exclude=_excluded(exclude),
             use_external_data_format=True,
             # Shape inference cannot type com.microsoft outputs; ENGINE-NOTES #4.
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
@@ -117,7 +123,7 @@ def quantize_static_int8(
                 "entropy": CalibrationMethod.Entropy,
                 "percentile": CalibrationMethod.Percentile,
             }[method],
-            nodes_to_exclude=list(exclude),
+            nodes_to_exclude=_excluded(exclude),
             use_external_data_format=True,
         )
 
@@ -135,7 +141,7 @@ def quantize_int4(model: ir.Model, exclude: Sequence[str] = (), block_size: int 
             block_size=block_size,
             is_symmetric=True,
             accuracy_level=4,
-            nodes_to_exclude=list(exclude),
+            nodes_to_exclude=_excluded(exclude),
         )
         quantizer.process()
         quantizer.model.save_model_to_file(str(target), use_external_data_format=True)

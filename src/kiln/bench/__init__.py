@@ -1,5 +1,5 @@
 """Honest side-by-side latency: engines interleaved in one process, ratios of medians."""
 
-from kiln.bench.latency import LatencyStats, interleave, round_ratios, stats
+from kiln.timing import LatencyStats, interleave, round_ratios, stats
 
 __all__ = ["LatencyStats", "interleave", "round_ratios", "stats"]

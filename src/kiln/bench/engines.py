@@ -77,7 +77,7 @@ def _int8_by_hand(name: str, original: ir.Model, samples: list | None = None):
     from kiln.backends.openvino_quant import quantize_nncf_int8
     from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
     from kiln.ir.inputs import default_dims, synthesize
-    from kiln.passes.precision import conv_heavy
+    from kiln.precision import conv_heavy
 
     conv = conv_heavy(original)
     dims = default_dims(original)

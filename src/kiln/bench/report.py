@@ -8,15 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from kiln import __version__
 from kiln.bench.engines import ENGINES, engine_runner, parse_engines
-from kiln.bench.latency import flatten, interleave, round_ratios, stats
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
+from kiln.timing import flatten, interleave, round_ratios, stats
 
 
 def _kiln_runner(
@@ -24,14 +22,14 @@ def _kiln_runner(
 ):
     """The Kiln engine and the original model: from an artifact, or compiled here in memory."""
     from kiln.backends import get_backend
-    from kiln.compiler import optimize_model
+    from kiln.compiler import CompileConfig, build
     from kiln.ir import load_model
 
     if Path(model).is_dir():
         from kiln.runtime import Session
 
         session = Session(model)
-        source = session.artifact.manifest["source"]["path"]
+        source = session.artifact.manifest.source.path
         try:
             original = load_model(source).model
         except KilnError as exc:
@@ -41,43 +39,10 @@ def _kiln_runner(
             ) from None
         return original, lambda feeds: lambda: session.run(None, feeds)
     say(f"compiling {model}")
-    result = optimize_model(load_model(model), shapes=shapes, backend=backend, progress=say)
+    config = CompileConfig(engine=backend, shapes=shapes or {})
+    result, _ = build(load_model(model), config, progress=say)
     exe = get_backend(backend).compile(result.model, result.options)
     return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
-
-
-def time_candidates(results: list, rounds: int, runs: int, say: Callable[[str], None]) -> dict:
-    """`kiln optimize`'s timing: the original under ORT_ENABLE_ALL against each compiled
-    candidate (one per backend), interleaved, on the first reference input set."""
-    from kiln.backends import get_backend
-
-    original = results[0].loaded.model
-    feeds = results[0].feeds[0] if results[0].feeds else synthesize(original)
-    runners = {"ort": engine_runner("ort", original, feeds)}
-    for result in results:
-        exe = get_backend(result.backend).compile(result.model, result.options)
-        runners[_label(result)] = (lambda e: lambda: e.run(feeds))(exe)
-    say("timing the original (ORT_ENABLE_ALL) and the artifact, interleaved")
-    samples = interleave(
-        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
-    )
-    ratios = round_ratios(samples, "ort")
-    return {
-        "rounds": rounds,
-        "runs_per_round": runs,
-        "original_ort": stats(flatten(samples["ort"])).to_json(),
-        "candidates": {
-            _label(r): {
-                **stats(flatten(samples[_label(r)])).to_json(),
-                "speedup": ratios[_label(r)],
-            }
-            for r in results
-        },
-    }
-
-
-def _label(result) -> str:
-    return f"{result.backend}/{result.precision}"
 
 
 def run_bench(
@@ -160,46 +125,16 @@ def _drift(runners: dict, reference: list[np.ndarray]) -> dict[str, float]:
 
 def _versions() -> dict[str, str]:
     import onnx
-    import onnxruntime
     import onnxscript
 
+    from kiln.backends import BACKENDS
+
+    described = [cls().describe() for cls in BACKENDS.values() if cls().available()]
+    engines = {d["engine"]: d["version"] for d in described}
     return {
         "kiln": __version__,
         "python": platform.python_version(),
         "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
+        **engines,
         "onnxscript": onnxscript.__version__,
     }
-
-
-def print_bench(result: dict, console: Console) -> None:
-    console.print(f"[dim]{result['command']}[/dim]")
-    machine = result["machine"]
-    versions = " ".join(f"{k} {v}" for k, v in result["versions"].items())
-    console.print(
-        f"[dim]{result['date']} · {machine['cpu']} · {machine['cores']} cores · {versions}[/dim]"
-    )
-    table = Table(
-        "engine",
-        "P50 ms",
-        "P90 ms",
-        "P99 ms",
-        "jitter",
-        "samples/s",
-        f"× vs {result['baseline']}",
-        "cosine vs fp32",
-        title=f"kiln bench {result['model']} (batch {result['batch']}, "
-        f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
-    )
-    for name, e in result["engines"].items():
-        table.add_row(
-            name,
-            f"{e['p50_ms']:.2f}",
-            f"{e['p90_ms']:.2f}",
-            f"{e['p99_ms']:.2f}",
-            f"{e['jitter']:.2f}",
-            f"{e['throughput']:.1f}",
-            f"{e['speedup_vs_baseline']:.2f}",
-            f"{e['cosine_vs_fp32']:.5f}",
-        )
-    console.print(table)

@@ -9,9 +9,7 @@ the result is kept under ``$KILN_HOME/hardware/<hardware fingerprint>.json``.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +22,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.hardware.cpu import cpu_info
+from kiln.home import kiln_home, read_cache_json, write_cache_json
 
 _SECONDS_PER_PEAK = 1.0  # timing budget per measured figure; best run wins
 _BANDWIDTH_BYTES = 128 << 20  # per array: several times any L3 a 2-64 core CPU has
@@ -80,8 +79,8 @@ def measured_peaks(
 
 
 def cache_path() -> Path:
-    home = Path(os.environ.get("KILN_HOME") or Path.home() / ".cache" / "kiln")
-    return home / "hardware" / f"{cpu_info().fingerprint}.json"
+    """Where this machine's peaks are cached: ``$KILN_HOME/hardware/<fingerprint>.json``."""
+    return kiln_home() / "hardware" / f"{cpu_info().fingerprint}.json"
 
 
 def measure(progress: Callable[[str], None] | None = None) -> Peaks:
@@ -202,28 +201,20 @@ def _bandwidth_gbs(threads: int) -> float:
 
 
 def _load(path: Path) -> Peaks | None:
+    """The cached peaks, or None when the file is missing, truncated, edited into something
+    malformed, or written on another machine: then they are measured again."""
+    data = read_cache_json(path)
+    if data.get("fingerprint") != cpu_info().fingerprint:
+        return None
     try:
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") != cpu_info().fingerprint:
-            return None
         return Peaks.from_json(data["peaks"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None  # missing, truncated or edited by hand: measure again
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _save(path: Path, peaks: Peaks) -> None:
-    """Write atomically (temporary file, then rename), so no reader sees half a file."""
+    """Write atomically (no reader sees half a file); an unwritable KILN_HOME costs a
+    re-measurement next time, nothing else."""
     data = {"fingerprint": cpu_info().fingerprint, "cpu": cpu_info().to_json()}
     data["peaks"] = peaks.to_json()
-    tmp: Path | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        tmp = Path(name)
-        with os.fdopen(fd, "w") as file:
-            json.dump(data, file, indent=2)
-        os.replace(tmp, path)
-    except OSError:
-        # An unwritable KILN_HOME costs a re-measurement next time, nothing else.
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+    write_cache_json(path, data)

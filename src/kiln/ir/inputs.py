@@ -100,6 +100,13 @@ def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
     return None
 
 
+def is_mask_input(name: str | None) -> bool:
+    """Attention/padding masks, recognised by name (attention_mask, input_mask, src_mask, ...):
+    the one place Kiln decides an input is a mask (synthesis fills it with ones, padding with
+    zeros)."""
+    return "mask" in (name or "").lower()
+
+
 def _padding_mask(shape: tuple[int, ...], dtype: np.dtype, padded: bool) -> np.ndarray:
     """Ones; with `padded`, the last quarter of the sequence masked out, as padding would be."""
     mask = np.ones(shape, dtype)
@@ -128,7 +135,7 @@ def synthesize(
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         name = (value.name or "").lower()
         if np.issubdtype(dtype, np.integer):
-            if "mask" in name:
+            if is_mask_input(name):
                 feeds[value.name] = _padding_mask(shape, dtype, padded=seed % 2 == 1)
             elif "type" in name or "segment" in name:
                 feeds[value.name] = np.zeros(shape, dtype)

@@ -87,6 +87,32 @@ def load_model(source: str) -> LoadedModel:
     return LoadedModel(model=model, source=source, name=name, fingerprint=fingerprint(model))
 
 
+IN_MEMORY = "<in-memory model>"
+
+
+def load_any(model: str | os.PathLike | onnx.ModelProto | ir.Model) -> LoadedModel:
+    """`load_model` for a path or `zoo:NAME`; an in-memory onnx.ModelProto or onnx_ir.Model
+    gets the same checks and is copied, so the caller's object is never modified."""
+    if isinstance(model, str | os.PathLike):
+        return load_model(str(model))
+    if isinstance(model, ir.Model):
+        proto = ir.serde.serialize_model(model)
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        raise KilnError(
+            f"cannot compile a {type(model).__name__}: give a path to an .onnx file, zoo:NAME, "
+            "an onnx.ModelProto or an onnx_ir.Model."
+        )
+    if not proto.HasField("graph"):
+        raise KilnError(f"{IN_MEMORY}: the ModelProto has no graph.")
+    _check_opsets(proto, IN_MEMORY)
+    _check_ops(proto, IN_MEMORY)
+    copy = ir.serde.deserialize_model(proto)
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in proto.graph.name) or "model"
+    return LoadedModel(model=copy, source=IN_MEMORY, name=name, fingerprint=fingerprint(copy))
+
+
 def _external_bytes(proto: onnx.ModelProto) -> int:
     total = 0
     for tensor in proto.graph.initializer:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import onnx_ir as ir
-from onnxscript.rewriter import _rewrite_rule
+
+from kiln.ir.onnxscript_internals import register_metadata_merger
 
 ORIGIN_KEY = "kiln.origin"
 PASS_KEY = "kiln.pass"
@@ -31,8 +32,8 @@ def join_origins(origins: set[str]) -> str:
 
 
 # The rewriter's own extension point for merging node metadata (one merger per key).
-_rewrite_rule._default_metadata_merger.mergers[ORIGIN_KEY] = _union
-_rewrite_rule._default_metadata_merger.mergers[PASS_KEY] = _union
+register_metadata_merger(ORIGIN_KEY, _union)
+register_metadata_merger(PASS_KEY, _union)
 
 
 def all_nodes(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
@@ -81,19 +82,60 @@ class PassTracker:
         after = {id(node): node for node in all_nodes(self.model.graph)}
         created = [node for key, node in after.items() if key not in self.before]
         removed = [node for key, node in self.before.items() if key not in after]
-        by_output: dict[str, set[str]] = {}
-        for node in removed:
-            for value in node.outputs:
-                by_output.setdefault(value.name or "", set()).update(origins_of(node))
         removed_origins = set().union(*(origins_of(n) for n in removed)) if removed else set()
-        for node in created:
-            if not origins_of(node):
-                node.metadata_props[ORIGIN_KEY] = join_origins(
-                    _guess_origins(node, by_output) or removed_origins
-                )
-            passes = split_origins(node.metadata_props.get(PASS_KEY, "")) | {self.pass_name}
-            node.metadata_props[PASS_KEY] = join_origins(passes)
+        _stamp_created(created, removed, self.pass_name, fallback=removed_origins)
         return len(created)
+
+
+def stamp_rewritten(before: ir.Model, after: ir.Model, pass_name: str) -> int:
+    """Provenance across a step that returns a new model instead of editing one in place (the
+    quantizers' file round trip), by the same rules as `PassTracker`: a node of `after` that
+    matches one of `before` by name and op keeps that node's stamps; every other node is new:
+    it gets the origins of the node it is named after (`MatMul_3_quant` ← `MatMul_3`), else of
+    the removed nodes whose outputs it produces, else of the nodes it is wired to, and
+    `kiln.pass` gains `pass_name`. Returns how many nodes were new."""
+    old = {(n.name, n.domain, n.op_type): n for n in all_nodes(before.graph) if n.name}
+    matched: set[tuple] = set()
+    created = []
+    for node in all_nodes(after.graph):
+        key = (node.name, node.domain, node.op_type)
+        twin = old.get(key)
+        if twin is None:
+            created.append(node)
+            continue
+        matched.add(key)
+        for meta in (ORIGIN_KEY, PASS_KEY):
+            if meta in twin.metadata_props:
+                node.metadata_props[meta] = twin.metadata_props[meta]
+    known = {name: n for (name, _, _), n in old.items()}
+    for node in created:
+        name = node.name or ""
+        prefix = max((k for k in known if k and name.startswith(k)), key=len, default=None)
+        if prefix is not None and origins_of(known[prefix]):
+            # It stands for that node: its origins, and the passes that made that node.
+            for meta in (ORIGIN_KEY, PASS_KEY):
+                if meta in known[prefix].metadata_props:
+                    node.metadata_props[meta] = known[prefix].metadata_props[meta]
+    removed = [n for key, n in old.items() if key not in matched]
+    _stamp_created(created, removed, pass_name, fallback=set())
+    return len(created)
+
+
+def _stamp_created(
+    created: list[ir.Node], removed: list[ir.Node], pass_name: str, fallback: set[str]
+) -> None:
+    """Origins for new nodes that have none, and `pass_name` added to every new node's passes."""
+    by_output: dict[str, set[str]] = {}
+    for node in removed:
+        for value in node.outputs:
+            by_output.setdefault(value.name or "", set()).update(origins_of(node))
+    for node in created:
+        if not origins_of(node):
+            node.metadata_props[ORIGIN_KEY] = join_origins(
+                _guess_origins(node, by_output) or fallback
+            )
+        passes = split_origins(node.metadata_props.get(PASS_KEY, "")) | {pass_name}
+        node.metadata_props[PASS_KEY] = join_origins(passes)
 
 
 def _guess_origins(node: ir.Node, by_output: dict[str, set[str]]) -> set[str]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _ir_utils, pattern
+from onnxscript.rewriter import pattern
+
+from kiln.ir.onnxscript_internals import get_numpy_value
 
 
 def _scalar(value: ir.Value | None) -> float | None:
-    const = _ir_utils.get_numpy_value(value) if value is not None else None
+    const = get_numpy_value(value) if value is not None else None
     if const is None or const.size != 1:
         return None
     return float(const.reshape(()))
@@ -81,7 +83,7 @@ def _padding_mask(extended: ir.Value) -> tuple[ir.Value, float] | None:
     if not (mul and sub and cast and unsqueeze) or _scalar(sub.inputs[0]) != 1.0:
         return None
     fill, axes, mask = _scalar(mul.inputs[1]), unsqueeze.inputs[1], unsqueeze.inputs[0]
-    axes_value = _ir_utils.get_numpy_value(axes)
+    axes_value = get_numpy_value(axes)
     if fill is None or axes_value is None or sorted(axes_value.tolist()) != [1, 2]:
         return None
     if mask is None or mask.shape is None or mask.shape.rank() != 2:
@@ -113,12 +115,12 @@ class PackedAttentionWithMask(pattern.RewriteRuleClassBase):
 
     def check(self, context, wq, wk, wv, bq, bk, bv, mask, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        weights = [_ir_utils.get_numpy_value(w) for w in (wq, wk, wv)]
+        weights = [get_numpy_value(w) for w in (wq, wk, wv)]
         if any(w is None or w.ndim != 2 for w in weights):
             return result.fail("projection weights are not constant matrices")
         if len({w.shape for w in weights}) != 1:
             return result.fail("Q, K and V projections differ in shape")
-        biases = [_ir_utils.get_numpy_value(b) for b in (bq, bk, bv)]
+        biases = [get_numpy_value(b) for b in (bq, bk, bv)]
         if any(b is None or b.shape != (weights[0].shape[1],) for b in biases):
             return result.fail("projection biases are not constant vectors")
         if mask.dtype != ir.DataType.INT32 or mask.shape is None or mask.shape.rank() != 2:
@@ -127,7 +129,7 @@ class PackedAttentionWithMask(pattern.RewriteRuleClassBase):
 
     def rewrite(self, op, x, wq, wk, wv, bq, bk, bv, mask, num_heads, **kwargs):
         def packed(*values: ir.Value) -> np.ndarray:
-            return np.concatenate([_ir_utils.get_numpy_value(v) for v in values], axis=-1)
+            return np.concatenate([get_numpy_value(v) for v in values], axis=-1)
 
         # Named after the query weight, which is the one input unique to this layer (biases
         # may be shared once identical initializers are deduplicated).
@@ -178,14 +180,14 @@ class CausalAttention(pattern.RewriteRuleClassBase):
 
     def check(self, context, w, b, splits, shape_q, scale, causal, fill, extended, **_):
         result = pattern.MatchResult()
-        weight, bias = _ir_utils.get_numpy_value(w), _ir_utils.get_numpy_value(b)
+        weight, bias = get_numpy_value(w), get_numpy_value(b)
         if weight is None or bias is None or weight.ndim != 2 or weight.shape[1] % 3:
             return result.fail("projection is not a constant [hidden, 3·hidden] matrix")
         hidden = weight.shape[1] // 3
-        split_sizes = _ir_utils.get_numpy_value(splits)
+        split_sizes = get_numpy_value(splits)
         if split_sizes is None or split_sizes.tolist() != [hidden] * 3:
             return result.fail("Split is not three equal parts")
-        heads_shape = _ir_utils.get_numpy_value(shape_q)
+        heads_shape = get_numpy_value(shape_q)
         if (
             heads_shape is None
             or heads_shape.size != 4
@@ -220,8 +222,8 @@ def _is_causal(value: ir.Value) -> bool:
     node = _producer(value, "Slice")
     if node is None:
         return False
-    buffer = _ir_utils.get_numpy_value(node.inputs[0])
-    starts = _ir_utils.get_numpy_value(node.inputs[1])
+    buffer = get_numpy_value(node.inputs[0])
+    starts = get_numpy_value(node.inputs[1])
     if buffer is None or starts is None or buffer.ndim != 4 or starts.any():
         return False
     square = buffer.reshape(buffer.shape[-2:]).astype(bool)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.rewriter import _ir_utils
 
+from kiln.ir.onnxscript_internals import get_numpy_value
 from kiln.passes.base import KilnPass
 
 UNARY = {
@@ -25,7 +25,7 @@ BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"}
 
 def _gather_parts(node: ir.Node) -> tuple[ir.Value, np.ndarray, int] | None:
     data, index = node.inputs[0], node.inputs[1]
-    array = _ir_utils.get_numpy_value(index)
+    array = get_numpy_value(index)
     if data is None or data.shape is None or array is None or array.ndim > 1:
         return None
     axis = node.attributes.get_int("axis", 0) % data.shape.rank()
@@ -62,7 +62,7 @@ class _Mover:
 
     def _zero(self) -> ir.Value:
         if self.zero is None:
-            shape = _ir_utils.get_numpy_value(self.index).shape
+            shape = get_numpy_value(self.index).shape
             tensor = ir.tensor(np.zeros(shape, np.int64), name=self._name("zero"))
             self.zero = ir.node("Constant", [], {"value": tensor}, name=self._name("zero"))
             self.new.append(self.zero)
@@ -92,8 +92,7 @@ def _push(model: ir.Model, gather: ir.Node) -> bool:
     inputs = list(producer.inputs)
     attributes = dict(producer.attributes)
     if op in UNARY or (
-        op == "Clip"
-        and all(_ir_utils.get_numpy_value(v) is not None for v in inputs[1:] if v is not None)
+        op == "Clip" and all(get_numpy_value(v) is not None for v in inputs[1:] if v is not None)
     ):
         inputs[0] = mover.gathered(inputs[0], axis)
     elif op in BROADCASTING:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common
-from onnxscript.rewriter import _ir_utils
 
+from kiln.ir.onnxscript_internals import get_numpy_value
 from kiln.passes.base import KilnPass
 
 Dim = ir.SymbolicDim | int
@@ -24,7 +24,7 @@ def _dims(value: ir.Value | None) -> list[Dim] | None:
     Shape(x, start, end), Concat of such, Gather of such at constant indices, constants."""
     if value is None:
         return None
-    array = _ir_utils.get_numpy_value(value)
+    array = get_numpy_value(value)
     if array is not None:
         return [int(x) for x in array.reshape(-1)] if array.ndim <= 1 else None
     node = value.producer()
@@ -38,7 +38,7 @@ def _dims(value: ir.Value | None) -> list[Dim] | None:
         parts = [_dims(v) for v in node.inputs]
         return None if any(p is None for p in parts) else [d for p in parts for d in p]
     if node.op_type == "Gather":
-        source, index = _dims(node.inputs[0]), _ir_utils.get_numpy_value(node.inputs[1])
+        source, index = _dims(node.inputs[0]), get_numpy_value(node.inputs[1])
         if source is None or index is None:
             return None
         try:
@@ -57,14 +57,14 @@ def _dim_of(value: ir.Value | None) -> Dim | None:
 
 
 def _is(value: ir.Value | None, number: int) -> bool:
-    array = _ir_utils.get_numpy_value(value) if value is not None else None
+    array = get_numpy_value(value) if value is not None else None
     return array is not None and array.size == 1 and bool(np.all(array == number))
 
 
 def _reshape_target(node: ir.Node) -> ir.Shape | None:
     """Reshape to dims read from shapes and constants: name the dims, solve one -1."""
     data, target = node.inputs[0], node.inputs[1]
-    if data is None or data.shape is None or _ir_utils.get_numpy_value(target) is not None:
+    if data is None or data.shape is None or get_numpy_value(target) is not None:
         return None
     dims = _dims(target)
     if dims is None:
@@ -93,7 +93,7 @@ def _known_shape(node: ir.Node) -> ir.Shape | None:
     if node.op_type == "Slice" and len(node.inputs) >= 4 and node.inputs[0].shape is not None:
         if len(node.inputs) > 4 and node.inputs[4] is not None and not _is(node.inputs[4], 1):
             return None
-        axes = _ir_utils.get_numpy_value(node.inputs[3])
+        axes = get_numpy_value(node.inputs[3])
         if not _is(node.inputs[1], 0) or axes is None or axes.size != 1:
             return None
         dim = _dim_of(node.inputs[2])
@@ -113,6 +113,8 @@ class RefineShapesPass(KilnPass):
     summary = "Name dims ONNX inference loses (position-id Slice/Range), then re-infer."
 
     def apply(self, model: ir.Model, rounds: int = 4) -> int:
+        """Returns how many values' shapes changed (0 when every stated shape was known)."""
+        before = _shapes(model)
         # Each round can only name dims whose sources were named by the round before.
         stated: dict[int, str] = {}
         for _ in range(rounds):
@@ -129,4 +131,8 @@ class RefineShapesPass(KilnPass):
                 if id(node) in known:
                     node.outputs[0].shape = known[id(node)]
             common.ShapeInferencePass()(model)
-        return len(stated)
+        return sum(before.get(value) != shape for value, shape in _shapes(model).items())
+
+
+def _shapes(model: ir.Model) -> dict[ir.Value, str]:
+    return {value: str(value.shape) for node in model.graph for value in node.outputs}

@@ -20,19 +20,12 @@ from onnxscript.rewriter.ort_fusions import (
     gelu,
     mha,
     mha_bias,
-    mha_scale,
     sdpa,
-    sdpa_via_mha,
     skip_normalization,
     softmax,
 )
-from onnxscript.rewriter.rules.common import (
-    _fuse_batchnorm,
-    _fuse_pad_into_conv,
-    _matmul_add_to_gemm,
-)
-from onnxscript.rewriter.rules.fusion import _layer_norm
 
+from kiln.ir import onnxscript_internals as internals
 from kiln.passes import kiln_rules
 from kiln.passes.base import KilnPass
 
@@ -64,7 +57,7 @@ FUSIONS: list[FusionSpec] = [
         "fold-batchnorm",
         "BatchNormalization after Conv/ConvTranspose/Gemm folded into its weights; "
         "Pad folded into Conv pads.",
-        _rules(_fuse_batchnorm.rules, _fuse_pad_into_conv.rules),
+        _rules(internals.FUSE_BATCHNORM_RULES, internals.FUSE_PAD_INTO_CONV_RULES),
         portable=True,
     ),
     FusionSpec(
@@ -77,7 +70,7 @@ FUSIONS: list[FusionSpec] = [
         "fuse-layernorm",
         "A LayerNorm written out (ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add) becomes one "
         "LayerNormalization.",
-        _rules(_layer_norm.layer_normalization_rules),
+        _rules(internals.LAYER_NORMALIZATION_RULES),
         infer_shapes=True,
         portable=True,
     ),
@@ -129,7 +122,7 @@ FUSIONS: list[FusionSpec] = [
     FusionSpec(
         "fuse-mha-bias",
         "Projection biases and the scale move into MultiHeadAttention.",
-        _rules(mha_scale._mha_scale_rules, mha_bias.mha_bias_rules),
+        _rules(internals.MHA_SCALE_RULES, mha_bias.mha_bias_rules),
         infer_shapes=True,
     ),
     FusionSpec(
@@ -146,13 +139,13 @@ FUSIONS: list[FusionSpec] = [
     FusionSpec(
         "sdpa-to-mha",
         "Any SDPA left unfused is expressed as MultiHeadAttention so it runs as one kernel.",
-        _rules(sdpa_via_mha._rules),
+        _rules(internals.SDPA_VIA_MHA_RULES),
         infer_shapes=True,
     ),
     FusionSpec(
         "fuse-gemm",
         "2-D MatMul + Add (and transposes around it) become one Gemm with the bias inside.",
-        _rules(_matmul_add_to_gemm.rules),
+        _rules(internals.MATMUL_ADD_TO_GEMM_RULES),
         infer_shapes=True,
         portable=True,
     ),

@@ -5,58 +5,30 @@ from __future__ import annotations
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 from onnxscript import rewriter
-from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter.ort_fusions import shape_optimization
-from onnxscript.rewriter.rules.common import _fuse_batchnorm, _fuse_pad_into_conv
 
+from kiln.ir import onnxscript_internals as internals
 from kiln.ir.provenance import all_nodes
-from kiln.passes.base import KilnPass
+from kiln.passes.base import KilnPass, ModelState
 
 # Folding bigger tensors than this would bloat the file with precomputed weights.
 FOLD_OUTPUT_LIMIT = 1 << 20
 # Conv-affine rewrites belong to the fusion stage, where they are counted and bisected alone.
-_FUSION_RULES = {id(r) for r in (*_fuse_batchnorm.rules, *_fuse_pad_into_conv.rules)}
-SIMPLIFY_RULES = [r for r in rewriter._DEFAULT_REWRITE_RULES if id(r) not in _FUSION_RULES]
+_FUSION_RULES = {
+    id(r) for r in (*internals.FUSE_BATCHNORM_RULES, *internals.FUSE_PAD_INTO_CONV_RULES)
+}
+SIMPLIFY_RULES = [r for r in internals.DEFAULT_REWRITE_RULES if id(r) not in _FUSION_RULES]
 
-
-def _guard_split_to_sequence() -> None:
-    """Work around an onnxscript (0.7.2) constant-folding crash.
-
-    Its SplitToSequence folder reads `split_value.ndim` when `split` has no constant value and a
-    static shape that is not 1-D (a scalar graph input, as in ONNX's node test
-    `test_split_to_sequence_1`): AttributeError, and the whole compile fails. Such a node
-    cannot be folded anyway, so it is left as it is; every other case goes to onnxscript.
-    """
-    for evaluator in _constant_folding.registry.op_evaluators.get(("", "SplitToSequence"), []):
-        fold = evaluator.function
-        if getattr(fold, "kiln_guarded", False):
-            continue
-
-        def guarded(node: ir.Node, op, state, fold=fold):
-            split = node.inputs[1] if len(node.inputs) > 1 else None
-            if (
-                split is not None
-                and _constant_folding._get_numpy_value(split) is None
-                and split.shape is not None
-                and split.shape.rank() != 1
-            ):
-                return None
-            return fold(node, op, state)
-
-        guarded.kiln_guarded = True  # type: ignore[attr-defined]
-        evaluator.function = guarded
-
-
-_guard_split_to_sequence()
+internals.guard_split_to_sequence()
 
 
 def simplify(model: ir.Model, iterations: int = 2) -> None:
     """onnxscript's optimizer loop, minus its conv fusions, then the usual tidy-up."""
     loop = ir.passes.PassManager(
         [
-            _constant_folding.FoldConstantsPass(
+            internals.FoldConstantsPass(
                 shape_inference=True,
-                input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                input_size_limit=internals.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
                 output_size_limit=FOLD_OUTPUT_LIMIT,
             ),
             rewriter.RewritePass(SIMPLIFY_RULES),
@@ -94,12 +66,14 @@ class SimplifyPass(KilnPass):
     summary = "Constant folding, dead code, CSE, identity and no-op removal (onnxscript)."
 
     def apply(self, model: ir.Model) -> int:
-        before = count_nodes(model)
+        """Nodes folded, removed, replaced or rewired (not the node-count delta: folding a
+        node into a constant keeps the count)."""
+        before = ModelState.of(model)
         common.ShapeInferencePass()(model)
         simplify(model)
         shape_optimization.rules.apply_to_model(model)
         simplify(model)
-        return max(before - count_nodes(model), 0)
+        return before.rewritten_nodes(ModelState.of(model))
 
 
 class CleanupPass(KilnPass):
@@ -111,10 +85,11 @@ class CleanupPass(KilnPass):
     summary = "Inline fusion helpers, drop dead code, re-infer shapes."
 
     def apply(self, model: ir.Model) -> int:
-        before = count_nodes(model)
+        """Nodes inlined, removed, replaced or rewired."""
+        before = ModelState.of(model)
         simplify(model, iterations=1)
         common.ShapeInferencePass()(model)
-        return max(before - count_nodes(model), 0)
+        return before.rewritten_nodes(ModelState.of(model))
 
 
 def count_nodes(model: ir.Model) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import onnx_ir as ir
 
 from kiln import __version__
-from kiln.bench.latency import stats
+from kiln.artifact import Manifest
 from kiln.errors import KilnError
 from kiln.profile.aggregate import attach_costs, per_node, per_op_type, run_totals, timeline
 from kiln.profile.diagnose import Context, diagnose
@@ -18,6 +18,7 @@ from kiln.profile.mapping import NodeMatcher
 from kiln.profile.measure import measure
 from kiln.profile.roofline import place, roofs
 from kiln.profile.target import feed_dims, load_target, target_feeds
+from kiln.timing import stats
 
 
 def profile_model(
@@ -142,11 +143,11 @@ def _whole_model(nodes: list[dict], p50_ms: float, peaks: Any, note: str | None)
     }
 
 
-def _original_source(source: str, manifest: dict | None) -> str:
+def _original_source(source: str, manifest: Manifest | None) -> str:
     """What to hand `kiln optimize` again: the model an artifact was built from."""
     if not manifest:
         return source
-    return (manifest.get("source") or {}).get("path") or "<the original model>"
+    return manifest.source.path or "<the original model>"
 
 
 def _provenance_view(nodes: list[dict]) -> list[dict]:
@@ -164,14 +165,16 @@ def _provenance_view(nodes: list[dict]) -> list[dict]:
     ]
 
 
-def _manifest_summary(manifest: dict | None) -> dict | None:
+def _manifest_summary(manifest: Manifest | None) -> dict | None:
     if not manifest:
         return None
+    data = manifest.to_json()
     return {
-        "source": manifest.get("source"),
-        "precision": (manifest.get("precision") or {}).get("default"),
-        "passes": [p["name"] for p in manifest.get("passes", []) if p.get("rewrites")],
-        "nodes": manifest.get("nodes"),
+        "source": data["source"],
+        "precision": manifest.precision.get("default"),
+        "passes": [p.name for p in manifest.passes if p.rewrites],
+        "nodes": manifest.nodes,
+        "config": data["config"],
     }
 
 

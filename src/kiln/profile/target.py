@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from kiln.artifact import Manifest
 from kiln.errors import KilnError
 
 
@@ -27,7 +28,7 @@ class Target:
     backend: str
     options: Any
     provenance: dict[str, dict[str, Any]] | None  # compiled node → origins; None if original
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
 
     @property
     def is_artifact(self) -> bool:
@@ -42,11 +43,11 @@ def load_target(source: str, backend: str | None = None) -> Target:
         from kiln.artifact import read_artifact
 
         artifact = read_artifact(source)
-        recorded = artifact.manifest.get("backend", {})
-        name = backend or recorded.get("name", "ort")
+        recorded = artifact.manifest.backend
+        name = backend or recorded.name
         get_backend(name)
-        if name == recorded.get("name"):
-            options = options_from_json(name, recorded.get("options", {}))
+        if name == recorded.name:
+            options = options_from_json(name, recorded.options)
         else:  # run elsewhere than it was built for: that engine's defaults
             options = default_options(name)
         return Target(
@@ -86,8 +87,8 @@ def target_feeds(
     if batch < 1:
         raise KilnError(f"--batch {batch}: the batch size must be 1 or more.")
     dims = {**default_dims(target.model), "batch": batch, "batch_size": batch, "N": batch}
-    if target.manifest and target.manifest.get("dims"):
-        dims = {**target.manifest["dims"], "batch": batch, "batch_size": batch, "N": batch}
+    if target.manifest and target.manifest.dims:
+        dims = {**target.manifest.dims, "batch": batch, "batch_size": batch, "N": batch}
     return synthesize(target.model, dims, shapes=shapes)
 
 

@@ -1,4 +1,7 @@
-"""The terminal view of a profile: headline figures and the top findings as a rich table."""
+"""Terminal views: one function per verb's table, each taking the verb's data and a Console.
+
+The data is what the verb prints with `--json`, so the table and the JSON never disagree.
+"""
 
 from __future__ import annotations
 
@@ -64,3 +67,165 @@ def _profiled(node_time: dict) -> str:
         f"; {node_time['ratio_to_profiled']:.0%} of the profiled runs' own time, the profiler "
         f"adding {node_time['profiler_overhead']:+.0%}"
     )
+
+
+def print_zoo_list(entries: list[dict[str, Any]], console: Console) -> None:
+    """`kiln zoo list`: name and description of each built-in model."""
+    table = Table("name", "description", title="Kiln model zoo")
+    for e in entries:
+        table.add_row(e["name"], e["description"])
+    console.print(table)
+
+
+def print_zoo_info(info: dict[str, Any], console: Console) -> None:
+    """`kiln zoo info`: interface, size, FLOPs and bytes against the published figure."""
+    table = Table(show_header=False, title=f"zoo:{info['name']}")
+    for key in ("description", "dims", "parameters", "nodes", "opset", "inputs", "outputs"):
+        table.add_row(key, str(info[key]))
+    table.add_row("GFLOPs (all ops)", f"{info['gflops']:.3f}")
+    table.add_row("GFLOPs (2×MAC)", f"{info['mac_gflops']:.3f}")
+    table.add_row("GB moved", f"{info['gbytes']:.3f} (inputs, weights, outputs of every node)")
+    table.add_row("intensity", f"{info['intensity']:.1f} FLOP/byte")
+    if info["unknown_ops"]:
+        table.add_row("not costed", ", ".join(info["unknown_ops"]))
+    if info["published_gflops"]:
+        table.add_row("published", f"{info['published_gflops']:.3f} ({info['published_source']})")
+        table.add_row("deviation", f"{info['deviation']:+.2%}")
+    console.print(table)
+
+
+def print_doctor(info: dict[str, Any], console: Console) -> None:
+    """`kiln doctor`: versions, CPU, engines found and the measured peaks."""
+    cpu, peaks = info["cpu"], info["peaks"]
+    table = Table(show_header=False, title="kiln doctor")
+    table.add_row("python", info["python"])
+    table.add_row("kiln", info["kiln"])
+    table.add_row("platform", info["platform"])
+    table.add_row("cpu", cpu["model"])
+    table.add_row("cores", f"{cpu['physical_cores']} physical, {cpu['logical_cores']} logical")
+    table.add_row("ISA features", " ".join(cpu["features"]) or "(none of interest)")
+    for name, desc in info["engines"].items():
+        table.add_row(f"engine {name}", " ".join(f"{k}={v}" for k, v in desc.items()))
+    none = "(no kernels here)"
+    bf16, int8 = peaks["bf16_gflops"], peaks["int8_gops"]
+    table.add_row(
+        "peak fp32", f"{peaks['fp32_gflops']:,.0f} GFLOP/s (GEMM, {peaks['threads']} threads)"
+    )
+    table.add_row("peak bf16", f"{bf16:,.0f} GFLOP/s" if bf16 else none)
+    table.add_row("peak int8", f"{int8:,.0f} GOP/s" if int8 else none)
+    table.add_row("memory bandwidth", f"{peaks['bandwidth_gbs']:,.1f} GB/s")
+    when = f"{peaks['measured_at']} (kiln doctor --refresh re-measures)"
+    load = peaks.get("load_average")
+    if load is not None and load > 0.5 * cpu["logical_cores"]:
+        when += f"; the machine was busy (load {load:.1f}): peaks may be low"
+    table.add_row("peaks measured", when)
+    console.print(table)
+
+
+def print_optimize(summary: dict[str, Any], console: Console) -> None:
+    """`kiln optimize`: passes, nodes, precision, verification and timing of the artifact."""
+    table = Table(title=f"kiln optimize → {escape(summary['artifact'])}", show_header=True)
+    table.add_column("what")
+    table.add_column("result", overflow="fold")
+    rewrites: dict[str, int] = {}
+    for p in summary["passes"]:  # simplify and refine-shapes run several times
+        rewrites[p["name"]] = rewrites.get(p["name"], 0) + p["rewrites"]
+    for name, count in rewrites.items():
+        if count:
+            table.add_row(f"pass {name}", f"{count} rewrites")
+    for name in summary["dropped_passes"]:
+        table.add_row(f"pass {name}", "[red]dropped: it broke the outputs or crashed[/red]")
+    nodes = summary["nodes"]
+    table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
+    table.add_row("backend", escape(summary["backend"]["name"]))
+    precision = summary["precision"]
+    nodes = precision.get("nodes", {})
+    kept = {n: p.split(" ")[0] for n, p in nodes.items() if not p.startswith(precision["default"])}
+    if precision["default"] != "fp32":
+        shown = ", ".join(f"{n} ({p})" for n, p in list(kept.items())[:12])
+        more = f" and {len(kept) - 12} more (see manifest.json)" if len(kept) > 12 else ""
+        table.add_row(
+            "precision",
+            escape(f"{precision['default']} ({precision.get('scheme', '')}); kept higher: ")
+            + escape((shown or "none") + more),
+        )
+    warning = (precision.get("calibration") or {}).get("warning")
+    if warning:
+        table.add_row("[yellow]warning[/yellow]", f"[yellow]{escape(warning)}[/yellow]")
+    verification = summary["verification"]
+    if verification is None:
+        table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")
+    else:
+        table.add_row(
+            "verification",
+            ("[green]passed[/green]" if verification["ok"] else "[red]FAILED[/red]")
+            + escape(f" ({verification['precision']}, inputs: {verification['inputs']})"),
+        )
+        if verification.get("metric"):
+            table.add_row(
+                "  accuracy budget",
+                escape(
+                    f"{verification['metric']} {verification['score']:.5f} ≥ "
+                    f"{verification['threshold']:.5f} (worst held-out sample)"
+                ),
+            )
+        for o in verification["outputs"]:
+            if o.get("cosine") is not None:
+                text = f"cosine {o['cosine']:.5f}, max abs {o['max_abs']:.1e}"
+            else:
+                text = f"max abs {o['max_abs']:.1e} ≤ {o['bound']:.1e}, max rel {o['max_rel']:.1e}"
+            table.add_row(f"  output {o['name']}", text)
+    bench = summary["benchmark"]
+    if bench:
+        for key, label in (("original_ort", "original, ORT_ENABLE_ALL"), ("artifact", "artifact")):
+            s = bench[key]
+            table.add_row(
+                label,
+                f"P50 {s['p50_ms']:.2f} ms  P99 {s['p99_ms']:.2f} ms  jitter {s['jitter']:.2f}",
+            )
+        table.add_row(
+            "speedup",
+            f"{bench['speedup']:.2f}× (median of {bench['rounds']} per-round P50 ratios)",
+        )
+        if len(bench["candidates"]) > 1:
+            table.add_row(
+                "candidates",
+                ", ".join(f"{k} {v:.2f}×" for k, v in bench["candidates"].items()),
+            )
+        for name, why in bench.get("refused", {}).items():
+            table.add_row(f"[yellow]refused {name}[/yellow]", escape(why))
+    console.print(table)
+
+
+def print_bench(result: dict[str, Any], console: Console) -> None:
+    """`kiln bench`: the command, machine and versions, then one row per engine."""
+    console.print(f"[dim]{escape(result['command'])}[/dim]")
+    machine = result["machine"]
+    versions = " ".join(f"{k} {v}" for k, v in result["versions"].items())
+    console.print(
+        f"[dim]{result['date']} · {machine['cpu']} · {machine['cores']} cores · {versions}[/dim]"
+    )
+    table = Table(
+        "engine",
+        "P50 ms",
+        "P90 ms",
+        "P99 ms",
+        "jitter",
+        "samples/s",
+        f"× vs {result['baseline']}",
+        "cosine vs fp32",
+        title=f"kiln bench {escape(result['model'])} (batch {result['batch']}, "
+        f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
+    )
+    for name, e in result["engines"].items():
+        table.add_row(
+            name,
+            f"{e['p50_ms']:.2f}",
+            f"{e['p90_ms']:.2f}",
+            f"{e['p99_ms']:.2f}",
+            f"{e['jitter']:.2f}",
+            f"{e['throughput']:.1f}",
+            f"{e['speedup_vs_baseline']:.2f}",
+            f"{e['cosine_vs_fp32']:.5f}",
+        )
+    console.print(table)

@@ -1,5 +1,6 @@
 """The load monitor: what ran where, how fast, how much of it was padding, and every decision
-the runtime took. Thread-safe; recording costs a lock and a few appends per run."""
+the runtime took. Thread-safe; recording costs a lock and a few appends per run. Other threads
+(tests, scripts) can wait on it for a swap or a decision instead of sleeping."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +39,10 @@ class _BucketStats:
 
 class LoadMonitor:
     def __init__(self, window: int = 2000) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant, so that a predicate given to wait_until may read anything here.
+        self._lock = threading.RLock()
+        # Notified on every decision, swap and adaptive check: what waiters wait for.
+        self._changed = threading.Condition(self._lock)
         self._buckets: dict[str, _BucketStats] = {}
         self.hits = self.misses = 0
         self.missed_shapes: Counter[str] = Counter()
@@ -46,6 +51,7 @@ class LoadMonitor:
         self.compiles = 0  # bucket executables built (lazily, at warm-up or for a swap)
         self.evictions = 0  # least recently used executables dropped (memory cap)
         self.recompiles = self.swaps = 0  # bucket-set rebuilds started; swaps completed
+        self.checks = 0  # adaptive judgements of a full window (whatever they concluded)
         self.decisions: list[dict[str, Any]] = []
 
     def record(self, obs: Observation, requests: int) -> None:
@@ -63,10 +69,28 @@ class LoadMonitor:
                 self.hits += requests
             self._window.append(obs)
 
-    def decide(self, trigger: str, action: str) -> None:
+    def decide(self, trigger: object, action: str) -> None:
+        """Record a decision; `trigger` is a Trigger or plain text, kept as text."""
         log.info("kiln.runtime: %s -> %s", trigger, action)
-        with self._lock:
-            self.decisions.append({"time": time.time(), "trigger": trigger, "action": action})
+        with self._changed:
+            self.decisions.append({"time": time.time(), "trigger": str(trigger), "action": action})
+            self._changed.notify_all()
+
+    def swapped(self) -> None:
+        with self._changed:
+            self.swaps += 1
+            self._changed.notify_all()
+
+    def checked(self) -> None:
+        with self._changed:
+            self.checks += 1
+            self._changed.notify_all()
+
+    def wait_until(self, condition: Callable[[LoadMonitor], bool], timeout: float) -> bool:
+        """Block until `condition(self)` holds (re-tested on every decision, swap and check);
+        False if `timeout` seconds pass first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self), timeout)
 
     def window(self) -> list[Observation]:
         with self._lock:
@@ -101,6 +125,7 @@ class LoadMonitor:
                 "evictions": self.evictions,
                 "recompiles": self.recompiles,
                 "swaps": self.swaps,
+                "adaptive_checks": self.checks,
                 "decisions": list(self.decisions),
             }
 

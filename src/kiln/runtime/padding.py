@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.errors import KilnError
-from kiln.ir.inputs import default_dims, synthesize
+from kiln.ir.inputs import default_dims, is_mask_input, synthesize
 
 # Per input: each axis' static size, symbolic dim name, or None (unnamed dynamic).
 Layout = dict[str, list[int | str | None]]
@@ -54,8 +54,8 @@ def batch_dims(layout: Layout) -> set[str]:
 
 
 def mask_inputs(layout: Layout) -> list[str]:
-    """Attention masks, recognised by name (attention_mask, input_mask, ...)."""
-    return [name for name in layout if "mask" in name.lower()]
+    """Attention masks (attention_mask, input_mask, ...), by Kiln's one rule for them."""
+    return [name for name in layout if is_mask_input(name)]
 
 
 def dims_of(feeds: Mapping[str, np.ndarray], layout: Layout) -> dict[str, int]:

@@ -5,15 +5,10 @@ last bucket set swapped in (an adaptive session starts from it)."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-
-def kiln_home() -> Path:
-    return Path(os.environ.get("KILN_HOME") or Path.home() / ".cache" / "kiln")
+from kiln.home import kiln_home, read_cache_json, write_cache_json
 
 
 def record_path(model_path: str, backend: str) -> Path:
@@ -27,27 +22,9 @@ def record_path(model_path: str, backend: str) -> Path:
 
 def load_record(path: Path) -> dict[str, Any]:
     """The record, or {} when there is none or it is unreadable (it is only a cache)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_cache_json(path)
 
 
 def save_record(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (temp file, then rename): a crash never leaves half a record. A record
-    that cannot be written is skipped: it is only a cache."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "w") as file:
-            json.dump(data, file, indent=1)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+    """Written atomically; a record that cannot be written is skipped: it is only a cache."""
+    write_cache_json(path, data)

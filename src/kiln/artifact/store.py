@@ -16,11 +16,11 @@ from typing import Any
 
 import onnx_ir as ir
 
+from kiln.artifact.manifest import Manifest
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins
 
-FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # Weights above this size go to the external data file, keeping model.onnx small to inspect.
@@ -32,7 +32,7 @@ class Artifact:
     """A compiled model on disk."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def model_path(self) -> Path:
@@ -40,11 +40,6 @@ class Artifact:
 
     def provenance(self) -> dict[str, Any]:
         return json.loads((self.path / "provenance.json").read_text())
-
-    def session(self, **kwargs: Any):
-        from kiln.runtime import Session
-
-        return Session(self.path, **kwargs)
 
 
 def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
@@ -59,7 +54,7 @@ def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any]) -> Artifact:
+def write_artifact(destination: Path, model: ir.Model, manifest: Manifest) -> Artifact:
     """Write atomically: everything goes to a temporary sibling, then one rename.
 
     An existing artifact at `destination` is replaced; anything else there is refused and left
@@ -67,7 +62,6 @@ def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any])
     """
     destination = Path(destination)
     parent = check_destination(destination)
-    manifest = {"format_version": FORMAT_VERSION, **manifest}
     tmp = old = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
@@ -78,7 +72,7 @@ def write_artifact(destination: Path, model: ir.Model, manifest: dict[str, Any])
         else:
             ir.save(model, tmp / MODEL_FILE)
         _write_json(tmp / "provenance.json", provenance_map(model))
-        _write_json(tmp / "manifest.json", manifest)
+        _write_json(tmp / "manifest.json", manifest.to_json())
         _refuse_non_artifact(destination)
         if destination.exists():
             # Move the old artifact aside first, so a failed rename can put it back.
@@ -141,18 +135,12 @@ def read_artifact(path: str | Path) -> Artifact:
         ) from None
     if not isinstance(manifest, dict):
         raise KilnError(f"{manifest_path}: corrupted manifest. Rebuild it with kiln optimize.")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise KilnError(
-            f"{path}: artifact format {version}, this Kiln reads format {FORMAT_VERSION}. "
-            "Rebuild it with kiln optimize."
-        )
+    manifest = Manifest.from_json(manifest, str(manifest_path))
     if not (path / MODEL_FILE).is_file():
         raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
-    built_on = manifest.get("hardware", {}).get("fingerprint")
-    if built_on and built_on != cpu_info().fingerprint:
+    if manifest.hardware.fingerprint != cpu_info().fingerprint:
         warnings.warn(
-            f"{path} was built on other hardware ({manifest['hardware'].get('cpu', '?')}); "
+            f"{path} was built on other hardware ({manifest.hardware.cpu}); "
             "it will run, but its tuning may not suit this machine.",
             stacklevel=2,
         )

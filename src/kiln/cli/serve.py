@@ -1,13 +1,13 @@
-"""`kiln serve`: the CLI verb. Heavy imports stay inside, so `kiln --help` stays fast."""
+"""`kiln serve`: a model over HTTP (KServe v2), dynamic batching, /metrics."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from kiln.cli.console import err
 from kiln.errors import KilnError
 
 
@@ -52,8 +52,9 @@ def serve(
 
     Ctrl-C or SIGTERM answers every queued request before exiting.
     """
+    import signal
+
     import uvicorn
-    from rich.console import Console
 
     from kiln.runtime import Session
     from kiln.serve.app import create_app
@@ -73,8 +74,7 @@ def serve(
         max_queue=max_queue,
         max_request_bytes=int(max_request_mb * 2**20),
     )
-    console = Console(stderr=True)
-    console.print(
+    err.print(
         f"serving '{served}' on http://{host}:{port}/v2/models/{served} (Ctrl-C to stop)",
         highlight=False,
         markup=False,
@@ -87,4 +87,4 @@ def serve(
         signal.signal(sig, lambda *_: None)
     # No access log: one line per request costs real time at high request rates.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
-    console.print("stopped; every queued request was answered.", highlight=False)
+    err.print("stopped; every queued request was answered.", highlight=False)

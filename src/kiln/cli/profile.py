@@ -7,6 +7,9 @@ from typing import Annotated
 
 import typer
 
+from kiln.cli.console import JsonOpt, console, emit_json, progress
+from kiln.errors import KilnError
+
 
 def profile(
     model: Annotated[
@@ -31,17 +34,12 @@ def profile(
     trace: Annotated[
         Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace (JSON).")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Where the time goes, op by op, against this machine's measured peaks.
 
     Latency (P50/P90/P99, jitter), per-kernel times mapped to the original nodes, a roofline
     against measured peaks, and the bottlenecks with a Kiln action for each."""
-    import json
-    import sys
-
-    from kiln.cli import _progress, console
-    from kiln.errors import KilnError
     from kiln.ir.inputs import parse_shapes
     from kiln.profile import profile_model
     from kiln.report import print_profile, write_html, write_trace
@@ -49,9 +47,9 @@ def profile(
     for path in (output, trace):
         if path is not None and not path.absolute().parent.is_dir():
             raise KilnError(f"{path}: the directory {path.absolute().parent} does not exist.")
-    with _progress() as progress:
-        task = progress.add_task(f"loading {model}")
-        say = lambda msg: progress.update(task, description=msg)  # noqa: E731
+    with progress() as bar:
+        task = bar.add_task(f"loading {model}")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         result = profile_model(
             model,
             backend=backend,
@@ -72,8 +70,7 @@ def profile(
             raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
     if as_json:
         # The raw per-run records go to --trace; everything derived from them is here.
-        shown = {k: v for k, v in result.items() if k != "records"}
-        sys.stdout.write(json.dumps(shown, indent=2, default=float) + "\n")
+        emit_json({k: v for k, v in result.items() if k != "records"})
         return
     print_profile(result, console)
     for path, what in ((output, "report"), (trace, "trace")):

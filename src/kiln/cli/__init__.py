@@ -1,0 +1,45 @@
+"""The `kiln` command line: one module per verb. Every error the user can cause is one line
+on stderr and exit code 2.
+
+Each verb keeps its heavy imports inside the command, so `kiln --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kiln.cli import bench, doctor, optimize, profile, run, serve, zoo
+from kiln.cli.console import err
+from kiln.errors import KilnError
+
+app = typer.Typer(
+    help="Kiln: compile, verify and benchmark neural-network models for this machine.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(zoo.app, name="zoo")
+app.command()(optimize.optimize)
+app.command()(run.run)
+app.command()(bench.bench)
+app.command()(doctor.doctor)
+app.command()(serve.serve)
+app.command()(profile.profile)
+
+
+def main() -> None:
+    from rich.text import Text
+
+    try:
+        app()
+    except KilnError as exc:
+        # A Text, not markup: paths and messages may hold '[...]' or ':name:'. soft_wrap keeps
+        # the message on one line whatever the terminal's width.
+        line = Text.assemble(("error:", "bold red"), " ", " ".join(str(exc).splitlines()))
+        err.print(line, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted; nothing was written.")
+        sys.exit(130)

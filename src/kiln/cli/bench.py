@@ -1,0 +1,64 @@
+"""`kiln bench`: Kiln against the engines a user would otherwise pick, interleaved."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.cli.console import JsonOpt, console, emit_json, progress
+
+
+def bench(
+    model: Annotated[str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact.")],
+    against: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated engines: ort, ort-basic, ort-transformers, ort-int8, openvino, "
+            "openvino-bf16, openvino-int8 (the int8 ones: each tool's defaults, calibrated on "
+            "--calib or on synthetic samples)."
+        ),
+    ] = "ort,ort-basic",
+    batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
+    inputs: Annotated[
+        str | None,
+        typer.Option(help="Time and measure drift on these inputs (.npz) instead of synthetic."),
+    ] = None,
+    calib: Annotated[
+        str | None,
+        typer.Option(help="Calibration samples (.npz or directory) for the int8 engines."),
+    ] = None,
+    shape: Annotated[
+        list[str], typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input.")
+    ] = [],  # noqa: B006
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
+    runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 20,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Kiln against other engines, interleaved in one process: P50/P90/P99, jitter, throughput.
+
+    Speedups are medians of per-round P50 ratios against the first engine in --against.
+    """
+    from kiln.bench.report import run_bench
+    from kiln.ir.inputs import parse_shapes
+    from kiln.report.terminal import print_bench
+
+    with progress() as bar:
+        task = bar.add_task("preparing")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
+        result = run_bench(
+            model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape),
+            inputs=inputs, calib=calib,
+        )  # fmt: skip
+    if output:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        emit_json(result)
+    else:
+        print_bench(result, console)

@@ -1,0 +1,183 @@
+"""`kiln optimize`: compile a model into a verified artifact, timed against ONNX Runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kiln.cli.console import JsonOpt, console, emit_json, progress
+from kiln.errors import KilnError
+
+
+def optimize(
+    model: Annotated[
+        str | None, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Artifact directory (NAME.kiln).")
+    ] = None,
+    inputs: Annotated[
+        str | None, typer.Option("--inputs", help="Reference inputs (.npz) for verification.")
+    ] = None,
+    shape: Annotated[
+        list[str],
+        typer.Option(
+            "--shape",
+            help="Shape of a synthesized input, INPUT=D0xD1x... (repeatable), for dynamic dims "
+            "Kiln cannot guess.",
+        ),
+    ] = [],  # noqa: B006
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="Engine the artifact runs on: ort, openvino, or auto (build, verify and time "
+            "each installed engine; keep the fastest)."
+        ),
+    ] = "ort",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="fp32 (lossless, the default); bf16 (OpenVINO), int8 (ONNX Runtime; OpenVINO "
+            "through NNCF) or int4 (ONNX Runtime, MatMul weights), each under an accuracy guard "
+            "that keeps the most sensitive layers in fp32 until --metric is within --max-drop of "
+            "fp32; or auto: every precision on every engine that runs it, the fastest within "
+            "budget kept."
+        ),
+    ] = "fp32",
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="Accuracy metric for lower precisions: cosine, top1 (argmax agreement), max-abs "
+            "(relative to the output's scale), or module:function(outputs_ref, outputs_new) -> "
+            "float, higher is better."
+        ),
+    ] = "cosine",
+    max_drop: Annotated[
+        float,
+        typer.Option(help="How far the metric may fall below fp32's, relative (0.01 = 1 %)."),
+    ] = 0.01,
+    calib: Annotated[
+        str | None,
+        typer.Option(
+            help="Calibration samples for static int8: an .npz (arrays stacked on a first "
+            "sample axis, or one sample) or a directory of them. Without --inputs a quarter is "
+            "held out to judge accuracy. Without --calib Kiln calibrates on synthetic inputs "
+            "and says so."
+        ),
+    ] = None,
+    calib_method: Annotated[
+        str, typer.Option(help="ONNX Runtime calibration: minmax, entropy or percentile.")
+    ] = "minmax",
+    block_size: Annotated[int, typer.Option(help="int4: weights per quantization block.")] = 32,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification.")] = False,
+    skip: Annotated[
+        list[str], typer.Option("--skip-pass", help="Leave this pass out (repeatable).")
+    ] = [],  # noqa: B006
+    show_pipeline: Annotated[
+        bool, typer.Option("--show-pipeline", help="Print the pass pipeline and exit.")
+    ] = False,
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="Rebuild from a recorded CompileConfig: an artifact's manifest.json (or the "
+            "artifact directory, or a bare config JSON). MODEL defaults to the artifact's source "
+            "model; the config fixes every compile decision, so other compile flags are refused.",
+        ),
+    ] = None,
+    rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (0: no timing).")] = 5,
+    runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
+
+    Lossless by default: outputs match the original within fp32 tolerance, checked on
+    reference inputs. A pass that breaks the outputs is found by bisection and dropped.
+    """
+    from kiln.passes import default_pipeline, format_pipeline
+    from kiln.report.terminal import print_optimize
+
+    pipeline = default_pipeline()
+    known = {s.name for s in pipeline}
+    for name in skip:
+        if name not in known:
+            raise KilnError(f"unknown pass '{name}' in --skip-pass; see --show-pipeline.")
+    pipeline = [s for s in pipeline if s.name not in skip]
+    if show_pipeline:
+        console.print(format_pipeline(pipeline), highlight=False, markup=False)
+        return
+    from kiln.artifact import check_destination
+    from kiln.compiler import CompileConfig, build, candidates, save_result
+    from kiln.config import read_config
+    from kiln.ir.inputs import parse_shapes
+    from kiln.ir.load import load_model
+
+    given = {
+        "backend": backend != "ort", "precision": precision != "fp32", "metric": metric != "cosine",
+        "max-drop": max_drop != 0.01, "calib": calib is not None,
+        "calib-method": calib_method != "minmax", "block-size": block_size != 32,
+        "inputs": inputs is not None, "shape": bool(shape), "no-verify": no_verify,
+        "skip-pass": bool(skip),
+    }  # fmt: skip
+    if config_file is not None:
+        flags = [f"--{name}" for name, set_ in given.items() if set_]
+        if flags:
+            raise KilnError(
+                f"--config fixes every compile decision; drop {', '.join(flags)} or edit the "
+                "config's JSON."
+            )
+        config, source = read_config(config_file)
+        model = model or source
+    else:
+        config = CompileConfig(
+            engine=backend,
+            precision=precision,
+            # the engines' own default pipelines unless a pass is skipped (each candidate keeps
+            # the passes its engine runs; int8 narrows this further itself)
+            pipeline=tuple(s.name for s in pipeline) if skip else None,
+            metric=metric,
+            max_drop=max_drop,
+            calib=calib,
+            calib_method=calib_method,
+            block_size=block_size,
+            inputs=inputs,
+            shapes=parse_shapes(shape),
+            verify=not no_verify,
+        )
+    if model is None:
+        raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
+    if config.is_auto and rounds <= 0:
+        raise KilnError("auto picks the fastest candidate by timing; use --rounds > 0.")
+    candidates(config)  # a missing engine or an unsupported precision fails before loading
+    with progress() as bar:
+        task = bar.add_task(f"loading {model}")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
+        loaded = load_model(model)
+        destination = output or Path(f"{loaded.name}.kiln")
+        check_destination(destination)
+        result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say)
+        say("writing the artifact")
+        artifact = save_result(result, destination, bench)
+    summary = _optimize_summary(artifact, bench)
+    if as_json:
+        emit_json(summary)
+    else:
+        print_optimize(summary, console)
+
+
+def _optimize_summary(artifact: Any, bench: dict | None) -> dict:
+    manifest = artifact.manifest.to_json()
+    return {
+        "artifact": str(artifact.path),
+        "source": manifest["source"],
+        "passes": manifest["passes"],
+        "dropped_passes": manifest["dropped_passes"],
+        "nodes": manifest["nodes"],
+        "verification": manifest["verification"],
+        "backend": manifest["backend"],
+        "precision": manifest["precision"],
+        "config": manifest["config"],
+        "benchmark": bench,
+    }

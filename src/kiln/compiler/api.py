@@ -1,0 +1,206 @@
+"""`kiln.compile`: a model and a CompileConfig in, a verified artifact out."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from kiln.artifact import (
+    Artifact,
+    BackendInfo,
+    PassRecord,
+    SourceInfo,
+    check_destination,
+    new_manifest,
+    source_path,
+    write_artifact,
+)
+from kiln.compiler.candidate import CompileResult, compile_candidate
+from kiln.compiler.select import candidates, fastest, time_candidates
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
+from kiln.ir.inputs import check_feeds, default_dims, read_inputs
+from kiln.ir.load import LoadedModel, load_any
+from kiln.passes import PassSpec
+from kiln.passes.simplify import count_nodes
+
+ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
+Progress = Callable[[str], None]
+AUTO_ROUNDS = 5
+
+
+def compile(
+    model: ModelLike,
+    output: str | os.PathLike | None = None,
+    *,
+    config: CompileConfig | None = None,
+    target: str = "cpu",
+    backend: str | None = None,
+    precision: str | None = None,
+    inputs: str | Mapping[str, np.ndarray] | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    verify: bool | None = None,
+    pipeline: list[PassSpec] | list[str] | None = None,
+    rounds: int | None = None,
+    runs: int = 10,
+    progress: Progress | None = None,
+    **settings: Any,
+) -> Artifact:
+    """Compile a model into a verified artifact directory.
+
+    `model`: a path to an .onnx file, `zoo:NAME`, an onnx.ModelProto or an onnx_ir.Model.
+    `output`: the artifact directory; None writes `NAME.kiln` into a new temporary directory
+    (the returned `Artifact.path` says where). `config` holds every decision; the keyword
+    arguments override its fields (`backend` is its `engine`; any other CompileConfig field,
+    e.g. `metric="top1"`, `max_drop=0.02`, `calib="calib/"`, `engine_options={...}`, is
+    accepted). `backend="auto"` / `precision="auto"` build every candidate and keep the fastest
+    verified one, timed over `rounds` interleaved rounds (default 5 when choosing; with a single
+    candidate, rounds > 0 records its timing in the manifest). Raises KilnError, writing
+    nothing, when the result cannot be verified."""
+    if target != "cpu":
+        raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
+    config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
+    loaded = load_any(model)
+    destination = _destination(loaded, output)
+    check_destination(destination)
+    try:
+        result, bench = build(
+            loaded, config, inputs=inputs, pipeline=pipeline, rounds=rounds, runs=runs,
+            progress=progress,
+        )  # fmt: skip
+        return save_result(result, destination, bench)
+    except BaseException:
+        if output is None:  # the temporary directory made for it
+            shutil.rmtree(destination.parent, ignore_errors=True)
+        raise
+
+
+def build(
+    loaded: LoadedModel,
+    config: CompileConfig,
+    *,
+    inputs: str | Mapping[str, np.ndarray] | None = None,
+    pipeline: list[PassSpec] | list[str] | None = None,
+    rounds: int | None = None,
+    runs: int = 10,
+    progress: Progress | None = None,
+) -> tuple[CompileResult, dict | None]:
+    """Every candidate `config` stands for, built and verified; the fastest verified one (or
+    the only one) and the benchmark that chose it. Writes nothing."""
+    say = progress or (lambda _msg: None)
+    given, given_source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
+    specs = pipeline if pipeline and isinstance(pipeline[0], PassSpec) else None
+    rounds = (AUTO_ROUNDS if config.is_auto else 0) if rounds is None else rounds
+    if config.is_auto and rounds <= 0:
+        raise KilnError("auto picks the fastest candidate by timing; use rounds > 0.")
+    results, refused = [], {}
+    for candidate in candidates(config):
+        label = f"{candidate.engine}/{candidate.precision}"
+        say(f"compiling for {label}")
+        try:
+            results.append(compile_candidate(loaded, candidate, given, given_source, specs, say))
+        except KilnError as exc:
+            if not config.is_auto:
+                raise
+            refused[label] = str(exc)  # one candidate failing must not cost the others
+    verified = [r for r in results if r.ok]
+    refused |= {r.label: r.verification.summary() for r in results if not r.ok}
+    if not results:
+        raise KilnError(f"{loaded.source}: no candidate could be built: {refused}.")
+    if rounds <= 0 or not verified:
+        return (verified or results)[0], None
+    result, bench = fastest(verified, time_candidates(verified, rounds, runs, say))
+    bench["refused"] = refused
+    return result, bench
+
+
+def save_result(
+    result: CompileResult, output: str | os.PathLike | None, benchmark: dict | None = None
+) -> Artifact:
+    """Write the artifact, or refuse (nothing written) when verification failed."""
+    if not result.ok:
+        summary = result.verification.summary()
+        if result.precision != "fp32":
+            raise KilnError(
+                f"{result.loaded.source}: at {result.precision} the outputs drift too far "
+                f"({summary}). Nothing was written; use --precision fp32."
+            )
+        raise KilnError(
+            f"{result.loaded.source}: the compiled model does not match the original even "
+            f"with every pass dropped ({summary}). Nothing was written."
+        )
+    loaded, model = result.loaded, result.model
+    manifest = new_manifest(
+        source=SourceInfo(loaded.name, source_path(loaded.source), loaded.fingerprint),
+        model=model,
+        config=result.config,
+        backend=BackendInfo(result.backend, result.options.to_json()),
+        passes=[PassRecord(r.name, r.rewrites, r.nodes_created) for r in result.reports],
+        dropped_passes=result.dropped,
+        nodes={"before": result.nodes_before, "after": count_nodes(model)},
+        precision=result.plan or {"default": result.precision, "nodes": {}},
+        dims=default_dims(model),
+        verification=result.verification,
+        benchmark=benchmark,
+    )
+    return write_artifact(_destination(loaded, output), model, manifest)
+
+
+def _config(
+    config: CompileConfig | None,
+    backend: str | None,
+    precision: str | None,
+    inputs: Any,
+    shapes: Mapping[str, tuple[int, ...]] | None,
+    verify: bool | None,
+    pipeline: list | None,
+    settings: dict[str, Any],
+) -> CompileConfig:
+    changes: dict[str, Any] = dict(settings)
+    given = {"engine": backend, "precision": precision, "shapes": shapes, "verify": verify}
+    changes |= {k: v for k, v in given.items() if v is not None}
+    if isinstance(inputs, str | os.PathLike):
+        changes["inputs"] = str(inputs)
+    if pipeline:
+        changes["pipeline"] = tuple(s.name if isinstance(s, PassSpec) else s for s in pipeline)
+    base = config or CompileConfig()
+    try:
+        return base.replace(**changes)
+    except TypeError:
+        unknown = sorted(set(changes) - set(base.to_json()))
+        raise KilnError(
+            f"kiln.compile got unknown setting(s) {unknown}; the CompileConfig fields are "
+            f"{', '.join(sorted(base.to_json()))}."
+        ) from None
+
+
+def _given_inputs(
+    loaded: LoadedModel, inputs: str | os.PathLike | Mapping[str, np.ndarray] | None
+) -> tuple[list[dict[str, np.ndarray]] | None, str]:
+    """The user's reference inputs, read and checked against the model (or None)."""
+    if inputs is None:
+        return None, "synthesized"
+    if isinstance(inputs, str | os.PathLike):
+        return [read_inputs(str(inputs), loaded.model)], str(inputs)
+    if not isinstance(inputs, Mapping):
+        raise KilnError(
+            f"inputs must be an .npz path or a dict of input name → numpy array, not "
+            f"{type(inputs).__name__}."
+        )
+    feeds = {name: np.asarray(value) for name, value in inputs.items()}
+    check_feeds(loaded.model, feeds, where=f"{loaded.source} inputs")
+    return [feeds], "given arrays"
+
+
+def _destination(loaded: LoadedModel, output: str | os.PathLike | None) -> Path:
+    if output is not None:
+        return Path(output)
+    return Path(tempfile.mkdtemp(prefix="kiln-")) / f"{loaded.name}.kiln"

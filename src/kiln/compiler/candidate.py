@@ -1,0 +1,222 @@
+"""One compile of one concrete CompileConfig: load → passes → precision → verify.
+
+The original is the reference (ONNX Runtime, basic optimisation, fp32); the pass stage runs the
+pipeline verified at the config's precision (fp32 for int8/int4, whose precision stage then
+quantizes the verified fp32 model under the accuracy guard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.backends import default_options, options_from_json
+from kiln.compiler.passes_stage import Target, run_passes, verify_on
+from kiln.compiler.reference import engine_noise, reference_feeds, run_reference
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
+from kiln.ir import stamp_origins
+from kiln.ir.load import LoadedModel
+from kiln.passes import PassReport, PassSpec, default_pipeline
+from kiln.passes.simplify import count_nodes
+from kiln.precision import (
+    QUANTIZED,
+    Calibration,
+    bf16_plan,
+    calibration_for,
+    check_precision,
+    is_static,
+    pass_name,
+    quantize_under_budget,
+)
+from kiln.verify import Verification
+
+Say = Callable[[str], None]
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass
+class CompileResult:
+    """Everything one candidate's compile learned."""
+
+    loaded: LoadedModel
+    config: CompileConfig  # concrete: no "auto"
+    model: ir.Model
+    reports: list[PassReport]
+    verification: Verification | None
+    options: Any  # the engine's options the artifact runs with
+    dropped: list[str] = field(default_factory=list)
+    nodes_before: int = 0
+    feeds: list[Feeds] = field(default_factory=list)
+    reference: list[list[np.ndarray]] = field(default_factory=list)  # the original's outputs
+    plan: dict | None = None  # per-node precision, when not all fp32
+
+    @property
+    def backend(self) -> str:
+        return self.config.engine
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.precision}"
+
+    @property
+    def ok(self) -> bool:
+        return self.verification is None or self.verification.ok
+
+
+def engine_options(engine: str, precision: str, overrides: dict[str, Any]) -> Any:
+    """The engine's settings for `precision` with the config's overrides applied."""
+    defaults = default_options(engine, precision)
+    if not overrides:
+        return defaults
+    try:
+        return options_from_json(engine, {**defaults.to_json(), **overrides})
+    except TypeError:
+        known = ", ".join(sorted(defaults.to_json()))
+        raise KilnError(
+            f"unknown option among {sorted(overrides)} for engine '{engine}'; its options are "
+            f"{known}."
+        ) from None
+
+
+def resolve_pipeline(names: tuple[str, ...] | None, engine: str) -> list[PassSpec]:
+    """Pass names → the passes (the engine's default pipeline when None)."""
+    default = default_pipeline(engine=engine)
+    if names is None:
+        return default
+    every = {s.name: s for s in default_pipeline(engine="ort") + default_pipeline("openvino")}
+    for name in names:
+        if name not in every:
+            raise KilnError(f"unknown pass '{name}' in the pipeline; see --show-pipeline.")
+    engines_ok = [n for n in names if every[n].engines is None or engine in every[n].engines]
+    return [every[n] for n in engines_ok]
+
+
+def compile_candidate(
+    loaded: LoadedModel,
+    config: CompileConfig,
+    given: list[Feeds] | None = None,
+    given_source: str = "given inputs",
+    pipeline: list[PassSpec] | None = None,
+    say: Say = lambda _m: None,
+) -> CompileResult:
+    """Compile `loaded` under one concrete config; `given` are the user's reference inputs
+    (already read and checked). Never writes anything."""
+    engine, precision = config.engine, config.precision
+    check_precision(engine, precision)
+    original = loaded.model
+    stamp_origins(original)
+    nodes_before = count_nodes(original)
+    quantized = precision in QUANTIZED
+    if quantized and not config.verify:
+        raise KilnError(f"{precision} is only written verified: the accuracy guard measures it.")
+    specs = pipeline if pipeline is not None else resolve_pipeline(config.pipeline, engine)
+    static = quantized and is_static(original, precision, engine)
+    if static:  # the quantizers know standard ops only; the engines fuse QDQ graphs themselves
+        specs = [s for s in specs if s.engines is None]
+    calibration = Calibration()
+    if quantized:
+        first = given[0] if given else None
+        calibration = calibration_for(
+            original, static, config.calib, config.calib_method, first, given_source,
+            dict(config.shapes),
+        )  # fmt: skip
+    target = _target(original, config, "fp32" if quantized else precision, given, given_source,
+                     calibration, say)  # fmt: skip
+    built = run_passes(original, specs, target, say)
+    result = CompileResult(
+        loaded=loaded,
+        config=config.replace(pipeline=tuple(s.name for s in specs)),
+        model=built.model,
+        reports=built.reports,
+        verification=built.verification,
+        options=target.options,
+        dropped=built.dropped,
+        nodes_before=nodes_before,
+        feeds=target.feeds,
+        reference=target.reference,
+    )
+    if precision == "bf16" and result.ok:
+        result.plan = bf16_plan(result.model, engine, built.executable or _compile(result))
+    if quantized and result.ok:
+        _quantize(result, calibration, target, say)
+    return result
+
+
+def _target(
+    original: ir.Model,
+    config: CompileConfig,
+    precision: str,
+    given: list[Feeds] | None,
+    given_source: str,
+    calibration: Calibration,
+    say: Say,
+) -> Target:
+    options = engine_options(config.engine, precision, dict(config.engine_options))
+    target = Target(config.engine, options, precision, [], [], "none", verify=config.verify)
+    if not config.verify:
+        return target
+    held_out = calibration.held_out
+    feeds, source = reference_feeds(
+        original,
+        held_out or given,
+        "held-out calibration samples" if held_out else given_source,
+        dict(config.shapes),
+    )
+    say("running the original in ONNX Runtime (reference)")
+    target.feeds, target.source = feeds, source
+    target.reference = run_reference(original, feeds, source)
+    target.noise = engine_noise(original, feeds, target.reference, config.engine, options)
+    target.budget = config.budget()
+    return target
+
+
+def _quantize(result: CompileResult, calibration: Calibration, target: Target, say: Say) -> None:
+    """The precision stage, handed a check that compiles and verifies on the target engine."""
+    config = result.config
+    options = engine_options(config.engine, config.precision, dict(config.engine_options))
+    check_target = Target(
+        config.engine, options, config.precision, target.feeds, target.reference,
+        target.source, budget=target.budget,
+    )  # fmt: skip
+    quantized = quantize_under_budget(
+        result.model,
+        config.precision,
+        config.engine,
+        calibration=calibration,
+        feeds=target.feeds[0],
+        method=config.calib_method,
+        block_size=config.block_size,
+        check=lambda candidate: verify_on(candidate, check_target)[0],
+        restored_to="bf16" if getattr(options, "inference_precision", None) == "bf16" else "fp32",
+        say=say,
+    )
+    result.options, result.plan = options, quantized.plan
+    result.model = quantized.model
+    result.verification = quantized.verification or Verification(
+        False, config.precision, target.source, []
+    )
+    if quantized.error:
+        result.verification.ok = False
+        result.verification.error = quantized.error
+        return
+    result.reports.append(
+        PassReport(
+            pass_name(config.precision), "precision", quantized.quantized, 0,
+            count_nodes(result.model), 0.0,
+        )
+    )  # fmt: skip
+
+
+def _compile(result: CompileResult) -> Any:
+    from kiln.backends import get_backend
+
+    return get_backend(result.backend).compile(result.model, result.options)

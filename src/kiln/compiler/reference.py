@@ -1,0 +1,77 @@
+"""The reference a compiled model is judged against: the original in ONNX Runtime, basic
+optimisation, fp32, on the user's inputs or on synthesized ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.backends import get_backend
+from kiln.backends.ort import OrtOptions
+from kiln.errors import KilnError
+from kiln.ir.inputs import default_dims, synthesize
+from kiln.verify import max_abs_diff
+
+REFERENCE_OPTIONS = OrtOptions(optimization="basic")
+Feeds = dict[str, np.ndarray]
+SYNTHESIZED = "synthesized"
+
+
+def copy_model(model: ir.Model) -> ir.Model:
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    external = [
+        v.const_value
+        for v in model.graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
+    ]
+    if external:  # weights left on disk are found relative to the model's directory
+        ir.external_data.set_base_dir(copy.graph, external[0].base_dir)
+    return copy
+
+
+def reference_feeds(
+    model: ir.Model,
+    given: list[Feeds] | None,
+    source: str,
+    shapes: dict | None = None,
+    sets: int = 2,
+) -> tuple[list[Feeds], str]:
+    """The input sets verification runs on: the given ones, else `sets` synthesized ones."""
+    if given:
+        return given, source
+    dims = default_dims(model)
+    return [synthesize(model, dims, seed=seed, shapes=shapes) for seed in range(sets)], SYNTHESIZED
+
+
+def run_reference(model: ir.Model, feeds: list[Feeds], source: str) -> list[list[np.ndarray]]:
+    exe = get_backend("ort").compile(model, REFERENCE_OPTIONS)
+    try:
+        return [exe.run(f) for f in feeds]
+    except KilnError as exc:
+        if source != SYNTHESIZED:
+            raise
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds[0].items())
+        raise KilnError(
+            f"the original model does not run on synthesized inputs ({shapes}): {exc}. "
+            "Give input shapes with --shape INPUT=D0xD1x... or real inputs with --inputs."
+        ) from None
+
+
+def engine_noise(
+    original: ir.Model,
+    feeds: list[Feeds],
+    reference: list[list[np.ndarray]],
+    engine: str,
+    options: Any,
+) -> dict[str, float]:
+    """Per output, how far the untouched original moves under the artifact's engine and
+    options (another engine's kernels round differently too)."""
+    exe = get_backend(engine).compile(original, options)
+    names = [v.name for v in original.graph.outputs]
+    noise = dict.fromkeys(names, 0.0)
+    for feed, ref_set in zip(feeds, reference, strict=True):
+        for name, ref, new in zip(names, ref_set, exe.run(feed), strict=True):
+            noise[name] = max(noise[name], max_abs_diff(ref, new))
+    return noise

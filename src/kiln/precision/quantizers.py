@@ -1,0 +1,75 @@
+"""Which quantizer, which sensitivity estimate and which scheme name, per engine and model.
+
+int4: ONNX Runtime's MatMulNBits, block-wise weight error. int8 on OpenVINO: NNCF static QDQ.
+int8 on ONNX Runtime: static QDQ (calibrated) for Conv-heavy models, dynamic for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.precision.sensitivity import (
+    activation_matmuls,
+    conv_heavy,
+    layer_sensitivity,
+    weight_sensitivity,
+)
+
+Quantize = Callable[[ir.Model, list[str]], ir.Model]
+
+
+@dataclass
+class Quantizer:
+    """quantize(model, layers kept out) for one engine, and the cheap per-layer estimate that
+    orders the guard's search."""
+
+    scheme: str
+    quantize: Quantize
+    sensitivity: dict[str, float]
+
+
+def is_static(model: ir.Model, precision: str, engine: str) -> bool:
+    """Static (calibrated) int8: every model on OpenVINO, Conv-heavy ones on ONNX Runtime."""
+    return precision == "int8" and (engine == "openvino" or conv_heavy(model))
+
+
+def quantizer_for(
+    model: ir.Model,
+    precision: str,
+    engine: str,
+    samples: list[dict[str, np.ndarray]] | None,
+    feeds: dict[str, np.ndarray],
+    method: str,
+    block_size: int,
+) -> Quantizer:
+    from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_int4, quantize_static_int8
+
+    if precision == "int4":
+        return Quantizer(
+            f"4-bit weights (MatMulNBits, block {block_size})",
+            lambda m, kept: quantize_int4(m, kept, block_size),
+            weight_sensitivity(model, bits=4, block=block_size, ops=("MatMul",)),
+        )
+    conv = conv_heavy(model)
+    sensitivity = weight_sensitivity(model) if conv else layer_sensitivity(model, feeds)
+    if samples is not None:  # static: activation×activation MatMuls are quantized as well
+        sensitivity |= dict.fromkeys(activation_matmuls(model), 0.0)
+    if engine == "openvino":
+        from kiln.backends.openvino_quant import quantize_nncf_int8
+
+        return Quantizer(
+            "static QDQ (NNCF)",
+            lambda m, kept: quantize_nncf_int8(m, samples or [], kept, transformer=not conv),
+            sensitivity,
+        )
+    if samples is not None:
+        return Quantizer(
+            f"static QDQ ({method})",
+            lambda m, kept: quantize_static_int8(m, samples, kept, method),
+            sensitivity,
+        )
+    return Quantizer("dynamic", quantize_dynamic_int8, sensitivity)
