@@ -31,6 +31,14 @@ from kiln.report.terminal import print_bench
 AGAINST = "ort,ort-int8,openvino,openvino-bf16,openvino-int8"
 
 
+def against_here() -> str:
+    """The engines this CPU runs: OpenVINO bf16 needs bf16 kernels (AMX or AVX512_BF16)."""
+    from kiln.backends.openvino import cpu_runs_bf16
+
+    engines = AGAINST.split(",")
+    return ",".join(e for e in engines if e != "openvino-bf16" or cpu_runs_bf16())
+
+
 def auto_artifact(
     model: str, inputs: str | None, calib: str | None, out: Path, rounds: int, say
 ) -> dict:
@@ -64,7 +72,7 @@ def main() -> None:
             artifact = Path(tmp) / f"{Path(model.replace(':', '_')).stem}.kiln"
             choice = auto_artifact(model, inputs, calib, artifact, 3, say)
             result = run_bench(
-                str(artifact), AGAINST, 1, args.rounds, args.runs, say, inputs=inputs, calib=calib
+                str(artifact), against_here(), 1, args.rounds, args.runs, say, inputs=inputs, calib=calib
             )
             print_bench(result, Console())
             Console().print(

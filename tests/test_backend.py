@@ -10,6 +10,7 @@ import pytest
 
 from kiln import zoo
 from kiln.backends import get_backend
+from kiln.backends.base import KernelRecord, Profile
 from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
 from kiln.ir.inputs import synthesize
@@ -17,11 +18,21 @@ from kiln.ir.inputs import synthesize
 
 def test_profile_gives_per_kernel_records_for_each_run():
     model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
-    exe = get_backend("ort").compile(model)
-    records = exe.profile(synthesize(model), runs=3)
-    per_run = collections.Counter(r["run"] for r in records)
-    assert sorted(per_run) == [0, 1, 2] and len(set(per_run.values())) == 1
-    assert all(r["dur_us"] >= 0 and r["op_type"] and r["node"] for r in records)
+    # No graph optimisation: every kernel is one node of the model, under its own name.
+    exe = get_backend("ort").compile(model, OrtOptions(optimization="disable"))
+    runs = 3
+    profile = exe.profile(synthesize(model), runs=runs)
+    assert isinstance(profile, Profile) and profile.engine == "onnxruntime"
+    assert len(profile.run_ms) == runs and all(ms > 0 for ms in profile.run_ms)
+    records = profile.records
+    assert records and all(isinstance(r, KernelRecord) for r in records)
+    per_run = collections.Counter(r.run for r in records)
+    assert sorted(per_run) == list(range(runs)) and len(set(per_run.values())) == 1
+    nodes = {n.name: n.op_type for n in model.graph}
+    assert {r.node for r in records} <= set(nodes)
+    assert all(r.op_type == nodes[r.node] for r in records)
+    assert all(r.dur_us >= 0 and r.ts_us is not None and r.provider for r in records)
+    assert exe.providers == ["CPUExecutionProvider"]
 
 
 def test_session_options_are_applied_and_outputs_do_not_depend_on_them():

@@ -16,6 +16,7 @@ ov = pytest.importorskip("openvino")
 
 from kiln import zoo  # noqa: E402
 from kiln.backends import get_backend  # noqa: E402
+from kiln.backends.base import KernelRecord, Profile  # noqa: E402
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions  # noqa: E402
 from kiln.backends.ort import OrtOptions  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
@@ -105,16 +106,26 @@ def test_outputs_come_in_the_order_asked(tiny):
 def test_profile_gives_per_layer_records_for_each_run(tiny):
     model, feeds, _ = tiny["resnet-tiny"]
     exe = OpenVinoBackend().compile(model, F32)
-    records = exe.profile(feeds, runs=3)
-    per_run = collections.Counter(r["run"] for r in records)
-    assert sorted(per_run) == [0, 1, 2]
-    assert {"node", "op_type", "provider", "dur_us", "run"} <= set(records[0])
-    assert all(r["dur_us"] >= 0 and r["op_type"] and r["node"] and r["provider"] for r in records)
-    assert any(r["op_type"] == "Convolution" for r in records)
-    # The fused layers lead back to the ONNX nodes.
+    runs = 3
+    profile = exe.profile(feeds, runs=runs)
+    assert isinstance(profile, Profile) and profile.engine == "openvino"
+    assert len(profile.run_ms) == runs and all(ms > 0 for ms in profile.run_ms)
+    records = profile.records
+    assert records and all(isinstance(r, KernelRecord) for r in records)
+    per_run = collections.Counter(r.run for r in records)
+    assert sorted(per_run) == list(range(runs))
+    assert all(r.dur_us >= 0 and r.op_type and r.node and r.provider for r in records)
+    assert all(r.origin is not None for r in records)
+    # The fused layers lead back to the ONNX nodes: every convolution names the ones it ran.
     onnx_nodes = {n.name for n in model.graph}
-    assert any(set(r["origin"]) & onnx_nodes for r in records)
+    convolutions = [r for r in records if r.op_type == "Convolution"]
+    assert convolutions and all(set(r.origin) & onnx_nodes for r in convolutions)
     assert str(exe.compiled.get_property("PERF_COUNT")) == "NO"  # runs stay unprofiled
+
+
+def test_providers_name_the_device(tiny):
+    model, _, _ = tiny["bert-tiny"]
+    assert OpenVinoBackend().compile(model, F32).providers == ["OpenVINO:CPU"]
 
 
 def _model(node: onnx.NodeProto, extra_opset: str | None = None) -> ir.Model:

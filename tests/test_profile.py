@@ -60,6 +60,15 @@ def test_node_times_sum_to_about_the_end_to_end_latency(original):
     assert node_time["profiled_p50_ms"] > 0
 
 
+def test_raw_records_keep_their_json_shape(original):
+    # --trace and kiln.report read these; other tools read `kiln profile --json`.
+    records = json.loads(json.dumps(original["records"]))
+    assert len(records) == len(original["records"]) > 0
+    keys = {"node", "op_type", "provider", "dur_us", "ts_us", "run"}
+    assert all(set(r) == keys for r in records)
+    assert {r["run"] for r in records} == set(range(original["node_time"]["profiled_runs"]))
+
+
 def test_per_node_and_per_op_type_aggregates_agree(original):
     nodes, op_types = original["nodes"], original["op_types"]
     assert sum(n["share"] for n in nodes) == pytest.approx(1.0)
@@ -121,6 +130,9 @@ def test_openvino_kernels_carry_their_original_layers():
     pytest.importorskip("openvino")
     result = profile_model("zoo:bert-tiny", backend="openvino", runs=2, rounds=1, peaks=PEAKS)
     assert result["backend"]["name"] == "openvino"
+    keys = {"node", "op_type", "provider", "dur_us", "run", "origin"}
+    assert result["records"] and all(set(r) == keys for r in result["records"])
+    assert all(isinstance(r["origin"], list) for r in result["records"])
     mapped = [n for n in result["nodes"] if n["graph_nodes"]]
     assert len(mapped) >= len(result["nodes"]) // 2
     assert all(n["kernel"] for n in result["nodes"])  # OpenVINO's implementation, e.g. brgemm

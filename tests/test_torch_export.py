@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+LAYERS = 2  # encoder layers of the exported BERT: one fused Attention each
 
 
 class _Outputs(torch.nn.Module):
@@ -41,7 +42,7 @@ def export_bert(path, attention: str | None) -> None:
     torch.manual_seed(0)
     config = transformers.BertConfig(
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=4,
         intermediate_size=256,
         vocab_size=1000,
@@ -70,7 +71,7 @@ def test_pytorch_bert_comes_out_with_attention_fused(attention, tmp_path):
     assert artifact.manifest.dropped_passes == []
     graph = onnx.load(str(artifact.model_path)).graph
     counts = collections.Counter(n.op_type for n in graph.node)
-    assert counts["Attention"] == 2, counts
+    assert counts["Attention"] == LAYERS, counts
     assert counts["Softmax"] == 0, counts
 
     # Padding really is masked: same outputs as the export on a padded batch.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.backends.base import Backend, Executable
+from kiln.backends.base import Backend, Executable, KernelRecord, Profile
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
 from kiln.backends.ort import OrtBackend, OrtOptions
 from kiln.errors import KilnError
@@ -47,10 +47,12 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Executable",
+    "KernelRecord",
     "OpenVinoBackend",
     "OpenVinoOptions",
     "OrtBackend",
     "OrtOptions",
+    "Profile",
     "available_backends",
     "default_options",
     "get_backend",

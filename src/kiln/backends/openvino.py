@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from kiln.backends.base import KernelRecord, Profile
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class OpenVinoExecutable:
         self.options = options
         self._model = model  # kept to compile a profiling model on demand
         self.input_names, self.output_names = list(names[0]), list(names[1])
+        self.providers = [f"OpenVINO:{options.device}"]
         self._output_index = {name: i for i, name in enumerate(self.output_names)}
         self._inputs = {
             name: (port.get_element_type().to_dtype(), port.get_partial_shape())
@@ -214,10 +216,10 @@ class OpenVinoExecutable:
                     f"invalid inputs: input '{name}' must have shape {shape}, got {given}."
                 )
 
-    def profile(self, feeds: dict[str, np.ndarray], runs: int) -> list[dict[str, Any]]:
+    def profile(self, feeds: dict[str, np.ndarray], runs: int) -> Profile:
         """Per-layer records from OpenVINO's performance counters over `runs` runs after one
-        warm-up: node, op type, exec type (as "provider": the kernel, e.g. brgconv_avx512_f32),
-        duration in microseconds, run, and "origin" (the original layers fused into it).
+        warm-up: the exec type as `provider` (the kernel, e.g. brgconv_avx512_f32), and the
+        original layers fused into each as `origin`; each run's wall time as timed here.
 
         PERF_COUNT slows every layer a little, so it lives in a separate compiled model."""
         self._check(feeds)
@@ -228,28 +230,28 @@ class OpenVinoExecutable:
         origins = _origins(compiled)
         request = compiled.create_infer_request()
         request.infer(feeds, share_inputs=True, share_outputs=True)
-        records: list[dict[str, Any]] = []
-        self.profiled_run_ms = []
+        records: list[KernelRecord] = []
+        run_ms: list[float] = []
         for run in range(runs):
             start = time.perf_counter()
             request.infer(feeds, share_inputs=True, share_outputs=True)
-            self.profiled_run_ms.append((time.perf_counter() - start) * 1e3)
+            run_ms.append((time.perf_counter() - start) * 1e3)
             # The counters describe the last inference only, not a running total.
             for info in request.get_profiling_info():
                 # NOT_RUN: fused into a neighbour or a no-op (Parameter, Result): no time.
                 if info.status != info.Status.EXECUTED:
                     continue
                 records.append(
-                    {
-                        "node": info.node_name,
-                        "op_type": info.node_type,
-                        "provider": info.exec_type,
-                        "dur_us": info.real_time.total_seconds() * 1e6,
-                        "run": run,
-                        "origin": origins.get(info.node_name, [info.node_name]),
-                    }
+                    KernelRecord(
+                        node=info.node_name,
+                        op_type=info.node_type,
+                        provider=info.exec_type,
+                        dur_us=info.real_time.total_seconds() * 1e6,
+                        run=run,
+                        origin=tuple(origins.get(info.node_name, [info.node_name])),
+                    )
                 )
-        return records
+        return Profile(records, run_ms, engine="openvino")
 
 
 class OpenVinoBackend:

@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
+from kiln.backends.base import KernelRecord, Profile
 from kiln.errors import KilnError
 
 LEVELS = {
@@ -88,6 +89,7 @@ class OrtExecutable:
         self.weights: _Weights | None = None
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
+        self.providers = list(session.get_providers())
 
     def run(
         self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None
@@ -99,9 +101,10 @@ class OrtExecutable:
         except Exception as exc:  # a kernel failing on these inputs (shape mismatch inside)
             raise KilnError(f"ONNX Runtime failed to run the model: {_explain(exc)}") from None
 
-    def profile(self, feeds: dict[str, np.ndarray], runs: int) -> list[dict[str, Any]]:
+    def profile(self, feeds: dict[str, np.ndarray], runs: int) -> Profile:
         """Per-kernel records from ONNX Runtime's own profiler over `runs` runs after one
-        warm-up: node name, op type, execution provider, duration in microseconds, run."""
+        warm-up, and each profiled run's own wall time (the profiler slows every kernel a
+        little, so per-kernel sums are set against the runs they came from)."""
         with tempfile.TemporaryDirectory(prefix="kiln-profile-") as tmp:
             so = self.options.session_options()
             so.enable_profiling = True
@@ -111,14 +114,8 @@ class OrtExecutable:
             for _ in range(runs):
                 session.run(None, feeds)
             events = json.loads(Path(session.end_profiling()).read_text())
-        # The profiler slows every kernel a little: keep each profiled run's own wall time
-        # (the warm-up's dropped) so per-node sums can be set against the runs they came from.
-        self.profiled_run_ms = [
-            e["dur"] / 1e3
-            for e in events
-            if e.get("cat") == "Session" and e.get("name") == "model_run"
-        ][1:]
-        return _kernel_records(events)
+        run_ms = [e["dur"] / 1e3 for e in events if _is_run(e)][1:]  # the warm-up's dropped
+        return Profile(_kernel_records(events), run_ms, engine="onnxruntime")
 
 
 class OrtBackend:
@@ -191,26 +188,32 @@ def _open(model: ir.Model | str, so: ort.SessionOptions) -> ort.InferenceSession
         raise KilnError(f"ONNX Runtime cannot load the model: {_explain(exc)}") from None
 
 
-def _kernel_records(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _is_run(event: dict[str, Any]) -> bool:
+    return event.get("cat") == "Session" and event.get("name") == "model_run"
+
+
+def _kernel_records(events: list[dict[str, Any]]) -> list[KernelRecord]:
     """Node events of an ORT profile; the first run (the warm-up) is dropped."""
     records, run = [], -1
     for event in events:
-        if event.get("cat") == "Session" and event.get("name") == "model_run":
+        if _is_run(event):
             run += 1
-        if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+        if run < 0 or event.get("cat") != "Node":
+            continue
+        if not event.get("name", "").endswith("_kernel_time"):
             continue
         args = event.get("args", {})
         records.append(
-            {
-                "node": event["name"][: -len("_kernel_time")],
-                "op_type": args.get("op_name", ""),
-                "provider": args.get("provider", ""),
-                "dur_us": float(event.get("dur", 0)),
-                "ts_us": float(event.get("ts", 0)),  # start, for timelines
-                "run": run,
-            }
+            KernelRecord(
+                node=event["name"][: -len("_kernel_time")],
+                op_type=args.get("op_name", ""),
+                provider=args.get("provider", ""),
+                dur_us=float(event.get("dur", 0)),
+                run=run,
+                ts_us=float(event.get("ts", 0)),
+            )
         )
-    return [r for r in records if r["run"] >= 0]
+    return records
 
 
 def _session(path_or_bytes: str | bytes, so: ort.SessionOptions) -> ort.InferenceSession:

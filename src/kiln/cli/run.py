@@ -17,8 +17,11 @@ def run(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write outputs (.npz).")],
 ) -> None:
     """Run an artifact on inputs from an .npz file and write its outputs to another."""
+    import io
+
     import numpy as np
 
+    from kiln.home import atomic_write_bytes
     from kiln.ir.inputs import read_inputs
     from kiln.runtime import Session
 
@@ -27,11 +30,10 @@ def run(
     outputs = session.run(None, feeds)
     if not output.absolute().parent.is_dir():
         raise KilnError(f"{output}: the directory {output.absolute().parent} does not exist.")
-    tmp = output.with_name(output.name + ".tmp.npz")
+    data = io.BytesIO()
+    np.savez(data, **dict(zip(session.output_names, outputs, strict=True)))
     try:
-        np.savez(tmp, **dict(zip(session.output_names, outputs, strict=True)))
-        tmp.replace(output)
+        atomic_write_bytes(output, data.getvalue())
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise KilnError(f"{output}: could not write the outputs ({exc.strerror or exc}).") from None
     console.print(f"wrote {len(outputs)} outputs to {output}")

@@ -27,6 +27,7 @@ from kiln.precision import (
     QUANTIZED,
     Calibration,
     bf16_plan,
+    bf16_refusal,
     calibration_for,
     check_precision,
     is_static,
@@ -145,7 +146,14 @@ def compile_candidate(
         reference=target.reference,
     )
     if precision == "bf16" and result.ok:
-        result.plan = bf16_plan(result.model, engine, built.executable or _compile(result))
+        executable = built.executable or _compile(result)
+        result.plan = bf16_plan(result.model, engine, executable)
+        refusal = bf16_refusal(engine, executable)
+        if refusal:
+            raise KilnError(
+                f"{loaded.source}: no bf16 artifact: {refusal}. Nothing was written; use "
+                "--precision fp32 or int8."
+            )
     if quantized and result.ok:
         _quantize(result, calibration, target, say)
     return result

@@ -129,11 +129,17 @@ def _stamp_created(
     for node in removed:
         for value in node.outputs:
             by_output.setdefault(value.name or "", set()).update(origins_of(node))
+    bare = [node for node in created if not origins_of(node)]
+    while bare:  # a chain of new nodes (Q → DQ) learns its origins from the far end
+        for node in bare:
+            node.metadata_props[ORIGIN_KEY] = join_origins(_guess_origins(node, by_output))
+        still = [node for node in bare if not origins_of(node)]
+        if len(still) == len(bare):
+            break
+        bare = still
+    for node in bare:
+        node.metadata_props[ORIGIN_KEY] = join_origins(fallback)
     for node in created:
-        if not origins_of(node):
-            node.metadata_props[ORIGIN_KEY] = join_origins(
-                _guess_origins(node, by_output) or fallback
-            )
         passes = split_origins(node.metadata_props.get(PASS_KEY, "")) | {pass_name}
         node.metadata_props[PASS_KEY] = join_origins(passes)
 

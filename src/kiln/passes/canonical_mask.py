@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
+from kiln.ir.inputs import is_mask_input
 from kiln.passes.base import KilnPass
 
 PROBES = [(2, 5), (3, 8), (1, 3)]  # (batch, sequence) pairs the bias is checked at
@@ -30,7 +31,7 @@ def _mask_inputs(model: ir.Model) -> list[ir.Value]:
         if v.shape is not None
         and v.shape.rank() == 2
         and v.dtype in (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL, ir.DataType.FLOAT)
-        and "mask" in (v.name or "").lower()
+        and is_mask_input(v.name)
     ]
 
 

@@ -2,52 +2,63 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from typing import Any
 
+from kiln.backends.base import KernelRecord
 from kiln.profile.mapping import NodeMatcher, originals
 from kiln.profile.roofline import precision_of
 
 
-def run_totals(records: list[dict[str, Any]]) -> list[float]:
+def record_json(record: KernelRecord) -> dict[str, Any]:
+    """A kernel record as the profile result's "records" hold it (and `timeline` and
+    kiln.report read it): the fields the engine filled, unset optional ones left out."""
+    data = dataclasses.asdict(record)
+    if record.origin is not None:
+        data["origin"] = list(record.origin)
+    return {k: v for k, v in data.items() if v is not None}
+
+
+def run_totals(records: list[KernelRecord]) -> list[float]:
     """Sum of all kernel times of each profiled run, in ms."""
     totals: dict[int, float] = defaultdict(float)
     for record in records:
-        totals[record["run"]] += record["dur_us"] / 1e3
+        totals[record.run] += record.dur_us / 1e3
     return [totals[run] for run in sorted(totals)]
 
 
 def per_node(
-    records: list[dict[str, Any]],
+    records: list[KernelRecord],
     matcher: NodeMatcher,
     provenance: dict[str, dict] | None,
 ) -> list[dict[str, Any]]:
     """One entry per kernel the engine ran, slowest first: time per run (mean and median),
     share of the kernel total, and the graph nodes (and original nodes) behind it."""
-    runs = sorted({r["run"] for r in records})
+    runs = sorted({r.run for r in records})
     per_run: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    first: dict[str, dict[str, Any]] = {}
+    first: dict[str, KernelRecord] = {}
     calls: dict[str, int] = defaultdict(int)
     for record in records:
-        per_run[record["node"]][record["run"]] += record["dur_us"] / 1e3
-        first.setdefault(record["node"], record)
-        calls[record["node"]] += 1
+        per_run[record.node][record.run] += record.dur_us / 1e3
+        first.setdefault(record.node, record)
+        calls[record.node] += 1
     nodes = []
     for name, times in per_run.items():
         record = first[name]
         values = [times.get(run, 0.0) for run in runs]
-        if "origin" in record:  # the engine names the layers it fused itself
-            graph_nodes = matcher.match_all(record["origin"], record["op_type"])
+        if record.origin is not None:  # the engine names the layers it fused itself
+            graph_nodes = matcher.match_all(list(record.origin), record.op_type)
         else:
-            graph_nodes = matcher.match(name, record["op_type"])
+            graph_nodes = matcher.match(name, record.op_type)
         original, passes = originals(graph_nodes, provenance)
         nodes.append(
             {
                 "node": name,
-                "op_type": record["op_type"],
-                "kernel": record.get("provider", ""),
-                "precision": precision_of(record["op_type"], record.get("provider", "")),
+                "op_type": record.op_type,
+                "kernel": record.provider,
+                "precision": precision_of(record.op_type, record.provider),
                 "calls_per_run": calls[name] / max(len(runs), 1),
                 "mean_ms": statistics.fmean(values),
                 # the median is the figure ranked and placed on the roofline: one run
@@ -105,8 +116,9 @@ def attach_costs(nodes: list[dict[str, Any]], costs: dict[str, Any]) -> None:
 
 
 def timeline(records: list[dict[str, Any]], run: int) -> list[dict[str, Any]]:
-    """One run's kernels as spans (start and duration in µs from the run's start). Engines
-    without start times (OpenVINO's counters) are laid end to end in execution order."""
+    """One run's kernels as spans (start and duration in µs from the run's start), from the
+    records in their JSON form (`record_json`, the result's "records"). Engines without start
+    times (OpenVINO's counters) are laid end to end in execution order."""
     mine = [r for r in records if r["run"] == run]
     if mine and all("ts_us" in r for r in mine):
         mine.sort(key=lambda r: r["ts_us"])

@@ -10,12 +10,13 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import psutil
 
+from kiln.backends.base import KernelRecord
 from kiln.profile.memory import RssSampler
 from kiln.profile.target import Target
 
@@ -25,7 +26,7 @@ MIN_CPU_WALL_S = 1.0
 @dataclass
 class Measurement:
     latency_s: list[float]  # end-to-end, one per timed run
-    records: list[dict[str, Any]]  # engine per-node records; "run" numbers every profiled run
+    records: list[KernelRecord]  # per-kernel records; `run` numbers every profiled run
     # process CPU time / (wall time × usable cores) while timing; None when the timing was too
     # short for the operating system's CPU-time clock (10 ms ticks) to say
     cpu_utilization: float | None
@@ -33,7 +34,7 @@ class Measurement:
     # share of all cores' time that nobody (neither we nor other processes) used while timing
     idle_fraction: float | None
     memory: dict[str, Any]  # RSS samples and the figures around compile and first run
-    profiled_ms: list[float]  # wall time of each profiled run, as the engine measured it
+    profiled_ms: list[float]  # wall time of each profiled run where the engine reports it
 
 
 def measure(
@@ -50,7 +51,7 @@ def measure(
     process = psutil.Process()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     latency: list[float] = []
-    records: list[dict[str, Any]] = []
+    records: list[KernelRecord] = []
     profiled_ms: list[float] = []
     cpu_s = wall_s = idle_s = machine_s = 0.0
     model_peak = 0.0
@@ -83,9 +84,9 @@ def measure(
             say(f"round {index + 1}/{rounds}: profiling {per_round} runs")
             rss.mark(f"profiling {index + 1}")
             offset = index * per_round
-            for record in exe.profile(feeds, per_round):
-                records.append({**record, "run": record["run"] + offset})
-            profiled_ms += getattr(exe, "profiled_run_ms", [])
+            profile = exe.profile(feeds, per_round)
+            records += [replace(r, run=r.run + offset) for r in profile.records]
+            profiled_ms += profile.run_ms
         after = rss.mark("done")
     memory = {
         **rss.to_json(),

@@ -12,7 +12,14 @@ import onnx_ir as ir
 from kiln import __version__
 from kiln.artifact import Manifest
 from kiln.errors import KilnError
-from kiln.profile.aggregate import attach_costs, per_node, per_op_type, run_totals, timeline
+from kiln.profile.aggregate import (
+    attach_costs,
+    per_node,
+    per_op_type,
+    record_json,
+    run_totals,
+    timeline,
+)
 from kiln.profile.diagnose import Context, diagnose
 from kiln.profile.mapping import NodeMatcher
 from kiln.profile.measure import measure
@@ -65,7 +72,9 @@ def profile_model(
         )
     )
     median_run = sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2]
-    runs_seen = sorted({r["run"] for r in measured.records})
+    runs_seen = sorted({r.run for r in measured.records})
+    # The raw records leave as JSON (for --trace and kiln.report), in the shape they always had.
+    records = [record_json(r) for r in measured.records]
     return {
         "kiln_version": __version__,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -103,8 +112,8 @@ def profile_model(
         "findings": [f.to_json() for f in findings],
         "nodes": nodes,
         "op_types": per_op_type(nodes),
-        "timeline": timeline(measured.records, runs_seen[median_run]) if runs_seen else [],
-        "records": measured.records,
+        "timeline": timeline(records, runs_seen[median_run]) if runs_seen else [],
+        "records": records,
         "provenance": _provenance_view(nodes) if target.is_artifact else None,
         "manifest": _manifest_summary(target.manifest),
     }

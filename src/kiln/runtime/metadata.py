@@ -95,17 +95,6 @@ def kserve_meta(value: ir.Value) -> dict[str, Any]:
 
 
 def providers_of(executable: Any, backend: str) -> list[str]:
-    """The engine's providers for this executable, in ONNX Runtime's form.
-
-    The Executable contract has no `providers` yet; until it does, they are read from the
-    engine objects the backends expose (ORT's session, OpenVINO's device option)."""
-    providers = getattr(executable, "providers", None)
-    if providers is not None:
-        return list(providers)
-    session = getattr(executable, "session", None)
-    if session is not None and hasattr(session, "get_providers"):
-        return list(session.get_providers())
-    device = getattr(getattr(executable, "options", None), "device", None)
-    if backend == "openvino" and device:
-        return [f"OpenVINO:{device}"]
-    return [backend]
+    """The engine's providers for this executable, in ONNX Runtime's form (the Executable
+    contract's `providers`; `backend` is kept for callers)."""
+    return list(executable.providers)
