@@ -161,3 +161,23 @@ def test_precision_auto_builds_every_precision_and_keeps_one_that_verifies(tmp_p
     assert {"ort/fp32", "openvino/fp32", "ort/int8"} <= tried
     assert summary["verification"]["ok"]
     assert bench["choice"] in bench["candidates"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "zoo:resnet-tiny", "--runs", "0"], "--runs 0: use at least 1."),
+        (["bench", "zoo:resnet-tiny", "--batch", "-1"], "--batch -1: use at least 1."),
+        (["bench", "zoo:resnet-tiny", "--rounds", "0"], "--rounds 0: use at least 1."),
+        (["optimize", "zoo:resnet-tiny", "--rounds", "-1"], "--rounds -1: use at least 0."),
+        (["optimize", "zoo:resnet-tiny", "--runs", "-3"], "--runs -3: use at least 1."),
+        (["profile", "zoo:resnet-tiny", "--batch", "0"], "--batch 0: use at least 1."),
+    ],
+)
+def test_counts_below_their_minimum_are_refused_before_any_work(args, message, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln", *args], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {message}"
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.console import JsonOpt, console, emit_json, progress
+from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress
 
 
 def bench(
@@ -49,6 +49,7 @@ def bench(
     from kiln.ir.inputs import parse_shapes
     from kiln.report.terminal import print_bench
 
+    at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
     with progress() as bar:
         task = bar.add_task("preparing")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, console, emit_json, progress
+from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress
 from kiln.errors import KilnError
 
 
@@ -99,6 +99,7 @@ def optimize(
     from kiln.passes import default_pipeline, format_pipeline
     from kiln.report.terminal import print_optimize
 
+    at_least(rounds=(rounds, 0), runs=(runs, 1), block_size=(block_size, 1))
     pipeline = default_pipeline()
     known = {s.name for s in pipeline}
     for name in skip:
