@@ -227,6 +227,19 @@ CASES: dict[str, Case] = {
         "inputs.npz: input 'x' has dtype float64, expected float32[1, 4]. Convert it with "
         ".astype('float32').",
     ),
+    "inputs-text-for-a-float": Case(
+        _npz(x=np.array([["1", "2", "3", "4"]]), b=ONES),
+        RUN,
+        "inputs.npz: input 'x' has dtype <U1, expected float32[1, 4]. Convert it with "
+        ".astype('float32').",
+    ),
+    "inputs-pickled-object-array": Case(
+        _npz(x=np.array([["a", "b", "c", "d"]], dtype=object), b=ONES),
+        RUN,
+        "inputs.npz: array 'x' is a pickled object array, which Kiln does not load. Save "
+        "strings as a numpy text array, e.g. np.array(texts, dtype=str), and other inputs with "
+        "their numeric dtype.",
+    ),
     "inputs-wrong-rank": Case(
         _npz(x=ONES[0], b=ONES),
         RUN,

@@ -181,3 +181,18 @@ def test_counts_below_their_minimum_are_refused_before_any_work(args, message, t
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {message}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_takes_the_batch_from_its_inputs(tmp_path):
+    import onnx_ir as ir
+
+    from kiln.ir.inputs import synthesize
+
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    np.savez(tmp_path / "b3.npz", **synthesize(model, {"batch": 3}))
+    out = kiln("bench", "zoo:resnet-tiny", "--inputs", "b3.npz", "--rounds", "1", "--runs", "2",
+               "--json", cwd=tmp_path)  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["batch"] == 3
+    for engine in result["engines"].values():  # samples per second count all three samples
+        assert engine["throughput"] == pytest.approx(3e3 / engine["mean_ms"])

@@ -215,3 +215,13 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_refused(tmp_path):
     with pytest.raises(kiln.KilnError, match="no bf16 artifact: openvino computes in f32"):
         kiln.compile("zoo:resnet-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16")
     assert not (tmp_path / "b.kiln").exists()
+
+
+# ---------------------------------------------------------------- nothing compared is not verified
+
+
+def test_zero_size_synthesized_inputs_are_refused(tmp_path):
+    with pytest.raises(kiln.KilnError, match=r"every output of the original is empty \(inputs "
+                       r"with no elements: input_ids 0x16"):  # fmt: skip
+        kiln.compile("zoo:bert-tiny", tmp_path / "a.kiln", shapes={"input_ids": (0, 16)})
+    assert list(tmp_path.iterdir()) == []

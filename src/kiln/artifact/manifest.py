@@ -94,12 +94,16 @@ class Manifest:
                 f"{', '.join(map(str, READABLE_FORMATS))}. Rebuild it with kiln optimize."
             )
         try:
-            return cls._parse(data, version)
+            manifest = cls._parse(data, version)
+            _check_backend(manifest.backend)
+        except KilnError as exc:
+            raise KilnError(f"{where}: {exc} Rebuild it with kiln optimize.") from None
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise KilnError(
                 f"{where}: corrupted manifest ({type(exc).__name__}: {exc}). "
                 "Rebuild it with kiln optimize."
             ) from None
+        return manifest
 
     @classmethod
     def _parse(cls, data: dict[str, Any], version: int) -> Manifest:
@@ -129,6 +133,20 @@ class Manifest:
             benchmark=data.get("benchmark"),
             format_version=FORMAT_VERSION,
         )
+
+
+def _check_backend(backend: BackendInfo) -> None:
+    """The recorded engine exists and its recorded options are ones it has."""
+    from kiln.backends import OPTIONS, options_from_json
+
+    if backend.name not in OPTIONS:
+        raise KilnError(
+            f"the manifest names backend '{backend.name}'; this Kiln has {', '.join(OPTIONS)}."
+        )
+    try:
+        options_from_json(backend.name, backend.options)
+    except TypeError as exc:
+        raise KilnError(f"the manifest's {backend.name} options are not valid ({exc}).") from None
 
 
 def new_manifest(

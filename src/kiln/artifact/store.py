@@ -19,6 +19,7 @@ import onnx_ir as ir
 from kiln.artifact.manifest import Manifest
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
+from kiln.ir.load import resolve_source
 from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins
 
 MODEL_FILE = "model.onnx"
@@ -138,6 +139,12 @@ def read_artifact(path: str | Path) -> Artifact:
     manifest = Manifest.from_json(manifest, str(manifest_path))
     if not (path / MODEL_FILE).is_file():
         raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
+    try:  # the same checks as any model file: truncated or garbage bytes are one clear line
+        resolve_source(str(path / MODEL_FILE))
+    except KilnError as exc:
+        raise KilnError(
+            f"{exc} The artifact {path} is damaged; rebuild it with kiln optimize."
+        ) from None
     if manifest.hardware.fingerprint != cpu_info().fingerprint:
         warnings.warn(
             f"{path} was built on other hardware ({manifest.hardware.cpu}); "

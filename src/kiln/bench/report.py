@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
 from kiln import __version__
 from kiln.bench.engines import ENGINES, engine_runner, parse_engines
@@ -64,8 +65,10 @@ def run_bench(
     original, kiln_for = _kiln_runner(model, say, shapes, backend)
     if inputs:
         feeds = read_inputs(inputs, original)
+        batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
     else:
-        feeds = synthesize(original, {**default_dims(original), "batch": batch}, shapes=shapes)
+        leading = {name: batch for name in _leading_dims(original)}
+        feeds = synthesize(original, {**default_dims(original), **leading}, shapes=shapes)
     samples = read_calibration(calib, original) if calib else None
     runners = {}
     for name in engines:
@@ -103,6 +106,25 @@ def run_bench(
             for name in runners
         },
     }
+
+
+def _leading_dims(model: ir.Model) -> list[str]:
+    """Names of the symbolic first dims of the model's inputs: its batch dims."""
+    names = []
+    for value in model.graph.inputs:
+        shape = value.shape
+        if shape is not None and len(shape) and not isinstance(shape[0], int):
+            names.append(str(shape[0].value))
+    return names
+
+
+def _batch_of(model: ir.Model, feeds: dict[str, np.ndarray], default: int) -> int:
+    """The samples per run of `feeds`: the first axis of an input whose first dim is symbolic."""
+    batched = {
+        str(v.name) for v in model.graph.inputs if not v.shape or not isinstance(v.shape[0], int)
+    }
+    sizes = [np.shape(feeds[n])[0] for n in feeds if n in batched and np.ndim(feeds[n]) > 0]
+    return int(sizes[0]) if sizes else default
 
 
 def _drift(runners: dict, reference: list[np.ndarray]) -> dict[str, float]:

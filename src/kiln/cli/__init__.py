@@ -6,6 +6,7 @@ Each verb keeps its heavy imports inside the command, so `kiln --help` stays fas
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -29,9 +30,26 @@ app.command()(serve.serve)
 app.command()(profile.profile)
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM. A BaseException of Kiln's own: the CLI framework turns a plain
+    KeyboardInterrupt into its own "Aborted!" before Kiln could say anything, and SIGTERM's
+    default action would skip every cleanup (a hidden temporary artifact left behind). Raised
+    instead, it unwinds through the `finally` blocks that remove partial work."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
 def main() -> None:
     from rich.text import Text
 
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop)  # `kiln serve` installs its own for a graceful drain
     try:
         app()
     except KilnError as exc:
@@ -40,6 +58,8 @@ def main() -> None:
         line = Text.assemble(("error:", "bold red"), " ", " ".join(str(exc).splitlines()))
         err.print(line, highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        err.print("interrupted; nothing was written.")
-        sys.exit(130)
+    except (Stopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        err.print(f"{what}; nothing was written.", highlight=False)
+        sys.exit(128 + signum)

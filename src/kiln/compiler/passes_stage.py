@@ -63,11 +63,17 @@ def verify_on(model: ir.Model, target: Target) -> tuple[Verification, Any]:
 
 
 def run_passes(original: ir.Model, pipeline: list[PassSpec], target: Target, say: Say) -> Built:
-    def attempt(specs: list[PassSpec]) -> Built:
+    """Run `pipeline` on a copy of `original` and verify it; a pass that crashes or breaks
+    the outputs is dropped (by its position: a name may appear several times) and the rest run
+    again. A pipeline that does not end in cleanup gets one appended (a tidy-up); if that
+    tidy-up is what fails, it is dropped the same way."""
+    tidy = _cleanup()
+
+    def attempt(specs: list[PassSpec], tidy_up: bool = True) -> Built:
         model = copy_model(original)
-        if specs and specs[-1].name != "cleanup":
+        if tidy_up and tidy is not None and specs and specs[-1].name != tidy.name:
             # A prefix may stop between fusions that leave helper functions behind.
-            specs = [*specs, next(s for s in default_pipeline() if s.name == "cleanup")]
+            specs = [*specs, tidy]
         reports = run_pipeline(model, specs, on_step=lambda s: say(f"pass {s.name}"))
         if not target.verify:
             return Built(model, reports, None, [])
@@ -81,41 +87,70 @@ def run_passes(original: ir.Model, pipeline: list[PassSpec], target: Target, say
         try:
             built = attempt(active)
         except PassCrashed as crash:
-            guilty = _member(active, crash.spec)
+            guilty = _position(active, crash, tidied=tidy is not None)
             say(f"{crash}; dropped it")
         else:
             if built.verification is None or built.verification.ok or not active:
                 break
             if target.precision != "fp32":
                 break  # lower precision drifts by itself: no pass is to blame
-            guilty = _bisect(active, attempt, say)
-            say(f"pass {guilty.name} broke the outputs; dropped it")
-        dropped.append(guilty.name)
-        active = [s for s in active if s is not guilty]
+            guilty = _bisect(active, attempt, say, tidied=tidy is not None)
+            name = active[guilty].name if guilty is not None else tidy.name
+            say(f"pass {name} broke the outputs; dropped it")
+        if guilty is None:  # the appended tidy-up: no longer append it, nor run it at all
+            if tidy.name not in dropped:  # already named when its own entry was dropped
+                dropped.append(tidy.name)
+            active = [s for s in active if s.name != tidy.name]
+            tidy = None
+        else:
+            dropped.append(active[guilty].name)
+            del active[guilty]
     built.dropped = dropped
     return built
 
 
-def _member(pipeline: list[PassSpec], spec: PassSpec) -> PassSpec:
-    """The pipeline's own entry for `spec` (the cleanup appended to a prefix is a copy)."""
-    return next((s for s in pipeline if s is spec), None) or next(
-        s for s in reversed(pipeline) if s.name == spec.name
-    )
+def _cleanup() -> PassSpec | None:
+    return next((s for s in default_pipeline() if s.name == "cleanup"), None)
 
 
-def _bisect(pipeline: list[PassSpec], attempt: Callable[[list[PassSpec]], Built], say: Say):
-    """Smallest failing prefix: the pass that ends it is the guilty one."""
+def _position(pipeline: list[PassSpec], crash: PassCrashed, tidied: bool) -> int | None:
+    """Where in `pipeline` the crashed pass stands; None for the tidy-up appended after it
+    (only when `tidied`: one was appended). Never fails: some entry is always to blame."""
+    if crash.index is not None and crash.index < len(pipeline):
+        return crash.index
+    if crash.index is None:
+        # Raised without a position: the last entry that is this very spec, else the last of
+        # that name.
+        for match in (lambda s: s is crash.spec, lambda s: s.name == crash.spec.name):
+            found = [i for i, s in enumerate(pipeline) if match(s)]
+            if found:
+                return found[-1]
+    return None if tidied or not pipeline else len(pipeline) - 1
+
+
+def _bisect(
+    pipeline: list[PassSpec], attempt: Callable[..., Built], say: Say, tidied: bool
+) -> int | None:
+    """Smallest failing prefix: the position of the pass that ends it, or None when that
+    prefix verifies without the tidy-up appended to it (then the tidy-up is to blame)."""
     low, high = 0, len(pipeline)  # prefix of `low` passes verifies; of `high` fails
     while high - low > 1:
         middle = (low + high) // 2
         say(f"bisecting: trying the first {middle} passes")
-        try:
-            verification = attempt(pipeline[:middle]).verification
-        except PassCrashed:
-            high = middle  # a prefix that cannot even run is a failing prefix
-            continue
-        if verification is None or verification.ok:
-            low = middle
-        else:
+        if _fails(attempt, pipeline[:middle]):
             high = middle
-    return pipeline[high - 1]
+        else:
+            low = middle
+    prefix = pipeline[:high]
+    appended = tidied and (high < len(pipeline) or prefix[-1].name != "cleanup")
+    if appended and not _fails(attempt, prefix, tidy_up=False):
+        return None
+    return high - 1
+
+
+def _fails(attempt: Callable[..., Built], specs: list[PassSpec], **options: bool) -> bool:
+    try:
+        verification = attempt(specs, **options).verification
+    except PassCrashed:
+        return True  # a prefix that cannot even run is a failing prefix
+    return verification is not None and not verification.ok

@@ -3,6 +3,12 @@
 Synthesised inputs follow what the model will see in use: token ids inside the vocabulary
 (the table the ids index), masks of ones (odd seeds: with trailing padding masked out),
 segment ids of zeros, images in [0, 1].
+
+Files are .npz archives of one array per input, read without unpickling (`allow_pickle=False`:
+loading a pickle can run code). numpy pickles object arrays, so string inputs are saved as
+numpy text arrays, e.g. `np.savez(path, text=np.array(["a query", "another"]))` (dtype '<U..';
+UTF-8 bytes, dtype 'S..', are read too); Kiln turns them into the object arrays that string
+tensors take.
 """
 
 from __future__ import annotations
@@ -150,7 +156,8 @@ def synthesize(
 
 
 def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
-    """Read an .npz of inputs and check names, dtypes and ranks against the model."""
+    """Read an .npz of inputs and check names, dtypes and ranks against the model (string
+    inputs as numpy text arrays: see the module docstring)."""
     file = Path(path)
     if not file.is_file():
         raise KilnError(f"{path}: no such inputs file. Give an .npz with one array per input.")
@@ -159,12 +166,7 @@ def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
             f"{path}: not an .npz file. Save the inputs with numpy.savez(path, NAME=array, ...), "
             "one array per model input."
         )
-    try:
-        with np.load(file, allow_pickle=False) as data:
-            feeds = {key: data[key] for key in data.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KilnError(f"{path}: cannot read the .npz file ({reason}).") from None
+    feeds = _load_npz(file, path)
     check_feeds(model, feeds, where=path)
     return feeds
 
@@ -203,17 +205,33 @@ def read_calibration(path: str, model: ir.Model) -> list[dict[str, np.ndarray]]:
 def _read_npz(file: Path) -> dict[str, np.ndarray]:
     if not zipfile.is_zipfile(file):
         raise KilnError(f"{file}: not an .npz file. Save samples with numpy.savez.")
+    return _load_npz(file, str(file))
+
+
+def _load_npz(file: Path, where: str) -> dict[str, np.ndarray]:
+    """Every array of an .npz file, never unpickled (see the module docstring)."""
+    key = ""
     try:
         with np.load(file, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
+            arrays = {}
+            for key in data.files:
+                arrays[key] = data[key]
+            return arrays
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise KilnError(f"{file}: cannot read the .npz file ({reason}).") from None
+        if "allow_pickle" in reason:
+            raise KilnError(
+                f"{where}: array '{key}' is a pickled object array, which Kiln does not load. "
+                "Save strings as a numpy text array, e.g. np.array(texts, dtype=str), and "
+                "other inputs with their numeric dtype."
+            ) from None
+        raise KilnError(f"{where}: cannot read the .npz file ({reason}).") from None
 
 
 def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inputs") -> None:
     """Raise KilnError naming the first input that is unknown, missing, or of the wrong dtype
-    or shape."""
+    or shape. Text arrays ('<U..', or UTF-8 'S..') given for string inputs are replaced, in
+    `feeds`, by the object arrays engines take."""
     expected = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
     names = {v.name for v in expected}
     unknown = sorted(set(feeds) - names)
@@ -229,6 +247,8 @@ def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inp
                 "Give one array per model input."
             )
         array = np.asarray(feeds[value.name])
+        if value.dtype == ir.DataType.STRING and array.dtype.kind in "US":
+            array = feeds[value.name] = _as_strings(array, f"{where}: input '{value.name}'")
         if value.dtype is not None and array.dtype != value.dtype.numpy():
             want = value.dtype.numpy().name
             raise KilnError(
@@ -240,6 +260,19 @@ def check_feeds(model: ir.Model, feeds: dict[str, np.ndarray], where: str = "inp
                 f"{where}: input '{value.name}' has shape {list(array.shape)}, "
                 f"expected {describe(value)}. Give an array of that shape."
             )
+
+
+def _as_strings(array: np.ndarray, what: str) -> np.ndarray:
+    """A numpy text array as an object array of str (ONNX Runtime misreads 'S..' arrays)."""
+    if array.dtype.kind == "S":
+        try:
+            array = np.char.decode(array, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise KilnError(
+                f"{what} holds bytes that are not UTF-8 text ({exc.reason}); ONNX strings are "
+                "UTF-8. Save the strings as a numpy text array, e.g. np.array(texts, dtype=str)."
+            ) from None
+    return array.astype(object)
 
 
 def _fits(shape: tuple[int, ...], expected: ir.Shape) -> bool:

@@ -145,7 +145,10 @@ def _drop_nan_guard(softmax: ir.Node) -> None:
 
 class CanonicalMaskPass(KilnPass):
     """Guarantee: outputs unchanged for 0/1 masks with at least one kept position per row
-    (checked numerically on the bias itself before rewriting)."""
+    (checked numerically on the bias itself before rewriting).
+
+    Skips If/Loop/Scan bodies: it rewrites only main-graph attention, and a bias computed
+    through control flow is not probed (its subgraph is refused as a source)."""
 
     name = "canonical-mask"
     stage = "simplify"

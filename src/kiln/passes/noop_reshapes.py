@@ -19,19 +19,21 @@ def _fully_known(shape: ir.Shape | None) -> bool:
 
 class NoopReshapesPass(KilnPass):
     """Guarantee: outputs unchanged; a Reshape is removed only when both shapes are fully
-    named and equal dim by dim."""
+    named and equal dim by dim, and never when its output is a graph output. Reaches If
+    branches; skips Loop/Scan bodies and functions, whose shapes may hold for one iteration
+    or one call only."""
 
     name = "drop-noop-reshapes"
     stage = "simplify"
     summary = "Remove Reshapes whose named output shape equals their input's."
 
     def apply(self, model: ir.Model) -> int:
-        graph_outputs = {id(v) for v in model.graph.outputs}
         count = 0
-        for node in [n for n in model.graph if n.op_type == "Reshape" and not n.domain]:
+        nodes = ir.traversal.RecursiveGraphIterator(model.graph, recursive=_once)
+        for node in [n for n in nodes if n.op_type == "Reshape" and not n.domain]:
             data, out = node.inputs[0], node.outputs[0]
-            if data is None or id(out) in graph_outputs:
-                continue
+            if data is None or out.is_graph_output():
+                continue  # a graph output is its graph's interface, in a branch as in the model
             if not (_fully_known(data.shape) and _fully_known(out.shape)):
                 continue
             if [str(d) for d in data.shape] != [str(d) for d in out.shape]:
@@ -39,3 +41,8 @@ class NoopReshapesPass(KilnPass):
             ir.convenience.replace_all_uses_with(out, data)
             count += 1
         return count
+
+
+def _once(node: ir.Node) -> bool:
+    """Bodies whose values have one shape per run: If branches run at most once."""
+    return node.op_type == "If" and node.domain in ("", "ai.onnx")

@@ -1,6 +1,8 @@
 """The pass pipeline: data you can print, reorder and bisect.
 
-`run_pipeline` runs each pass under provenance tracking and reports what it did.
+`run_pipeline` runs each pass under provenance tracking and reports what it did; a pass that
+raises, or that leaves an If/Loop/Scan body output made by no node of that body, is reported
+as crashed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.prune_rows import PruneRowsPass
 from kiln.passes.refine_shapes import RefineShapesPass
 from kiln.passes.rules import FUSIONS, FusionPass
+from kiln.passes.scopes import stray_outputs
 from kiln.passes.shape_reads import ShapeReadsPass
 from kiln.passes.simplify import CleanupPass, SimplifyPass, count_nodes
 
@@ -34,12 +37,18 @@ class PassSpec:
 
 
 class PassCrashed(Exception):
-    """A pass raised instead of returning: the pipeline drops it like a pass that broke the
-    outputs, rather than failing the whole compile."""
+    """A pass raised instead of returning, or left the model invalid: the pipeline drops it
+    like a pass that broke the outputs, rather than failing the whole compile. `index` is its
+    position in the pipeline that was run (the same pass may appear there several times)."""
 
-    def __init__(self, spec: PassSpec, error: BaseException) -> None:
+    def __init__(self, spec: PassSpec, error: BaseException, index: int | None = None) -> None:
         super().__init__(f"pass {spec.name} crashed: {type(error).__name__}: {error}")
         self.spec = spec
+        self.index = index
+
+
+class InvalidGraph(Exception):
+    """A pass returned a model that breaks ONNX's scoping rules."""
 
 
 @dataclass
@@ -85,18 +94,24 @@ def run_pipeline(
     pipeline: list[PassSpec],
     on_step: Callable[[PassSpec], None] | None = None,
 ) -> list[PassReport]:
-    """Run every pass in place, stamping provenance; return one report per pass."""
+    """Run every pass in place, stamping provenance; return one report per pass. Raises
+    PassCrashed, naming the pass and its position, when one raises or leaves a graph output
+    made by no node of its graph (a body output pointing at an outer value)."""
     reports = []
-    for spec in pipeline:
+    stray = stray_outputs(model)  # a valid model has none; only new ones are a pass's fault
+    for index, spec in enumerate(pipeline):
         if on_step is not None:
             on_step(spec)
         tracker = PassTracker(model, spec.name)
         start = time.perf_counter()
-        kiln_pass = spec.make()
         try:
+            kiln_pass = spec.make()
             kiln_pass(model)
+            broken = sorted(stray_outputs(model) - stray)
+            if broken:
+                raise InvalidGraph("; ".join(broken))
         except Exception as exc:  # a pass bug must cost that pass, not the compile
-            raise PassCrashed(spec, exc) from exc
+            raise PassCrashed(spec, exc, index) from exc
         created = tracker.finish()
         reports.append(
             PassReport(

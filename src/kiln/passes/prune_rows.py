@@ -146,7 +146,10 @@ def _merge_twin_gathers(model: ir.Model) -> None:
 
 class PruneRowsPass(KilnPass):
     """Guarantee: outputs unchanged; an op moves below a Gather only if it treats the
-    gathered axis row by row."""
+    gathered axis row by row.
+
+    Skips If/Loop/Scan bodies: it moves main-graph Gathers only, and never one whose data
+    has any other user, a body included."""
 
     name = "prune-rows"
     stage = "simplify"

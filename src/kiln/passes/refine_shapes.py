@@ -106,7 +106,11 @@ def _known_shape(node: ir.Node) -> ir.Shape | None:
 
 
 class RefineShapesPass(KilnPass):
-    """Guarantee: the computation is untouched; only shape annotations change."""
+    """Guarantee: the computation is untouched; only shape annotations change.
+
+    States shapes of main-graph nodes only; If/Loop/Scan bodies keep the shapes ONNX
+    inference gives them (a Loop body's values may change shape from one iteration to the
+    next, so no dim is named there)."""
 
     name = "refine-shapes"
     stage = "simplify"

@@ -159,7 +159,9 @@ FUSIONS: list[FusionSpec] = [
 
 
 class FusionPass(KilnPass):
-    """A pass that applies one FusionSpec's rules to the whole model, subgraphs included."""
+    """A pass that applies one FusionSpec's rules to the whole model, subgraphs included
+    (the rewriter and dead-code removal walk If/Loop/Scan bodies; a rule that would leave a
+    body output made outside the body is caught by the pipeline and the pass dropped)."""
 
     stage = "fuse"
 

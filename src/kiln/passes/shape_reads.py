@@ -50,7 +50,10 @@ def _replacement(node: ir.Node, sources: dict[str, tuple[ir.Value, int]]) -> lis
 
 
 class ShapeReadsPass(KilnPass):
-    """Guarantee: outputs unchanged; only where shape values are read from changes."""
+    """Guarantee: outputs unchanged; only where shape values are read from changes.
+
+    Skips If/Loop/Scan bodies: it rewrites Shape nodes of the main graph only (their
+    replacements live there too, so bodies that read them still see them)."""
 
     name = "detach-shape-reads"
     stage = "simplify"

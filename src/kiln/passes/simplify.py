@@ -10,6 +10,7 @@ from onnxscript.rewriter.ort_fusions import shape_optimization
 from kiln.ir import onnxscript_internals as internals
 from kiln.ir.provenance import all_nodes
 from kiln.passes.base import KilnPass, ModelState
+from kiln.passes.scopes import ScopedIdentityEliminationPass
 
 # Folding bigger tensors than this would bloat the file with precomputed weights.
 FOLD_OUTPUT_LIMIT = 1 << 20
@@ -23,7 +24,11 @@ internals.guard_split_to_sequence()
 
 
 def simplify(model: ir.Model, iterations: int = 2) -> None:
-    """onnxscript's optimizer loop, minus its conv fusions, then the usual tidy-up."""
+    """onnxscript's optimizer loop, minus its conv fusions, then the usual tidy-up.
+
+    Every step reaches If/Loop/Scan bodies (the folder, the rewriter, dead-code removal and
+    identity elimination walk them; CSE skips control-flow nodes and leaves bodies as they
+    are) and keeps each body's outputs made inside it."""
     loop = ir.passes.PassManager(
         [
             internals.FoldConstantsPass(
@@ -47,7 +52,8 @@ def simplify(model: ir.Model, iterations: int = 2) -> None:
         common.LiftSubgraphInitializersToMainGraphPass(),
         common.DeduplicateInitializersPass(),
         common.CommonSubexpressionEliminationPass(),
-        common.IdentityEliminationPass(),
+        # onnx_ir's IdentityEliminationPass would strip If/Loop bodies of their outputs.
+        ScopedIdentityEliminationPass(),
         common.OutputFixPass(),
     )(model)
 
@@ -59,6 +65,8 @@ class SimplifyPass(KilnPass):
     common subexpressions, inlines local functions, and resolves shape computations
     that are static. Weights stored as Constant nodes become initializers. Control flow and
     ops of other domains are carried through; what cannot be reasoned about is left as is.
+    Reaches If/Loop/Scan bodies, whose outputs stay made inside them (an Identity forwarding
+    an outer value to a body output stays).
     """
 
     name = "simplify"
@@ -78,7 +86,8 @@ class SimplifyPass(KilnPass):
 
 class CleanupPass(KilnPass):
     """Guarantee: outputs unchanged. Inlines helper functions that fusions left behind, drops
-    dead code and re-infers shapes so engines see typed values."""
+    dead code and re-infers shapes so engines see typed values. Reaches If/Loop/Scan bodies,
+    as `simplify` does."""
 
     name = "cleanup"
     stage = "memory"

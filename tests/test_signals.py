@@ -1,0 +1,46 @@
+"""SIGINT and SIGTERM (what Ctrl-C, `timeout`, systemd and Kubernetes send) stop the CLI with
+one line and 128 + the signal number, leaving nothing behind — not even a hidden temporary
+artifact directory. The signal is sent by the process to itself at a chosen step, so the test
+does not depend on timing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Runs `kiln optimize zoo:resnet-tiny -o OUT` with the signal raised while the artifact is being
+# written (inside onnx_ir.save, after the temporary directory exists).
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import onnx_ir as ir
+    real_save = ir.save
+
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        os.kill(os.getpid(), {signum})
+
+    ir.save = save
+    sys.argv = ["kiln", "optimize", "zoo:resnet-tiny", "-o", sys.argv[1], "--rounds", "0"]
+    from kiln.cli import main
+    main()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("signum", "word"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")]
+)
+def test_a_signal_while_writing_leaves_nothing_and_says_so(tmp_path, signum, word):
+    out = tmp_path / "r.kiln"
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(signum=int(signum)), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 128 + signum, result.stderr
+    assert result.stderr.strip() == f"{word}; nothing was written."
+    assert list(tmp_path.iterdir()) == []  # no artifact, no hidden .r.kiln.* directory
