@@ -121,17 +121,61 @@ def _padding_mask(shape: tuple[int, ...], dtype: np.dtype, padded: bool) -> np.n
     return mask
 
 
+def _inputs(model: ir.Model) -> dict[str, ir.Value]:
+    graph = model.graph
+    return {str(v.name): v for v in graph.inputs if v.name not in graph.initializers}
+
+
+def _named_dims(value: ir.Value) -> list[tuple[int, str]]:
+    """(axis, name) of the value's symbolic dims."""
+    return [
+        (axis, str(dim.value))
+        for axis, dim in enumerate(value.shape or [])
+        if not isinstance(dim, int) and dim.value
+    ]
+
+
+def bind_dims(
+    model: ir.Model, dims: dict[str, int], shapes: dict[str, tuple[int, ...]] | None
+) -> dict[str, int]:
+    """Every named dim of the inputs bound to one value. `--shape INPUT=2x32` binds the dims
+    that input names (batch=2, seq=32) for every input sharing them; `--shape seq=32` binds a
+    dim by its name; a name nothing binds gets the largest of the inputs' guesses for it (a
+    decoder's `memory[batch, src_len, 256]` and `src_mask[batch, src_len]` see one src_len)."""
+    inputs, bound = _inputs(model), dict(dims)
+    every = {name for value in inputs.values() for _, name in _named_dims(value)}
+    for key, shape in (shapes or {}).items():
+        if key in inputs:
+            value = inputs[key]
+            if value.shape is not None and len(value.shape) == len(shape):
+                bound |= {name: shape[axis] for axis, name in _named_dims(value)}
+        elif key in every and len(shape) == 1:
+            bound[key] = shape[0]
+        elif key in every:
+            raise KilnError(f"--shape {key}=...: '{key}' is a dim; give one size, e.g. {key}=32.")
+        else:
+            raise KilnError(
+                f"--shape names '{key}', which is neither an input of the model nor one of its "
+                f"dims; inputs: {', '.join(inputs)}; dims: {', '.join(sorted(every)) or 'none'}."
+            )
+    guesses: dict[str, int] = {}
+    for value in inputs.values():
+        for axis, name in _named_dims(value):
+            if name not in bound:
+                guesses[name] = max(guesses.get(name, 0), _guess_dim(value, axis))
+    return bound | guesses
+
+
 def synthesize(
     model: ir.Model,
     dims: dict[str, int] | None = None,
     seed: int = 0,
     shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, np.ndarray]:
-    """One set of plausible inputs for every graph input that is not an initializer."""
-    dims = {**default_dims(model), **(dims or {})}
-    unknown = sorted(set(shapes or {}) - {v.name for v in model.graph.inputs})
-    if unknown:
-        raise KilnError(f"--shape names '{unknown[0]}', which is not an input of the model.")
+    """One set of plausible inputs for every graph input that is not an initializer; a named
+    dim has one value across all inputs (see `bind_dims`)."""
+    dims = bind_dims(model, {**default_dims(model), **(dims or {})}, shapes)
+    shapes = {k: v for k, v in (shapes or {}).items() if k in _inputs(model)}
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.inputs:
