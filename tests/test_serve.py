@@ -205,6 +205,10 @@ def test_bad_requests_answer_400_in_kserve_form(bert: Server) -> None:
         _json_request(input_ids={"shape": [1, 5]}): "shape [1, 5] needs 5 values, the data has 4",
         _json_request(input_ids={"name": "ids"}): "unknown input 'ids'",
         _json_request(attention_mask={"shape": [2, 2]}): "disagree on the batch size",
+        # Triton refuses floats for integer inputs; truncating 1.7 to 1 would answer wrongly.
+        _json_request(input_ids={"data": [1.7, 2, 3, 4]}): (
+            "input 'input_ids': data holds 1.7; INT64 takes JSON integers only"
+        ),
     }
     for body, message in cases.items():
         response = _post(bert, body)
@@ -369,6 +373,22 @@ def test_batcher_batches_up_to_max_batch_and_isolates_failures() -> None:
     with pytest.raises(ValueError, match="negative"):
         bad.result()
     assert calls[0] == 4  # the two good requests (2 samples each) batched together
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("INT32", [1.0, 2], "data holds 1.0; INT32 takes JSON integers only"),
+        ("UINT8", ["a", "b"], "data holds 'a'; UINT8 takes JSON integers only"),
+        ("BOOL", [1, 0], "BOOL takes true/false"),
+    ],
+)
+def test_json_numbers_of_the_wrong_kind_are_refused(datatype, data, message) -> None:
+    header = {"inputs": [{"name": "x", "datatype": datatype, "shape": [2], "data": data}]}
+    with pytest.raises(ProtocolError, match=message):
+        parse_request(json.dumps(header).encode(), None)
+    good = {"inputs": [{"name": "x", "datatype": "INT32", "shape": [2], "data": [1, 2]}]}
+    assert parse_request(json.dumps(good).encode(), None).inputs["x"].tolist() == [1, 2]
 
 
 def test_protocol_binary_sizes_are_checked() -> None:

@@ -163,6 +163,7 @@ def _decode_input(spec: Any, blob: memoryview) -> tuple[np.ndarray, int]:
     if "data" not in spec:
         raise ProtocolError(f"input '{name}' has neither 'data' nor binary_data_size")
     try:
+        _check_json_kind(name, datatype, dtype, spec["data"])
         array = np.asarray(spec["data"], dtype=dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"input '{name}': data is not {datatype} ({exc})") from None
@@ -171,6 +172,23 @@ def _decode_input(spec: Any, blob: memoryview) -> tuple[np.ndarray, int]:
             f"input '{name}': shape {shape} needs {count} values, the data has {array.size}"
         )
     return array.reshape(shape), 0
+
+
+def _check_json_kind(name: str, datatype: str, dtype: np.dtype, data: Any) -> None:
+    """JSON numbers of the right kind, as Triton requires: a float for an integer input (1.7)
+    would be truncated silently, a number for BOOL read as truthiness."""
+    values = np.asarray(data)
+    if values.size == 0:
+        return
+    kind = values.dtype.kind
+    if dtype.kind in "iu" and kind not in "iu":
+        first = values.reshape(-1)[0] if kind != "f" else values[values != np.floor(values)]
+        example = (first.reshape(-1)[0] if np.size(first) else values.reshape(-1)[0]).item()
+        raise ProtocolError(
+            f"input '{name}': data holds {example!r}; {datatype} takes JSON integers only"
+        )
+    if dtype.kind == "b" and kind != "b":
+        raise ProtocolError(f"input '{name}': data holds non-boolean values; BOOL takes true/false")
 
 
 def encode_response(
