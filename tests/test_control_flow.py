@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 from onnx import helper as h
+from test_compile import CrashingPass  # the same buggy pass, planted in other pipelines
 
 import kiln
 from kiln.compiler import passes_stage
@@ -280,17 +281,6 @@ def test_torchscript_if_compiles_verified(tmp_path):
 
 
 # --- The crash path: passes that raise or strand a body output are dropped and named. ---
-
-
-class CrashingPass(KilnPass):
-    """A pass with a bug: it raises."""
-
-    name = "crash"
-    stage = "fuse"
-    summary = "raises"
-
-    def apply(self, model: ir.Model) -> int:
-        raise RuntimeError("boom")
 
 
 class BodyCrash(KilnPass):
