@@ -60,3 +60,68 @@ def test_a_shape_naming_nothing_lists_the_inputs_and_dims():
         synthesize(model, shapes={"bogus": (3,)})
     with pytest.raises(kiln.KilnError, match="'seq' is a dim; give one size"):
         synthesize(model, shapes={"seq": (2, 3)})
+
+
+def _model(nodes, inputs, outputs, inits=()) -> ir.Model:
+    graph = h.make_graph(nodes, "m", inputs, outputs, initializer=list(inits))
+    return ir.serde.deserialize_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 14)]))
+
+
+def framed(width: int) -> ir.Model:
+    """Runs only when the `frames` dim is a multiple of `width`: frames[batch, frames] is
+    reshaped into rows of `width` samples."""
+    return _model(
+        [h.make_node("Reshape", ["x", "rows"], ["r"]),
+         h.make_node("ReduceMax", ["r"], ["y"], keepdims=0, axes=[1])],
+        [h.make_tensor_value_info("x", T.FLOAT, ["batch", "frames"])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [h.make_tensor("rows", T.INT64, [2], [-1, width])],
+    )  # fmt: skip
+
+
+def rated(name: str) -> ir.Model:
+    """A voice-activity detector's interface: a window of 512 samples split into frames whose
+    count is the scalar sample rate / 125 (runs at 16 kHz or 8 kHz, not at a random rate)."""
+    return _model(
+        [h.make_node("Div", [name, "per_frame"], ["size"]),
+         h.make_node("Concat", ["size", "minus_one"], ["rows"], axis=0),
+         h.make_node("Reshape", ["x", "rows"], ["r"], allowzero=1),
+         h.make_node("ReduceMax", ["r"], ["y"], keepdims=0, axes=[1])],
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 512]),
+         h.make_tensor_value_info(name, T.INT64, [1])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [h.make_tensor("per_frame", T.INT64, [1], [125]),
+         h.make_tensor("minus_one", T.INT64, [1], [-1])],
+    )  # fmt: skip
+
+
+def test_a_dim_the_first_guess_gets_wrong_is_found_on_the_ladder(tmp_path):
+    path = tmp_path / "framed.onnx"
+    ir.save(framed(16), path)
+    seen: list[str] = []
+    artifact = kiln.compile(path, tmp_path / "f.kiln", rounds=0, progress=seen.append)
+    verification = artifact.manifest.verification
+    assert verification.ok and "frames=16" in verification.inputs, verification.inputs
+    assert any("trying frames=16" in line for line in seen), seen
+
+
+def test_a_scalar_input_gets_a_sample_rate_from_the_ladder(tmp_path):
+    path = tmp_path / "rated.onnx"
+    ir.save(rated("rate"), path)
+    artifact = kiln.compile(path, tmp_path / "r.kiln", rounds=0)
+    assert "rate=16000" in artifact.manifest.verification.inputs
+
+
+def test_an_input_named_like_a_sample_rate_starts_at_16_khz():
+    assert synthesize(rated("sr"))["sr"].tolist() == [16000]
+
+
+def test_when_nothing_runs_the_error_names_what_to_pass(tmp_path):
+    path = tmp_path / "framed.onnx"
+    ir.save(framed(7777), path)
+    with pytest.raises(kiln.KilnError) as info:
+        kiln.compile(path, tmp_path / "f.kiln", rounds=0)
+    message = str(info.value)
+    assert "nor on 5 other guesses" in message and "Unresolved: dim frames" in message
+    assert "--shape frames=N" in message and "\n" not in message
+    assert not (tmp_path / "f.kiln").exists()

@@ -219,3 +219,43 @@ def test_user_metric_decides_the_int8_guard(tmp_path, monkeypatch):
     with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
                      shapes={"x": (16, 64)}, metric="strict:exact")  # fmt: skip
+
+
+def test_a_metric_scoring_0_on_fp32_takes_max_drop_on_its_own_scale(tmp_path, monkeypatch):
+    # -max error scores 0 on fp32 itself; a relative drop of 0 would allow nothing at all.
+    (tmp_path / "error_metric.py").write_text(
+        "import numpy as np\n"
+        "def neg_max_error(ref, new):\n"
+        "    return -float(np.abs(ref[0] - new[0]).max())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from kiln.verify import budget_for
+
+    budget = budget_for("error_metric:neg_max_error", max_drop=0.5)
+    ref = [np.array([[0.1, 0.9]], np.float32)]
+    assert budget.threshold(ref) == pytest.approx(-0.5)
+    hostile_model(tmp_path / "m.onnx")
+    artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
+                            shapes={"x": (16, 64)}, metric="error_metric:neg_max_error",
+                            max_drop=0.5, rounds=0)  # fmt: skip
+    verification = artifact.manifest.verification
+    assert verification.ok and verification.threshold == pytest.approx(-0.5)
+    assert "scores 0 on error_metric:neg_max_error" in verification.note
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("    raise ValueError('shapes differ')\n", "raised ValueError: shapes differ"),
+        ("    return None\n", "returned NoneType, not a number"),
+    ],
+)
+def test_a_metric_that_fails_is_one_line_naming_it(tmp_path, monkeypatch, body, message):
+    module = f"broken_metric_{len(body)}"  # one module per case: imports are cached
+    (tmp_path / f"{module}.py").write_text("def score(ref, new):\n" + body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hostile_model(tmp_path / "m.onnx")
+    with pytest.raises(kiln.KilnError, match=f"metric '{module}:score' {message}"):
+        kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
+                     shapes={"x": (16, 64)}, metric=f"{module}:score", rounds=0)  # fmt: skip
+    assert not (tmp_path / "m.kiln").exists()

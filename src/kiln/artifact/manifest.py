@@ -73,6 +73,7 @@ class Manifest:
     verification: Verification | None
     buckets: dict[str, list[int]] = field(default_factory=dict)
     benchmark: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # options given and not used, and why
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -131,6 +132,7 @@ class Manifest:
             verification=Verification.from_json(verification) if verification else None,
             buckets=dict(data.get("buckets") or {}),
             benchmark=data.get("benchmark"),
+            notes=[str(n) for n in data.get("notes") or []],
             format_version=FORMAT_VERSION,
         )
 
@@ -162,6 +164,7 @@ def new_manifest(
     dims: dict[str, int],
     verification: Verification | None,
     benchmark: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
 ) -> Manifest:
     """A manifest for `model` as compiled now, on this machine."""
     cpu = cpu_info()
@@ -181,6 +184,7 @@ def new_manifest(
         dims=dims,
         verification=verification,
         benchmark=benchmark,
+        notes=list(notes or []),
     )
 
 

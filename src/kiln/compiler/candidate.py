@@ -16,10 +16,18 @@ import onnx_ir as ir
 
 from kiln.backends import default_options, options_from_json
 from kiln.compiler.passes_stage import Target, run_passes, verify_on
-from kiln.compiler.reference import engine_noise, reference_feeds, run_reference
+from kiln.compiler.reference import (
+    engine_noise,
+    fit_inputs,
+    reference_executable,
+    reference_feeds,
+    run_reference,
+)
+from kiln.compiler.unused import unused_options
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
 from kiln.ir import stamp_origins
+from kiln.ir.ladder import FIRST_GUESS, Guess
 from kiln.ir.load import LoadedModel
 from kiln.passes import PassReport, PassSpec, default_pipeline
 from kiln.passes.simplify import count_nodes
@@ -55,6 +63,7 @@ class CompileResult:
     feeds: list[Feeds] = field(default_factory=list)
     reference: list[list[np.ndarray]] = field(default_factory=list)  # the original's outputs
     plan: dict | None = None  # per-node precision, when not all fp32
+    notes: list[str] = field(default_factory=list)  # what was used and what was not
 
     @property
     def backend(self) -> str:
@@ -123,15 +132,18 @@ def compile_candidate(
     static = quantized and is_static(original, precision, engine)
     if static:  # the quantizers know standard ops only; the engines fuse QDQ graphs themselves
         specs = [s for s in specs if s.engines is None]
+    reference = reference_executable(original) if config.verify else None
+    fit = Guess(dict(config.shapes))
+    if reference is not None and not given:
+        fit = fit_inputs(reference, original, dict(config.shapes), say)
     calibration = Calibration()
     if quantized:
         first = given[0] if given else None
         calibration = calibration_for(
-            original, static, config.calib, config.calib_method, first, given_source,
-            dict(config.shapes),
+            original, static, config.calib, config.calib_method, first, given_source, fit,
         )  # fmt: skip
     target = _target(original, config, "fp32" if quantized else precision, given, given_source,
-                     calibration, say)  # fmt: skip
+                     calibration, (reference, fit), say)  # fmt: skip
     built = run_passes(original, specs, target, say)
     result = CompileResult(
         loaded=loaded,
@@ -144,6 +156,7 @@ def compile_candidate(
         nodes_before=nodes_before,
         feeds=target.feeds,
         reference=target.reference,
+        notes=unused_options(config, static) + _fit_notes(fit) + _calibration_notes(calibration),
     )
     if precision == "bf16" and result.ok:
         executable = built.executable or _compile(result)
@@ -159,6 +172,17 @@ def compile_candidate(
     return result
 
 
+def _fit_notes(fit: Guess) -> list[str]:
+    if fit.label == FIRST_GUESS:
+        return []
+    return [f"the original runs on synthesized inputs only at {fit.label}, found by trying"]
+
+
+def _calibration_notes(calibration: Calibration) -> list[str]:
+    note = calibration.note or {}
+    return [note["summary"]] if "summary" in note else []
+
+
 def _target(
     original: ir.Model,
     config: CompileConfig,
@@ -166,6 +190,7 @@ def _target(
     given: list[Feeds] | None,
     given_source: str,
     calibration: Calibration,
+    reference: tuple[Any, Guess],
     say: Say,
 ) -> Target:
     options = engine_options(config.engine, precision, dict(config.engine_options))
@@ -173,15 +198,16 @@ def _target(
     if not config.verify:
         return target
     held_out = calibration.held_out
+    exe, fit = reference
     feeds, source = reference_feeds(
         original,
         held_out or given,
         "held-out calibration samples" if held_out else given_source,
-        dict(config.shapes),
+        fit,
     )
     say("running the original in ONNX Runtime (reference)")
     target.feeds, target.source = feeds, source
-    target.reference = run_reference(original, feeds, source)
+    target.reference = run_reference(exe, feeds, source)
     target.noise = engine_noise(original, feeds, target.reference, config.engine, options)
     target.budget = config.budget()
     return target
@@ -207,6 +233,12 @@ def _quantize(result: CompileResult, calibration: Calibration, target: Target, s
         restored_to="bf16" if getattr(options, "inference_precision", None) == "bf16" else "fp32",
         say=say,
     )
+    if quantized.verification is None:  # nothing to quantize: not an accuracy failure
+        other = "int8 or fp32" if config.precision == "int4" else "fp32"
+        raise KilnError(
+            f"{result.loaded.source}: {quantized.error}, so there is no {config.precision} "
+            f"artifact to build. Nothing was written; use --precision {other}."
+        )
     result.options, result.plan = options, quantized.plan
     result.model = quantized.model
     result.verification = quantized.verification or Verification(

@@ -3,6 +3,7 @@ optimisation, fp32, on the user's inputs or on synthesized ones."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,8 @@ import onnx_ir as ir
 from kiln.backends import get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
-from kiln.ir.inputs import default_dims, synthesize
+from kiln.ir.inputs import synthesize
+from kiln.ir.ladder import FIRST_GUESS, Guess, free_of, ladder
 from kiln.verify import max_abs_diff
 
 REFERENCE_OPTIONS = OrtOptions(optimization="basic")
@@ -31,18 +33,68 @@ def copy_model(model: ir.Model) -> ir.Model:
     return copy
 
 
+def reference_executable(model: ir.Model) -> Any:
+    return get_backend("ort").compile(model, REFERENCE_OPTIONS)
+
+
+def fit_inputs(exe: Any, model: ir.Model, shapes: dict | None, say: Callable[[str], None]) -> Guess:
+    """Shapes and scalar values on which the original runs: the first guess, else the first
+    rung of `kiln.ir.ladder` that runs (each try logged), else a KilnError naming what Kiln
+    could not resolve and what to pass."""
+    first = Guess(dict(shapes or {}))
+    try:
+        exe.run(synthesize(model, shapes=first.shapes))
+        return first
+    except KilnError as exc:
+        failure = exc
+    rungs = ladder(model, shapes)
+    for number, guess in enumerate(rungs, 1):
+        say(f"the original does not run on the first guess; trying {guess.label} "
+            f"({number}/{len(rungs)})")  # fmt: skip
+        try:
+            exe.run(synthesize(model, shapes=guess.shapes, scalars=guess.scalars))
+            return guess
+        except KilnError:
+            continue
+    raise KilnError(_unfitted(model, shapes, failure, len(rungs))) from None
+
+
+def _unfitted(model: ir.Model, shapes: dict | None, failure: KilnError, tries: int) -> str:
+    feeds = synthesize(model, shapes=shapes)
+    tried = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds.items())
+    free = free_of(model, shapes)
+    what = [f"dim {d}" for d in free.dims] + [f"scalar input {s}" for s in free.scalars]
+    flags = [
+        f"--shape {d}=N" if "[" not in d else f"--shape {d.split('[')[0]}=D0xD1x..."
+        for d in free.dims
+    ]
+    if free.scalars:
+        flags.append(f"--inputs in.npz (with {', '.join(free.scalars)})")
+    if not flags:
+        flags = ["--shape INPUT=D0xD1x...", "--inputs in.npz"]
+    ladder_note = f" nor on {tries} other guesses" if tries else ""
+    unresolved = f" Unresolved: {', '.join(what)}." if what else ""
+    return (
+        f"the original model does not run on synthesized inputs ({tried}){ladder_note}: "
+        f"{failure}.{unresolved} Pass {' or '.join(dict.fromkeys(flags))}."
+    )
+
+
 def reference_feeds(
     model: ir.Model,
     given: list[Feeds] | None,
     source: str,
-    shapes: dict | None = None,
+    fit: Guess,
     sets: int = 2,
 ) -> tuple[list[Feeds], str]:
-    """The input sets verification runs on: the given ones, else `sets` synthesized ones."""
+    """The input sets verification runs on: the given ones, else `sets` synthesized ones at
+    the fitted shapes."""
     if given:
         return given, source
-    dims = default_dims(model)
-    return [synthesize(model, dims, seed=seed, shapes=shapes) for seed in range(sets)], SYNTHESIZED
+    feeds = [
+        synthesize(model, seed=seed, shapes=fit.shapes, scalars=fit.scalars) for seed in range(sets)
+    ]
+    return feeds, SYNTHESIZED if fit.label == FIRST_GUESS else f"{SYNTHESIZED} ({fit.label})"
 
 
 def _elements(value: object) -> int:
@@ -58,7 +110,7 @@ def _refuse_nothing_to_compare(
     """Nothing compared is not verified: refuse synthesized inputs (e.g. `--shape x=0x16`) on
     which every output is empty. The user's own inputs are taken as given: an empty set is a
     case models must handle (ONNX's own tests reduce over empty sets)."""
-    if source != SYNTHESIZED or any(_elements(o) for outs in outputs for o in outs):
+    if not source.startswith(SYNTHESIZED) or any(_elements(o) for outs in outputs for o in outs):
         return
     empty = [
         f"{name} {'x'.join(map(str, np.shape(value)))}"
@@ -72,18 +124,8 @@ def _refuse_nothing_to_compare(
     )
 
 
-def run_reference(model: ir.Model, feeds: list[Feeds], source: str) -> list[list[np.ndarray]]:
-    exe = get_backend("ort").compile(model, REFERENCE_OPTIONS)
-    try:
-        outputs = [exe.run(f) for f in feeds]
-    except KilnError as exc:
-        if source != SYNTHESIZED:
-            raise
-        shapes = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds[0].items())
-        raise KilnError(
-            f"the original model does not run on synthesized inputs ({shapes}): {exc}. "
-            "Give input shapes with --shape INPUT=D0xD1x... or real inputs with --inputs."
-        ) from None
+def run_reference(exe: Any, feeds: list[Feeds], source: str) -> list[list[np.ndarray]]:
+    outputs = [exe.run(f) for f in feeds]
     _refuse_nothing_to_compare(feeds, outputs, source)
     return outputs
 

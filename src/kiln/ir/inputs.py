@@ -23,6 +23,9 @@ import onnx_ir as ir
 from kiln.errors import KilnError
 
 DEFAULT_DIMS = {"batch": 1, "batch_size": 1, "N": 1, "seq": 128, "sequence": 128}
+# Scalar inputs named like a sample rate (voice-activity detectors, ASR front-ends).
+SAMPLE_RATE_NAMES = {"sr", "sample_rate", "sampling_rate", "samplerate"}
+SAMPLE_RATES = (16000, 8000, 22050, 44100, 48000)
 
 
 def default_dims(model: ir.Model) -> dict[str, int]:
@@ -121,12 +124,12 @@ def _padding_mask(shape: tuple[int, ...], dtype: np.dtype, padded: bool) -> np.n
     return mask
 
 
-def _inputs(model: ir.Model) -> dict[str, ir.Value]:
+def model_inputs(model: ir.Model) -> dict[str, ir.Value]:
     graph = model.graph
     return {str(v.name): v for v in graph.inputs if v.name not in graph.initializers}
 
 
-def _named_dims(value: ir.Value) -> list[tuple[int, str]]:
+def named_dims(value: ir.Value) -> list[tuple[int, str]]:
     """(axis, name) of the value's symbolic dims."""
     return [
         (axis, str(dim.value))
@@ -142,13 +145,13 @@ def bind_dims(
     that input names (batch=2, seq=32) for every input sharing them; `--shape seq=32` binds a
     dim by its name; a name nothing binds gets the largest of the inputs' guesses for it (a
     decoder's `memory[batch, src_len, 256]` and `src_mask[batch, src_len]` see one src_len)."""
-    inputs, bound = _inputs(model), dict(dims)
-    every = {name for value in inputs.values() for _, name in _named_dims(value)}
+    inputs, bound = model_inputs(model), dict(dims)
+    every = {name for value in inputs.values() for _, name in named_dims(value)}
     for key, shape in (shapes or {}).items():
         if key in inputs:
             value = inputs[key]
             if value.shape is not None and len(value.shape) == len(shape):
-                bound |= {name: shape[axis] for axis, name in _named_dims(value)}
+                bound |= {name: shape[axis] for axis, name in named_dims(value)}
         elif key in every and len(shape) == 1:
             bound[key] = shape[0]
         elif key in every:
@@ -160,7 +163,7 @@ def bind_dims(
             )
     guesses: dict[str, int] = {}
     for value in inputs.values():
-        for axis, name in _named_dims(value):
+        for axis, name in named_dims(value):
             if name not in bound:
                 guesses[name] = max(guesses.get(name, 0), _guess_dim(value, axis))
     return bound | guesses
@@ -171,11 +174,13 @@ def synthesize(
     dims: dict[str, int] | None = None,
     seed: int = 0,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    scalars: dict[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
     """One set of plausible inputs for every graph input that is not an initializer; a named
-    dim has one value across all inputs (see `bind_dims`)."""
+    dim has one value across all inputs (see `bind_dims`); `scalars` fills inputs with one
+    value (a sample rate found by `kiln.ir.ladder`)."""
     dims = bind_dims(model, {**default_dims(model), **(dims or {})}, shapes)
-    shapes = {k: v for k, v in (shapes or {}).items() if k in _inputs(model)}
+    shapes = {k: v for k, v in (shapes or {}).items() if k in model_inputs(model)}
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.inputs:
@@ -185,7 +190,9 @@ def synthesize(
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
         name = (value.name or "").lower()
         if np.issubdtype(dtype, np.integer):
-            if is_mask_input(name):
+            if name in SAMPLE_RATE_NAMES and int(np.prod(shape)) == 1:
+                feeds[value.name] = np.full(shape, SAMPLE_RATES[0], dtype)
+            elif is_mask_input(name):
                 feeds[value.name] = _padding_mask(shape, dtype, padded=seed % 2 == 1)
             elif "type" in name or "segment" in name:
                 feeds[value.name] = np.zeros(shape, dtype)
@@ -196,6 +203,8 @@ def synthesize(
             feeds[value.name] = np.ones(shape, dtype)
         else:
             feeds[value.name] = rng.random(shape, dtype=np.float32).astype(dtype)
+    for name, fill in (scalars or {}).items():
+        feeds[name] = np.full(feeds[name].shape, fill, feeds[name].dtype)
     return feeds
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kiln.ir.inputs import default_dims, read_calibration, synthesize
+from kiln.ir.inputs import read_calibration, synthesize
+from kiln.ir.ladder import Guess
 
 Feeds = dict[str, np.ndarray]
 SYNTHETIC_SETS = 8
@@ -36,17 +37,36 @@ def calibration_for(
     method: str,
     inputs: Feeds | None,
     inputs_name: str | None,
-    shapes: dict | None,
+    fit: Guess,
 ) -> Calibration:
-    """`inputs` are the user's reference inputs (`inputs_name`: where they came from)."""
+    """`inputs` are the user's reference inputs (`inputs_name`: where they came from); `fit`
+    the shapes and scalar values synthetic samples take."""
     samples = read_calibration(calib, model) if calib else None
+    found = _found(calib, samples)
     if not static:  # nothing to calibrate: the user's samples all judge the accuracy
-        return Calibration(held_out=None if inputs is not None else samples)
+        if samples is None:
+            return Calibration()
+        use = (
+            "not used: --inputs judge the accuracy"
+            if inputs is not None
+            else "all judge the accuracy"
+        )
+        return Calibration(
+            held_out=None if inputs is not None else samples,
+            note={
+                "source": calib,
+                "summary": f"{found}; dynamic int8 calibrates nothing, so they {use}",
+            },
+        )
     if samples:
         if inputs is not None or len(samples) < 2:
-            return Calibration(samples, None, {"source": calib, "method": method})
+            summary = f"{found}, all used to calibrate"
+            return Calibration(
+                samples, None, {"source": calib, "method": method, "summary": summary}
+            )
         held = max(1, len(samples) // 4)
-        note = {"source": calib, "method": method, "held_out": held}
+        summary = f"{found}: {len(samples) - held} calibrate, {held} held out to judge accuracy"
+        note = {"source": calib, "method": method, "held_out": held, "summary": summary}
         return Calibration(samples[:-held], samples[-held:], note)
     if inputs is not None:
         return Calibration(
@@ -59,9 +79,9 @@ def calibration_for(
                 "samples with --calib",
             },
         )
-    dims = default_dims(model)
     synthetic = [
-        synthesize(model, dims, seed=100 + i, shapes=shapes) for i in range(SYNTHETIC_SETS)
+        synthesize(model, seed=100 + i, shapes=fit.shapes, scalars=fit.scalars)
+        for i in range(SYNTHETIC_SETS)
     ]
     note = {
         "source": "synthetic",
@@ -70,3 +90,17 @@ def calibration_for(
         "give real samples with --calib",
     }
     return Calibration(synthetic, None, note)
+
+
+def _found(calib: str | None, samples: list[Feeds] | None) -> str:
+    """How many samples --calib held, and how they were read (a file whose arrays have the
+    model's input rank is one sample; one more leading axis makes it a stack)."""
+    if not samples:
+        return ""
+    count = len(samples)
+    how = (
+        ""
+        if count > 1
+        else " (arrays of the inputs' own rank are one sample; stack samples on a new first axis)"
+    )
+    return f"--calib {calib}: {count} sample{'s' if count != 1 else ''}{how}"

@@ -54,8 +54,8 @@ def quantize_under_budget(
     )
     empty = {"default": precision, "nodes": {}, "scheme": quantizer.scheme}
     if not quantizer.sensitivity:
-        error = f"the model has no layers {precision} quantizes ({quantizer.scheme})"
-        return Quantized(model, empty, None, 0, error)
+        error = f"the model has no layer {precision} quantizes ({quantizer.scheme})"
+        return Quantized(model, empty, None, 0, error)  # no verification: nothing was tried
     checks: dict[int, Verification] = {}
 
     def meets_budget(candidate: ir.Model) -> tuple[bool, float]:

@@ -1,0 +1,131 @@
+"""When synthesized inputs do not run: a short ladder of other guesses for what Kiln could
+not know — the sizes of dims nothing names a value for, and the values of scalar inputs
+(a sample rate) — each a complete set of input shapes and scalar values to try in turn."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from kiln.ir.inputs import (
+    SAMPLE_RATES,
+    bind_dims,
+    default_dims,
+    input_shape,
+    model_inputs,
+    named_dims,
+)
+
+# Sizes tried for unresolved dims, after the first guess: small first (cheap, and most
+# dynamic dims accept them), then the powers of two windows and sequences come in.
+DIM_LADDER = (1, 16, 32, 64, 256, 512)
+MOST_TRIES = 16
+FIRST_GUESS = "first guess"
+
+
+@dataclass(frozen=True)
+class Free:
+    """What the first guess left open: dims (by name, or `input[axis]` when unnamed) whose
+    size no --shape, metadata or convention gives, and numeric scalar inputs."""
+
+    dims: tuple[str, ...] = ()
+    scalars: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.dims or self.scalars)
+
+
+@dataclass(frozen=True)
+class Guess:
+    """One rung: a shape for every input and a value for some scalar inputs."""
+
+    shapes: dict[str, tuple[int, ...]]
+    scalars: dict[str, float] = field(default_factory=dict)
+    label: str = FIRST_GUESS
+
+
+def _given(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> set[str]:
+    """Dim names fixed by the user's --shape or by the model's `kiln.dims` metadata (the
+    conventional sizes, seq=128 and the like, are guesses: the ladder may change them)."""
+    fixed = set(json.loads(model.metadata_props.get("kiln.dims", "{}")))
+    inputs = model_inputs(model)
+    for key in shapes:
+        if key in inputs:
+            fixed |= {name for _, name in named_dims(inputs[key])}
+        else:
+            fixed.add(key)
+    return fixed
+
+
+def _is_batch(name: str, axis: int) -> bool:
+    return axis == 0 and ("batch" in name.lower() or name in {"N", "B", ""})
+
+
+def free_of(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> Free:
+    """The dims and scalars a first guess had to make up (batch dims excepted: 1 runs)."""
+    shapes = shapes or {}
+    fixed, dims, scalars = _given(model, shapes), [], []
+    for name, value in model_inputs(model).items():
+        if value.shape is None:
+            continue
+        if value.shape.rank() == 0 or all(d == 1 for d in value.shape):
+            is_numeric = value.dtype is not None and value.dtype != ir.DataType.STRING
+            if is_numeric and value.dtype != ir.DataType.BOOL:
+                scalars.append(name)
+            continue
+        if name in shapes:
+            continue
+        for axis, dim in enumerate(value.shape):
+            if isinstance(dim, int) and dim > 0:
+                continue
+            label = str(dim.value) if not isinstance(dim, int) and dim.value else ""
+            if _is_batch(label, axis) or label in fixed:
+                continue
+            dims.append(label or f"{name}[{axis}]")
+    return Free(tuple(dict.fromkeys(dims)), tuple(scalars))
+
+
+def _shapes_at(
+    model: ir.Model, shapes: dict[str, tuple[int, ...]], free: Free, size: int | None
+) -> dict[str, tuple[int, ...]]:
+    """Every input's shape with the free dims at `size` (None: the first guess's)."""
+    dims = bind_dims(model, default_dims(model), shapes)
+    out = {}
+    for name, value in model_inputs(model).items():
+        shape = list(input_shape(value, dims, shapes))
+        for axis, dim in enumerate(value.shape or []):
+            label = str(dim.value) if not isinstance(dim, int) and dim.value else ""
+            if size is not None and (label or f"{name}[{axis}]") in free.dims:
+                shape[axis] = size
+        out[name] = tuple(shape)
+    return out
+
+
+def ladder(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> list[Guess]:
+    """The rungs to try after the first guess failed, at most MOST_TRIES of them: scalar
+    values first (a wrong sample rate is the commonest refusal), then each dim size, each
+    with the scalars' first guess and then the other sample rates."""
+    shapes = dict(shapes or {})
+    free = free_of(model, shapes)
+    if not free:
+        return []
+    sizes: list[int | None] = [None] + (list(DIM_LADDER) if free.dims else [])
+    values = [{}] + [dict.fromkeys(free.scalars, float(v)) for v in SAMPLE_RATES]
+    values += [dict.fromkeys(free.scalars, 1.0)] if free.scalars else []
+    rungs, seen = [], {_key(_shapes_at(model, shapes, free, None), {})}
+    for size in sizes:
+        for scalars in values if free.scalars else [{}]:
+            at = _shapes_at(model, shapes, free, size)
+            if _key(at, scalars) in seen:
+                continue  # the first guess, or a size it already had
+            seen.add(_key(at, scalars))
+            parts = [f"{d}={size}" for d in free.dims] if size is not None else []
+            parts += [f"{k}={v:g}" for k, v in scalars.items()]
+            rungs.append(Guess(at, scalars, ", ".join(parts)))
+    return rungs[:MOST_TRIES]
+
+
+def _key(shapes: dict[str, tuple[int, ...]], scalars: dict[str, float]) -> tuple:
+    return tuple(sorted(shapes.items())), tuple(sorted(scalars.items()))
