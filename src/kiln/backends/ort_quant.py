@@ -10,6 +10,8 @@ nodes excluded by name.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import tempfile
 from collections.abc import Callable, Sequence
@@ -109,6 +111,12 @@ def quantize_static_int8(
             return next(self.feeds, None)
 
     def quantize(source: Path, target: Path) -> None:
+        # The entropy and percentile calibrators print their progress to stdout, which is the
+        # user's (`--json` output goes there).
+        with contextlib.redirect_stdout(io.StringIO()):
+            _quantize_static(source, target)
+
+    def _quantize_static(source: Path, target: Path) -> None:
         quantize_static(
             source,
             target,

@@ -1,0 +1,235 @@
+"""One worker's bench: builds a trial's choice (passes and precision cached per compile key,
+the runtime options applied on top and verified again), and measures it against the
+incumbent — the best choice this worker has measured, the defaults to begin with."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import psutil
+
+from kiln.backends import get_backend
+from kiln.compiler.candidate import CompileResult, compile_candidate, engine_options
+from kiln.compiler.passes_stage import Target, verify_on
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
+from kiln.ir.inputs import named_dims, synthesize
+from kiln.ir.load import LoadedModel
+from kiln.tune.measure import Interval, bootstrap, duel, tails
+from kiln.tune.objectives import Constraint, Objective
+from kiln.tune.space import Choice
+
+Say = Callable[[str], None]
+Feeds = dict[str, np.ndarray]
+
+
+class Refused(Exception):
+    """The choice builds no verified artifact (the reason is the message)."""
+
+
+@dataclass
+class Built:
+    choice: Choice
+    result: CompileResult  # its model, config and options are the choice's
+    runners: list[Callable[[], object]]  # one per concurrent stream
+    memory_mib: float
+
+
+@dataclass
+class Measured:
+    built: Built
+    measures: dict[str, float]
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Workbench:
+    loaded: LoadedModel
+    base: CompileConfig
+    objectives: list[Objective]
+    constraints: list[Constraint]
+    seconds: float  # measuring time per trial
+    given: list[Feeds] | None = None
+    given_source: str = "given inputs"
+    say: Say = lambda _m: None
+    _compiled: dict[tuple, CompileResult | str] = field(default_factory=dict)
+    incumbent: Measured | None = None
+
+    @property
+    def needs_latency(self) -> bool:
+        keys = {o.measure for o in self.objectives} | {c.measure for c in self.constraints}
+        return bool(keys & {"p50_ms", "p99_ms", "jitter"})
+
+    @property
+    def needs_tails(self) -> bool:
+        keys = {o.measure for o in self.objectives} | {c.measure for c in self.constraints}
+        return bool(keys & {"p99_ms", "jitter"})
+
+    @property
+    def needs_throughput(self) -> bool:
+        keys = {o.measure for o in self.objectives} | {c.measure for c in self.constraints}
+        return "throughput" in keys
+
+    def build(self, choice: Choice) -> Built:
+        """The choice compiled and verified with its runtime options, or Refused."""
+        result = self._compile(choice)
+        config = choice.config
+        options = engine_options(config.engine, config.precision, dict(choice.runtime))
+        target = Target(
+            config.engine, options, config.precision, result.feeds, result.reference,
+            result.verification.inputs if result.verification else "synthesized",
+            budget=config.budget(),
+        )  # fmt: skip
+        before = _rss_mib()
+        verification, exe = verify_on(result.model, target)
+        if not verification.ok:
+            raise Refused(f"with its runtime options: {verification.summary()}")
+        feeds = self._feeds(result, choice.batch)
+        exes = [exe] + [
+            get_backend(config.engine).compile(result.model, options)
+            for _ in range(choice.concurrency - 1)
+        ]
+        runners = [partial(e.run, feeds) for e in exes]
+        for run in runners:
+            run()
+        built = replace(result, config=config, options=options)
+        return Built(choice, built, runners, max(0.0, _rss_mib() - before))
+
+    def _compile(self, choice: Choice) -> CompileResult:
+        key = choice.compile_key
+        if key not in self._compiled:
+            config = choice.config.replace(engine_options={})
+            try:
+                result = compile_candidate(
+                    self.loaded, config, self.given, self.given_source, say=self.say
+                )
+                self._compiled[key] = result if result.ok else result.verification.summary()
+            except KilnError as exc:
+                self._compiled[key] = str(exc)
+        found = self._compiled[key]
+        if isinstance(found, str):
+            raise Refused(found)
+        return found
+
+    def _feeds(self, result: CompileResult, batch: int) -> Feeds:
+        feeds = result.feeds[0] if result.feeds else synthesize(result.loaded.model)
+        if batch == 1:
+            return feeds
+        dim = batch_dim(result.loaded.model)
+        if dim is None:
+            raise Refused("the model has no dynamic batch dim to batch on")
+        return synthesize(result.loaded.model, shapes={**dict(self.base.shapes), dim: (batch,)})
+
+    def measure(self, built: Built) -> Measured:
+        """Against the incumbent (which it replaces when better on the first objective)."""
+        if self.incumbent is None:
+            self.incumbent = self._alone(built)
+            return self.incumbent
+        incumbent, measures, evidence = self.incumbent, {"memory_mib": built.memory_mib}, {}
+        if self.needs_latency:
+            fight = duel(built.runners[0], incumbent.built.runners[0], seconds=self.seconds,
+                         min_runs=150 if self.needs_tails else 0, give_up_above=1.5)  # fmt: skip
+            mine, theirs = tails(fight.trial_s), tails(fight.incumbent_s)
+            base = incumbent.measures
+            measures["p50_ms"] = base["p50_ms"] * fight.ratio.value
+            measures["p99_ms"] = base["p99_ms"] * mine.p99_ms.value / theirs.p99_ms.value
+            measures["jitter"] = mine.jitter.value
+            evidence |= {"vs_incumbent": fight.to_json(), "tails": mine.to_json()}
+        if self.needs_throughput:
+            ratio = rate_duel(built, incumbent.built, self.seconds)
+            measures["throughput"] = incumbent.measures["throughput"] * ratio.value
+            evidence["throughput_vs_incumbent"] = ratio.to_json()
+        measured = Measured(built, measures, evidence)
+        first = self.objectives[0]
+        if self._feasible(measured) and first.better(
+            measures[first.measure], incumbent.measures[first.measure]
+        ):
+            self.incumbent = measured
+        return measured
+
+    def _alone(self, built: Built) -> Measured:
+        """The first choice, measured on its own: the base every later ratio is taken from."""
+        measures: dict[str, float] = {"memory_mib": built.memory_mib}
+        evidence: dict[str, Any] = {}
+        if self.needs_latency:
+            seconds = _time(built.runners[0], max(200, 3 * 50), self.seconds * 2)
+            alone = tails(seconds)
+            measures |= {
+                "p50_ms": alone.p50_ms.value,
+                "p99_ms": alone.p99_ms.value,
+                "jitter": alone.jitter.value,
+            }
+            evidence["tails"] = alone.to_json()
+        if self.needs_throughput:
+            measures["throughput"] = rate(built.runners, built.choice.batch, _window(built))
+        return Measured(built, measures, evidence)
+
+    def _feasible(self, measured: Measured) -> bool:
+        return all(c.violation(measured.measures) <= 0 for c in self.constraints)
+
+
+def batch_dim(model: Any) -> str | None:
+    """The name of the first input's leading dim, when it is symbolic."""
+    for value in model.graph.inputs:
+        if value.name in model.graph.initializers:
+            continue
+        dims = named_dims(value)
+        return dims[0][1] if dims and dims[0][0] == 0 else None
+    return None
+
+
+def _rss_mib() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _time(run: Callable[[], object], count: int, seconds: float) -> list[float]:
+    out, start = [], time.perf_counter()
+    while len(out) < count and (len(out) < 20 or time.perf_counter() - start < seconds):
+        begin = time.perf_counter()
+        run()
+        out.append(time.perf_counter() - begin)
+    return out
+
+
+def _window(built: Built) -> float:
+    """A throughput window: a second, or three batches where one takes longer."""
+    begin = time.perf_counter()
+    built.runners[0]()
+    return max(1.0, 3 * (time.perf_counter() - begin))
+
+
+def rate(runners: list[Callable[[], object]], batch: int, seconds: float) -> float:
+    """Samples per second with one thread per runner, all running for `seconds`."""
+    done = [0] * len(runners)
+    deadline = time.perf_counter() + seconds
+
+    def loop(index: int) -> None:
+        while time.perf_counter() < deadline:
+            runners[index]()
+            done[index] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(runners))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) * batch / (time.perf_counter() - start)
+
+
+def rate_duel(trial: Built, incumbent: Built, seconds: float) -> Interval:
+    """Throughput ratio trial / incumbent over alternating windows, with its interval."""
+    window, ratios, start = max(_window(trial), _window(incumbent)), [], time.perf_counter()
+    while len(ratios) < 3 or time.perf_counter() - start < seconds:
+        mine = rate(trial.runners, trial.choice.batch, window)
+        theirs = rate(incumbent.runners, incumbent.choice.batch, window)
+        ratios.append(mine / theirs if theirs else float("inf"))
+        if len(ratios) >= 3 and bootstrap(ratios).halfwidth <= 0.02:
+            break
+    return bootstrap(ratios)

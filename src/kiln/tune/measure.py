@@ -1,0 +1,135 @@
+"""Honest measurement for the tuner: a trial is timed interleaved against the incumbent,
+round after round, until the confidence interval of their ratio is tight or the trial's time
+is spent; tails (P99, jitter) are statistics over windows of runs with a bootstrap interval,
+never one run's tail (a single run's P99 moves several-fold on a shared machine)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.timing import interleave
+
+WINDOW = 50  # runs per tail window: P99 of 50 runs is their worst but one (the 49.5th)
+RESAMPLES = 1000
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float
+    low: float
+    high: float
+
+    @property
+    def halfwidth(self) -> float:
+        """Relative half-width of the interval."""
+        return (self.high - self.low) / 2 / abs(self.value) if self.value else float("inf")
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "low": self.low, "high": self.high}
+
+
+def bootstrap(values: list[float], stat: Callable = np.median, seed: int = 0) -> Interval:
+    """`stat` of `values` and its 95 % bootstrap interval."""
+    data = np.asarray(values, dtype=np.float64)
+    if len(data) < 2:
+        value = float(stat(data)) if len(data) else float("nan")
+        return Interval(value, value, value)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(data), size=(RESAMPLES, len(data)))
+    stats = np.apply_along_axis(stat, 1, data[picks])
+    low, high = np.percentile(stats, [2.5, 97.5])
+    return Interval(float(stat(data)), float(low), float(high))
+
+
+@dataclass(frozen=True)
+class Tails:
+    """Latency over windows of runs: P50, P99 and jitter (P99 − P50)/P50, each the median
+    over windows, with bootstrap intervals."""
+
+    p50_ms: Interval
+    p99_ms: Interval
+    jitter: Interval
+    runs: int
+
+    def to_json(self) -> dict:
+        return {
+            "p50_ms": self.p50_ms.to_json(),
+            "p99_ms": self.p99_ms.to_json(),
+            "jitter": self.jitter.to_json(),
+            "runs": self.runs,
+        }
+
+
+def tails(seconds: list[float], window: int = WINDOW) -> Tails:
+    ms = np.asarray(seconds) * 1e3
+    count = max(1, len(ms) // window)
+    windows = [w for w in np.array_split(ms, count) if len(w)]
+    p50 = [float(np.percentile(w, 50)) for w in windows]
+    p99 = [float(np.percentile(w, 99)) for w in windows]
+    jitter = [(b - a) / a if a > 0 else 0.0 for a, b in zip(p50, p99, strict=True)]
+    return Tails(bootstrap(p50), bootstrap(p99), bootstrap(jitter), len(ms))
+
+
+@dataclass(frozen=True)
+class Duel:
+    """A trial against the incumbent, interleaved: the ratio of their per-round P50s
+    (trial / incumbent: below 1 is faster) with its interval, and each side's runs."""
+
+    ratio: Interval
+    trial_s: list[float]
+    incumbent_s: list[float]
+    rounds: int
+
+    def to_json(self) -> dict:
+        return {"ratio": self.ratio.to_json(), "rounds": self.rounds}
+
+
+def duel(
+    trial: Callable[[], object],
+    incumbent: Callable[[], object],
+    *,
+    seconds: float,
+    runs: int = 10,
+    min_rounds: int = 3,
+    tight: float = 0.02,
+    min_runs: int = 0,
+    give_up_above: float | None = None,
+) -> Duel:
+    """Rounds of `runs` runs each, alternating who goes first, until the ratio's interval is
+    within ±`tight` (relative) or `seconds` are spent — but never before each side has
+    `min_runs` runs and `min_rounds` rounds. A trial clearly slower than `give_up_above` × the
+    incumbent (its whole interval above) is not measured further: pruned, not refined."""
+    start = time.perf_counter()
+    rounds: dict[str, list[list[float]]] = {"trial": [], "incumbent": []}
+    warm = True
+    while True:
+        got = interleave(
+            {"trial": trial, "incumbent": incumbent} if len(rounds["trial"]) % 2 == 0
+            else {"incumbent": incumbent, "trial": trial},
+            rounds=1, runs=runs, warmup=3 if warm else 0,
+        )  # fmt: skip
+        warm = False
+        for name in rounds:
+            rounds[name] += got[name]
+        ratio = _ratio(rounds)
+        enough = len(rounds["trial"]) >= min_rounds
+        if enough and give_up_above is not None and ratio.low > give_up_above:
+            break
+        done = enough and len(rounds["trial"]) * runs >= min_runs
+        if done and (ratio.halfwidth <= tight or time.perf_counter() - start >= seconds):
+            break
+    flat = {k: [x for r in v for x in r] for k, v in rounds.items()}
+    return Duel(ratio, flat["trial"], flat["incumbent"], len(rounds["trial"]))
+
+
+def _ratio(rounds: dict[str, list[list[float]]]) -> Interval:
+    per_round = [
+        statistics.median(t) / statistics.median(i)
+        for t, i in zip(rounds["trial"], rounds["incumbent"], strict=True)
+    ]
+    return bootstrap(per_round)

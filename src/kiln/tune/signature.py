@@ -1,0 +1,66 @@
+"""What makes two models alike for the tuner, and two machines the same class: a model's
+signature (op-type mix, matrix FLOPs by class, parameters, dynamic dims) and a distance
+between signatures; the hardware class is the CPU fingerprint (model, ISA, cores)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import onnx_ir as ir
+
+from kiln.cost import count_flops_by_op
+from kiln.errors import KilnError
+from kiln.hardware import cpu_info
+from kiln.ir.inputs import default_dims, model_inputs, named_dims
+
+CONV_OPS = {"Conv", "ConvTranspose", "QLinearConv", "ConvInteger", "FusedConv"}
+
+
+def model_signature(model: ir.Model) -> dict[str, Any]:
+    ops = Counter(node.op_type for node in model.graph)
+    total = sum(ops.values()) or 1
+    params = sum(
+        math.prod(v.shape.dims) if v.shape is not None and v.shape.is_static() else 0
+        for v in model.graph.initializers.values()
+    )
+    try:
+        by_op = count_flops_by_op(ir.serde.serialize_model(model), default_dims(model))
+    except KilnError:
+        by_op = {}
+    conv = sum(f for op, f in by_op.items() if op in CONV_OPS)
+    return {
+        "ops": {op: count / total for op, count in sorted(ops.items())},
+        "nodes": total,
+        "flops": {"conv": conv, "matmul": sum(by_op.values()) - conv},
+        "parameters": int(params),
+        "dynamic_dims": sorted(
+            {name for v in model_inputs(model).values() for _, name in named_dims(v)}
+        ),
+    }
+
+
+def distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """0 for the same model; the op mix weighs most (0..2), then the size of the work and of
+    the weights (a quarter per decade)."""
+    ops = set(a["ops"]) | set(b["ops"])
+    mix = sum(abs(a["ops"].get(o, 0.0) - b["ops"].get(o, 0.0)) for o in ops)
+    flops = _decades(sum(a["flops"].values()), sum(b["flops"].values()))
+    params = _decades(a["parameters"], b["parameters"])
+    return mix + 0.25 * flops + 0.25 * params
+
+
+def _decades(x: float, y: float) -> float:
+    return abs(math.log10(max(x, 1)) - math.log10(max(y, 1)))
+
+
+def hardware() -> dict[str, Any]:
+    """This machine's class (the key records are kept under) and what it is."""
+    cpu = cpu_info()
+    return {
+        "class": cpu.fingerprint,
+        "cpu": cpu.model,
+        "cores": cpu.logical_cores,
+        "features": list(cpu.features),
+    }

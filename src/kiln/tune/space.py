@@ -1,0 +1,171 @@
+"""The search space: every decision of a `CompileConfig` (engine, precision, calibration,
+passes, the engine's runtime options) and, for throughput, the batch and concurrency a server
+would run — as Optuna parameters, suggested define-by-run.
+
+Parameter names carry their engine (`ort.threads`, `openvino.streams`): a parameter keeps one
+set of choices across trials, which Optuna's samplers require.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from kiln.config import CALIBRATION_METHODS, CompileConfig
+from kiln.passes import default_pipeline
+from kiln.precision import ENGINES_FOR, is_static
+
+# Passes toggled together: one switch per kind of rewrite, not one per rule (27 switches would
+# spend the trials on combinations that make no difference).
+PASS_GROUPS = {
+    "attention": (
+        "canonical-mask", "detach-shape-reads", "drop-noop-reshapes", "fuse-causal-attention",
+        "fuse-sdpa", "fuse-mha", "fuse-padding-mask", "fuse-masked-attention", "fuse-mha-bias",
+        "fuse-packed-attention", "sdpa-to-mha",
+    ),
+    "elementwise": (
+        "fold-batchnorm", "fuse-conv-activation", "fuse-layernorm", "fuse-gelu",
+        "fuse-skip-layernorm", "fuse-bias-gelu",
+    ),
+    "gemm": ("fuse-gemm", "fuse-matmul"),
+    "prune-rows": ("prune-rows",),
+}  # fmt: skip
+BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One trial's decisions: the config that builds the artifact, and how it is driven."""
+
+    config: CompileConfig
+    batch: int = 1
+    concurrency: int = 1
+    runtime: dict[str, Any] = field(default_factory=dict)  # engine options beyond compile's
+
+    @property
+    def compile_key(self) -> tuple:
+        """What the passes and the precision stage depend on (runtime options do not)."""
+        c = self.config
+        return c.engine, c.precision, c.pipeline, c.calib_method
+
+
+@dataclass(frozen=True)
+class Space:
+    """What may be searched for one model on this machine."""
+
+    engines: tuple[str, ...]
+    precisions: tuple[str, ...]
+    cores: int
+    throughput: bool = False  # search batch and concurrency too
+
+    @classmethod
+    def for_model(
+        cls, engines: list[str], precisions: list[str], throughput: bool = False
+    ) -> Space:
+        return cls(tuple(engines), tuple(precisions), os.cpu_count() or 1, throughput)
+
+
+def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> Choice:
+    """The trial's choice; `base` holds what is not searched (budget, calibration data,
+    inputs, shapes)."""
+    engine = trial.suggest_categorical("engine", list(space.engines))
+    here = [p for p in space.precisions if engine in ENGINES_FOR[p]]
+    precision = trial.suggest_categorical(f"{engine}.precision", here)
+    calib_method = base.calib_method
+    if is_static(model, precision, engine) and engine == "ort":
+        calib_method = trial.suggest_categorical("ort.calib_method", list(CALIBRATION_METHODS))
+    options = _ort(trial, space) if engine == "ort" else _openvino(trial, space, precision)
+    config = base.replace(
+        engine=engine,
+        precision=precision,
+        calib_method=calib_method,
+        pipeline=_pipeline(trial, engine),
+        engine_options=options,
+    )
+    batch = trial.suggest_categorical("batch", list(BATCHES)) if space.throughput else 1
+    concurrency = (
+        trial.suggest_int("concurrency", 1, max(1, space.cores)) if space.throughput else 1
+    )
+    return Choice(config, batch, concurrency, options)
+
+
+def _pipeline(trial: Any, engine: str) -> tuple[str, ...]:
+    names = [s.name for s in default_pipeline(engine=engine)]
+    off: set[str] = set()
+    for group, members in PASS_GROUPS.items():
+        present = any(n in members for n in names)
+        if present and not trial.suggest_categorical(f"{engine}.passes.{group}", [True, False]):
+            off |= set(members)
+    return tuple(n for n in names if n not in off)
+
+
+def _ort(trial: Any, space: Space) -> dict[str, Any]:
+    threads = trial.suggest_int("ort.threads", 1, space.cores)
+    extra: dict[str, str] = {}
+    if not trial.suggest_categorical("ort.prepacking", [True, False]):
+        extra["session.disable_prepacking"] = "1"
+    if trial.suggest_categorical("ort.denormal_as_zero", [False, True]):
+        extra["session.set_denormal_as_zero"] = "1"
+    if threads > 1 and trial.suggest_categorical("ort.pinning", [False, True]):
+        # logical processors for the pool's threads (the caller's thread is the first one)
+        extra["session.intra_op_thread_affinities"] = ";".join(
+            str(i + 2) for i in range(threads - 1)
+        )
+    return {
+        "optimization": trial.suggest_categorical("ort.optimization", ["basic", "extended", "all"]),
+        "intra_op_threads": threads,
+        "spinning": trial.suggest_categorical("ort.spinning", [True, False]),
+        "memory_arena": trial.suggest_categorical("ort.memory_arena", [True, False]),
+        "memory_pattern": trial.suggest_categorical("ort.memory_pattern", [True, False]),
+        "extra": extra,
+    }
+
+
+def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
+    hint = trial.suggest_categorical("openvino.hint", ["LATENCY", "THROUGHPUT"])
+    extra = {
+        "ENABLE_CPU_PINNING": "YES" if trial.suggest_categorical("openvino.pinning", [True, False])
+        else "NO",
+    }  # fmt: skip
+    group = trial.suggest_categorical("openvino.dynamic_quantization_group", [0, 32, 64, 128])
+    if group:
+        extra["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(group)
+    options: dict[str, Any] = {
+        "performance_hint": hint,
+        "num_streams": trial.suggest_int("openvino.streams", 1, space.cores),
+        "inference_num_threads": trial.suggest_int("openvino.threads", 1, space.cores),
+        "extra": extra,
+    }
+    return options
+
+
+class _Projection:
+    """A stand-in trial that answers each suggestion from `params` where the value is one
+    the space allows, else with the first allowed one; it keeps the answers it could take."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params, self.kept = params, {}
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        value = self.params.get(name, choices[0])
+        if name in self.params and value in choices:
+            self.kept[name] = value
+        return value if value in choices else choices[0]
+
+    def suggest_int(self, name: str, low: int, high: int) -> int:
+        value = self.params.get(name, low)
+        if name in self.params and isinstance(value, int) and low <= value <= high:
+            self.kept[name] = value
+            return value
+        return low
+
+
+def project(params: dict[str, Any], space: Space, model: ir.Model, base: CompileConfig) -> dict:
+    """The part of `params` (a past winner, the defaults) that lies in this space: what a
+    warm start may enqueue without handing the sampler a value it cannot take."""
+    trial = _Projection(params)
+    suggest(trial, space, model, base)
+    return trial.kept

@@ -1,0 +1,500 @@
+"""`kiln.tune.tune`: an Optuna study over `kiln.tune.space`, each trial built, verified and
+measured against the incumbent (`kiln.tune.bench`); the pick re-confirmed against the defaults
+over ≥ 1,000 runs, written as an artifact and remembered in the strategy library.
+
+A study lives in the storage (`kiln.tune.storage`) under its name, so an interrupted run
+resumes it and several workers — processes here, or machines on one PostgreSQL — share it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.backends import available_backends
+from kiln.compiler.api import save_result
+from kiln.config import ENGINES, PRECISIONS, CompileConfig
+from kiln.errors import KilnError
+from kiln.ir.inputs import read_inputs
+from kiln.ir.load import LoadedModel, load_model
+from kiln.tune.bench import Built, Measured, Refused, Workbench
+from kiln.tune.library import Library, Record
+from kiln.tune.measure import duel, tails
+from kiln.tune.objectives import Constraint, Objective
+from kiln.tune.signature import hardware, model_signature
+from kiln.tune.space import Space, project, suggest
+from kiln.tune.storage import GRACE_S, HEARTBEAT_S, default_url, optuna_storage
+
+Say = Callable[[str], None]
+CONFIRM_RUNS = 1000
+FINISHED = ("COMPLETE", "PRUNED")
+
+
+@dataclass
+class Plan:
+    """Everything a worker needs to join a study (picklable: workers are processes)."""
+
+    source: str
+    base: CompileConfig
+    objectives: list[Objective]
+    constraints: list[Constraint]
+    engines: list[str]
+    precisions: list[str]
+    trials: int
+    seconds_per_trial: float
+    url: str
+    study: str
+    timeout_s: float | None = None
+    seed: int | None = None
+    heartbeat_s: int = HEARTBEAT_S
+    grace_s: int = GRACE_S
+    confirm_seconds: float = 30.0  # to tighten the interval, once confirm_runs are done
+    confirm_runs: int = CONFIRM_RUNS
+
+
+@dataclass
+class TuneResult:
+    study: str
+    storage: str
+    trials: dict[str, int]  # by state
+    pick: dict[str, Any]  # params, config, measures
+    defaults: dict[str, Any]
+    gains: dict[str, Any]  # the confirmation: tuned vs defaults, with intervals
+    changed: dict[str, tuple[Any, Any]]  # knob → (default, tuned)
+    pareto: list[dict[str, Any]]
+    warm_start: list[str]
+    artifact: str | None = None
+    library_id: int | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    importances: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def default_params(space: Space, engine: str = "ort") -> dict[str, Any]:
+    """The Optuna parameters of the defaults: ORT, fp32, every pass, its own options."""
+    from kiln.tune.space import PASS_GROUPS
+
+    params: dict[str, Any] = {"engine": engine, f"{engine}.precision": "fp32"}
+    params |= {f"{engine}.passes.{g}": True for g in PASS_GROUPS}
+    if engine == "ort":
+        params |= {
+            "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
+            "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
+            "ort.memory_arena": True, "ort.memory_pattern": True,
+        }  # fmt: skip
+    if space.throughput:
+        params |= {"batch": 1, "concurrency": 1}
+    return params
+
+
+def choice_of(params: dict[str, Any], space: Space, loaded: LoadedModel, base: CompileConfig):
+    """The Choice a set of parameters stands for (as in the trial that suggested them)."""
+    import optuna
+
+    return suggest(optuna.trial.FixedTrial(params), space, loaded.model, base)
+
+
+def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Say = print,
+         on_trial: Callable[[int, int, float | None], None] | None = None,
+         warm_start: bool = True) -> TuneResult:  # fmt: skip
+    import optuna
+
+    loaded = load_model(plan.source)
+    space = _space(plan)
+    storage = optuna_storage(plan.url, plan.heartbeat_s, plan.grace_s)
+    library = Library(plan.url)
+    signature, machine = model_signature(loaded.model), hardware()
+    study = _study(plan, storage)
+    objective_name = "+".join(o.name for o in plan.objectives)
+    warm = []
+    if not study.trials:
+        defaults = project(default_params(space), space, loaded.model, plan.base)
+        study.enqueue_trial(defaults, skip_if_exists=True)
+        if warm_start:
+            for d, record in library.nearest(signature, machine["class"], objective_name):
+                params = project(record.params, space, loaded.model, plan.base)
+                study.enqueue_trial(params, skip_if_exists=True)
+                warm.append(f"{record.model} (distance {d:.2f})")
+    if warm:
+        say(f"warm start from the winners of {', '.join(warm)}")
+    bench = _workbench(plan, loaded, say)
+    _run(plan, study, workers, say, on_trial, bench)
+    study = optuna.load_study(study_name=plan.study, storage=storage)
+    pick, pareto = _pick(study, plan)
+    return _finish(plan, loaded, space, bench, study, pick, pareto, output, library,
+                   signature, machine, warm, say)  # fmt: skip
+
+
+def _space(plan: Plan) -> Space:
+    throughput = any(o.measure == "throughput" for o in plan.objectives) or any(
+        c.measure == "throughput" for c in plan.constraints
+    )
+    return Space.for_model(plan.engines, plan.precisions, throughput)
+
+
+def _study(plan: Plan, storage: Any) -> Any:
+    import optuna
+
+    directions = [o.direction for o in plan.objectives]
+    sampler = optuna.samplers.TPESampler(
+        seed=plan.seed, constraints_func=_violations if plan.constraints else None,
+        n_startup_trials=min(8, max(2, plan.trials // 4)), multivariate=True,
+    )  # fmt: skip
+    try:
+        study = optuna.create_study(
+            study_name=plan.study, storage=storage, directions=directions,
+            sampler=sampler, load_if_exists=True,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise KilnError(f"study '{plan.study}': {exc}") from None
+    if [d.name.lower() for d in study.directions] != directions:
+        raise KilnError(
+            f"study '{plan.study}' exists with other objectives; choose another --study name "
+            "or the same --objective."
+        )
+    return study
+
+
+def _violations(trial: Any) -> list[float]:
+    return list(trial.user_attrs.get("violations", [0.0]))
+
+
+def _workbench(plan: Plan, loaded: LoadedModel, say: Say = lambda _m: None) -> Workbench:
+    given, source = None, "given inputs"
+    if plan.base.inputs:
+        given, source = [read_inputs(plan.base.inputs, loaded.model)], plan.base.inputs
+    return Workbench(loaded, plan.base, plan.objectives, plan.constraints,
+                     plan.seconds_per_trial, given, source, say)  # fmt: skip
+
+
+def objective_function(plan: Plan, loaded: LoadedModel, bench: Workbench) -> Callable:
+    import optuna
+
+    space = _space(plan)
+
+    def objective(trial: Any) -> tuple[float, ...]:
+        choice = suggest(trial, space, loaded.model, plan.base)
+        same = _measured_before(trial)
+        if same is not None:  # nothing measured twice by accident
+            trial.set_user_attr("duplicate_of", same.number)
+            for key in ("measures", "violations", "config"):
+                trial.set_user_attr(key, same.user_attrs.get(key))
+            return tuple(same.values)
+        try:
+            measured = bench.measure(bench.build(choice))
+        except (Refused, KilnError) as exc:
+            trial.set_user_attr("refused", str(exc))
+            raise optuna.TrialPruned(str(exc)) from None
+        trial.set_user_attr("measures", measured.measures)
+        trial.set_user_attr("evidence", measured.evidence)
+        trial.set_user_attr("config", choice.config.to_json())
+        trial.set_user_attr(
+            "violations", [c.violation(measured.measures) for c in plan.constraints] or [0.0]
+        )
+        return tuple(measured.measures[o.measure] for o in plan.objectives)
+
+    return objective
+
+
+def _measured_before(trial: Any) -> Any:
+    import optuna
+
+    done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return next((t for t in done if t.params == trial.params), None)
+
+
+def _remaining(study: Any, trials: int) -> int:
+    import optuna
+
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return trials - len(study.get_trials(deepcopy=False, states=states))
+
+
+def _run(
+    plan: Plan, study: Any, workers: int, say: Say, on_trial: Callable | None, bench: Workbench
+) -> None:
+    if _remaining(study, plan.trials) <= 0:
+        say(f"study '{plan.study}' already has {plan.trials} finished trials")
+        return
+    remaining = _remaining(study, plan.trials)
+    if workers <= 1:
+        run_worker(plan, remaining, on_trial=on_trial, bench=bench)
+        return
+    # Each worker runs its share exactly: a worker that counted the study's trials itself
+    # could start one more while another is between trials (a race the shares cannot have).
+    shares = [remaining // workers + (i < remaining % workers) for i in range(workers)]
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=run_worker, args=(plan, share)) for share in shares if share
+    ]
+    for process in processes:
+        process.start()
+    try:
+        while any(p.is_alive() for p in processes):
+            if on_trial is not None:
+                _report(study, plan, on_trial)
+            time.sleep(1.0)
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+
+
+def run_worker(
+    plan: Plan, share: int, on_trial: Callable | None = None, bench: Workbench | None = None
+) -> None:
+    """One worker: join the study and run `share` trials (a retried trial of a dead worker
+    among them), or fewer when the study has `plan.trials` finished and running ones (other
+    machines' workers count) or `plan.timeout_s` is spent. Also the entry of worker
+    processes."""
+    import optuna
+
+    storage = optuna_storage(plan.url, plan.heartbeat_s, plan.grace_s)
+    study = optuna.load_study(study_name=plan.study, storage=storage,
+                              sampler=_study(plan, storage).sampler)  # fmt: skip
+    loaded = bench.loaded if bench is not None else load_model(plan.source)
+    bench = bench or _workbench(plan, loaded)
+    callbacks = [_enough(plan.trials)]
+    if on_trial is not None:
+        callbacks.append(lambda s, _t: _report(s, plan, on_trial))
+    if _remaining(study, plan.trials) > 0:
+        study.optimize(objective_function(plan, loaded, bench), n_trials=share,
+                       timeout=plan.timeout_s, callbacks=callbacks)  # fmt: skip
+
+
+def _enough(trials: int) -> Callable[[Any, Any], None]:
+    """Stop this worker when the finished trials and those other workers are running make
+    `trials`: counting only finished ones (Optuna's MaxTrialsCallback) lets every worker start
+    one more at the end."""
+    import optuna
+
+    states = (
+        optuna.trial.TrialState.COMPLETE,
+        optuna.trial.TrialState.PRUNED,
+        optuna.trial.TrialState.RUNNING,
+    )
+
+    def callback(study: Any, _trial: Any) -> None:
+        if len(study.get_trials(deepcopy=False, states=states)) >= trials:
+            study.stop()
+
+    return callback
+
+
+def _report(study: Any, plan: Plan, on_trial: Callable) -> None:
+    finished = plan.trials - _remaining(study, plan.trials)
+    best = _best_value(study, plan)
+    on_trial(finished, plan.trials, best)
+
+
+def _best_value(study: Any, plan: Plan) -> float | None:
+    values = [t.values[0] for t in _feasible(study)]
+    if not values:
+        return None
+    return min(values) if plan.objectives[0].direction == "minimize" else max(values)
+
+
+def _feasible(study: Any) -> list[Any]:
+    import optuna
+
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return [t for t in done if all(v <= 0 for v in t.user_attrs.get("violations", [0.0]))]
+
+
+def _pick(study: Any, plan: Plan) -> tuple[Any, list[Any]]:
+    feasible = _feasible(study)
+    if not feasible:
+        raise KilnError(_nothing_met(study, plan))
+    first = plan.objectives[0]
+    sign = 1 if first.direction == "minimize" else -1
+    front = _pareto(feasible, plan.objectives)
+    return min(front, key=lambda t: sign * t.values[0]), front
+
+
+def _pareto(trials: list[Any], objectives: list[Objective]) -> list[Any]:
+    signs = [1 if o.direction == "minimize" else -1 for o in objectives]
+
+    def dominates(a: Any, b: Any) -> bool:
+        pairs = [(s * x, s * y) for s, x, y in zip(signs, a.values, b.values, strict=True)]
+        return all(x <= y for x, y in pairs) and any(x < y for x, y in pairs)
+
+    return [t for t in trials if not any(dominates(o, t) for o in trials)]
+
+
+def _nothing_met(study: Any, plan: Plan) -> str:
+    import optuna
+
+    trials = study.get_trials(deepcopy=False)
+    refused = [t.user_attrs["refused"] for t in trials if "refused" in t.user_attrs]
+    over = sum(
+        1 for t in trials
+        if t.state == optuna.trial.TrialState.COMPLETE
+        and any(v > 0 for v in t.user_attrs.get("violations", [0.0]))
+    )  # fmt: skip
+    why = []
+    if refused:
+        why.append(f"{len(refused)} refused (first: {refused[0]})")
+    if over:
+        limits = ", ".join(c.text for c in plan.constraints)
+        why.append(f"{over} measured outside {limits}")
+    return (
+        f"no configuration met the budget in {len(trials)} trials of study '{plan.study}'"
+        f"{': ' + '; '.join(why) if why else ''}. Loosen --max-drop or the limits, or run more "
+        "--trials (the study is kept and resumes)."
+    )
+
+
+def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, signature,
+            machine, warm, say) -> TuneResult:  # fmt: skip
+    defaults = default_params(space)
+    say(f"confirming trial {pick.number} against the defaults over {plan.confirm_runs}+ runs")
+    tuned = bench.build(choice_of(pick.params, space, loaded, plan.base))
+    base = bench.build(choice_of(defaults, space, loaded, plan.base))
+    gains = confirm(tuned, base, plan)
+    gains["verdict"] = verdict(plan.objectives[0], gains)
+    if gains["verdict"] != "better":
+        say(f"the pick is {gains['verdict']} than the defaults on {plan.objectives[0].name}: "
+            "the defaults are kept")  # fmt: skip
+        tuned, pick = base, None
+    artifact = None
+    if output is not None:
+        artifact = str(save_result(tuned.result, output, {"tune": gains}).path)
+    params = pick.params if pick is not None else defaults
+    changed = {k: (defaults.get(k), v) for k, v in params.items() if defaults.get(k) != v}
+    front = [{"trial": t.number, "values": list(t.values), "params": t.params} for t in pareto]
+    objective_name = "+".join(o.name for o in plan.objectives)
+    record = Record(
+        kind="study", hardware=machine, model=loaded.name, signature=signature,
+        objective=objective_name, params=params, config=tuned.result.config.to_json(),
+        gains=gains, pareto=front, evidence={"study": plan.study, "trials": len(study.trials)},
+    )  # fmt: skip
+    record_id = library.add(record)
+    return TuneResult(
+        study=plan.study, storage=_safe_url(plan.url), trials=_states(study),
+        pick={
+            "trial": pick.number if pick else None, "params": params,
+            "values": list(pick.values) if pick else None,
+            "config": tuned.result.config.to_json(),
+            "measures": pick.user_attrs.get("measures") if pick else None,
+        },
+        defaults={"params": defaults}, gains=gains, changed=changed, pareto=front,
+        warm_start=warm, artifact=artifact, library_id=record_id,
+        history=[{"trial": t.number, "state": t.state.name, "values": t.values,
+                  "refused": t.user_attrs.get("refused")} for t in study.trials],
+        importances=_importances(study),
+    )  # fmt: skip
+
+
+def confirm(tuned: Built, base: Built, plan: Plan) -> dict[str, Any]:
+    """Tuned against the defaults, interleaved, ≥ CONFIRM_RUNS runs each: the ratio of P50s
+    with its interval, and each side's tails."""
+    gains: dict[str, Any] = {}
+    fight = duel(tuned.runners[0], base.runners[0], seconds=plan.confirm_seconds,
+                 runs=20, min_runs=plan.confirm_runs, tight=0.01)  # fmt: skip
+    mine, theirs = tails(fight.trial_s), tails(fight.incumbent_s)
+    speed = 1 / fight.ratio.value
+    gains["speedup"] = {
+        "value": speed,
+        "low": 1 / fight.ratio.high,
+        "high": 1 / fight.ratio.low,
+        "runs": len(fight.trial_s),
+        "rounds": fight.rounds,
+    }
+    gains["tuned"], gains["defaults"] = mine.to_json(), theirs.to_json()
+    gains["tuned"]["memory_mib"] = tuned.memory_mib
+    gains["defaults"]["memory_mib"] = base.memory_mib
+    if any(o.measure == "throughput" for o in plan.objectives):
+        from kiln.tune.bench import rate_duel
+
+        gains["throughput_ratio"] = rate_duel(tuned, base, plan.seconds_per_trial * 2).to_json()
+    return gains
+
+
+def verdict(objective: Objective, gains: dict[str, Any]) -> str:
+    """ "better" only where the confirmation says so beyond its interval; else "no better"
+    (within noise) or "worse"."""
+    if objective.measure == "throughput" and "throughput_ratio" in gains:
+        low, high = gains["throughput_ratio"]["low"], gains["throughput_ratio"]["high"]
+    elif objective.measure == "p50_ms":
+        low, high = gains["speedup"]["low"], gains["speedup"]["high"]
+    elif objective.measure in ("p99_ms", "jitter"):
+        mine, theirs = gains["tuned"][objective.measure], gains["defaults"][objective.measure]
+        if mine["high"] < theirs["low"]:
+            return "better"
+        return "worse" if mine["low"] > theirs["high"] else "no better"
+    else:  # memory: one measurement each; 5 % either way is noise
+        ratio = gains["defaults"]["memory_mib"] / max(gains["tuned"]["memory_mib"], 1.0)
+        return "better" if ratio > 1.05 else "worse" if ratio < 0.95 else "no better"
+    return "better" if low > 1 else "worse" if high < 1 else "no better"
+
+
+def _importances(study: Any) -> dict[str, float]:
+    """How much each knob moved the first objective (Optuna's fANOVA); {} when too few
+    trials differ to say."""
+    import optuna
+
+    try:
+        found = optuna.importance.get_param_importances(study, target=lambda t: t.values[0])
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        return {}
+    return {k: float(v) for k, v in found.items()}
+
+
+def _states(study: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    return counts
+
+
+def _safe_url(url: str) -> str:
+    from kiln.tune.storage import _safe
+
+    return _safe(url)
+
+
+def plan_for(
+    source: str, *, objectives: list[Objective], constraints: list[Constraint],
+    base: CompileConfig, trials: int, timeout_s: float | None, url: str | None,
+    study: str | None, engines: list[str] | None = None, precisions: list[str] | None = None,
+    seconds_per_trial: float = 3.0, seed: int | None = None, confirm_runs: int = CONFIRM_RUNS,
+    stale_after_s: int = GRACE_S,
+) -> Plan:  # fmt: skip
+    """A Plan with Kiln's defaults filled in; bad values are refused here, before any work."""
+    if trials < 1:
+        raise KilnError(f"--trials {trials}: give 1 or more.")
+    if stale_after_s < 2:
+        raise KilnError(f"--stale-after {stale_after_s}: give 2 seconds or more.")
+    if confirm_runs < 1:
+        raise KilnError(f"--confirm-runs {confirm_runs}: give 1 or more.")
+    if timeout_s is not None and timeout_s <= 0:
+        raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")
+    installed = [e for e in available_backends() if e in ENGINES]
+    engines = engines or installed
+    missing = [e for e in engines if e not in installed]
+    if missing:
+        raise KilnError(f"engine {missing[0]} is not installed; installed: {', '.join(installed)}.")
+    unknown = [p for p in precisions or [] if p not in PRECISIONS]
+    if unknown:
+        raise KilnError(f"unknown precision '{unknown[0]}'; use {', '.join(PRECISIONS)}.")
+    name = Path(source).stem if not source.startswith("zoo:") else source[4:]
+    objective = "+".join(o.name for o in objectives)
+    return Plan(
+        source=source, base=base, objectives=objectives, constraints=constraints,
+        engines=engines, precisions=list(precisions or PRECISIONS), trials=trials,
+        seconds_per_trial=seconds_per_trial, url=url or default_url(),
+        study=study or f"{name}-{objective}-{hardware()['class'][:8]}", timeout_s=timeout_s,
+        seed=seed, confirm_runs=confirm_runs, grace_s=stale_after_s,
+        heartbeat_s=max(1, min(HEARTBEAT_S, stale_after_s // 4)),
+    )  # fmt: skip
+
+
+__all__ = ["Measured", "Plan", "TuneResult", "plan_for", "run_worker", "tune"]

@@ -1,0 +1,106 @@
+"""`kiln tune`: a study builds verified trials, measures them against the incumbent, keeps
+its pick only when it beats the defaults beyond noise, resumes when interrupted, remembers
+winners in the strategy library and warm-starts similar models from them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import optuna
+import pytest
+
+import kiln
+from kiln.config import CompileConfig
+from kiln.tune import parse_objectives, plan_for, tune
+from kiln.tune.library import Library, Record
+from kiln.tune.signature import hardware
+from kiln.tune.storage import default_url
+
+
+def plan(model="zoo:resnet-tiny", trials=3, study=None, **overrides):
+    settings = dict(
+        objectives=parse_objectives(["latency"]), constraints=[], base=CompileConfig(),
+        trials=trials, timeout_s=None, url=None, study=study, seconds_per_trial=0.3,
+        seed=0, precisions=["fp32"], engines=["ort"], confirm_runs=200,
+    )  # fmt: skip
+    settings.update(overrides)
+    made = plan_for(model, **settings)
+    made.confirm_seconds = 1.0
+    return made
+
+
+def finished(study_name: str) -> list[optuna.trial.FrozenTrial]:
+    study = optuna.load_study(study_name=study_name, storage=default_url())
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return study.get_trials(states=states)
+
+
+def test_a_study_writes_a_verified_artifact_and_remembers_its_winner(tmp_path):
+    result = tune(plan(), tmp_path / "tuned.kiln", say=lambda _m: None)
+    session = kiln.Session(result.artifact)
+    feeds = {"input": np.random.rand(1, 3, 32, 32).astype(np.float32)}
+    assert session.run(None, feeds)[0].shape == (1, 10)
+    manifest = json.loads((tmp_path / "tuned.kiln" / "manifest.json").read_text())
+    assert manifest["verification"]["ok"]
+    speed = result.gains["speedup"]
+    assert speed["low"] <= speed["value"] <= speed["high"] and speed["runs"] >= 200
+    assert result.gains["verdict"] in ("better", "no better", "worse")
+    if result.gains["verdict"] != "better":  # kept only when measured better
+        assert result.changed == {}
+    assert result.trials["COMPLETE"] + result.trials.get("PRUNED", 0) == 3
+    records = Library(default_url()).records(hardware()["class"])
+    assert [r.model for r in records] == ["resnet-tiny"] and records[0].id == result.library_id
+
+
+def test_an_interrupted_study_resumes_where_it_stopped(tmp_path):
+    tune(plan(trials=2, study="resume"), None, say=lambda _m: None)
+    first = [t.params for t in finished("resume")]
+    tune(plan(trials=4, study="resume"), None, say=lambda _m: None)
+    after = finished("resume")
+    assert len(after) == 4 and [t.params for t in after[:2]] == first
+
+
+def test_a_new_model_is_warm_started_from_the_nearest_winner_on_this_hardware_only():
+    library = Library(default_url())
+    signature = {"ops": {"Conv": 1.0}, "nodes": 10, "flops": {"conv": 1, "matmul": 0},
+                 "parameters": 1, "dynamic_dims": []}  # fmt: skip
+    winner = {"engine": "ort", "ort.precision": "fp32", "ort.threads": 1}
+    here, elsewhere = hardware(), {**hardware(), "class": "another-machine"}
+    for machine, model in ((here, "conv-net"), (elsewhere, "other-conv-net")):
+        library.add(Record("study", machine, model, signature, "latency", winner, {}, {}, [], {}))
+    result = tune(plan(trials=2, study="warm"), None, say=lambda _m: None)
+    assert [w.split(" ")[0] for w in result.warm_start] == ["conv-net"]
+    params = [t.params for t in finished("warm")]
+    assert any(p.get("ort.threads") == 1 for p in params), params
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--objective", "speed"], "unknown objective 'speed'"),
+        (["--time", "0"], "--time 0: give a positive duration"),
+        (["--trials", "0"], "--trials 0: give 1 or more"),
+        (["--max-p50", "fast"], "--max-p50 fast: expected a number"),
+        (["--storage", "postgresql+psycopg://kiln@127.0.0.1:1/none"], "cannot connect"),
+        (["--storage", "nonsense://"], "not a database URL"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_work(args, message):
+    outcome = subprocess.run(
+        [sys.executable, "-m", "kiln", "tune", "zoo:resnet-tiny", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert outcome.returncode == 2, outcome.stderr
+    lines = outcome.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], outcome.stderr
+
+
+def test_a_budget_no_configuration_meets_is_one_line_and_the_study_stays(tmp_path):
+    with pytest.raises(kiln.KilnError, match="no configuration met the budget in 2 trials"):
+        tune(plan(trials=2, study="impossible", precisions=["int8"], base=CompileConfig(
+            metric="cosine", max_drop=0.0)), tmp_path / "x.kiln", say=lambda _m: None)  # fmt: skip
+    assert not (tmp_path / "x.kiln").exists()
+    assert {t.state.name for t in finished("impossible")} == {"PRUNED"}
