@@ -72,12 +72,21 @@ def main() -> None:
             artifact = Path(tmp) / f"{Path(model.replace(':', '_')).stem}.kiln"
             choice = auto_artifact(model, inputs, calib, artifact, 3, say)
             result = run_bench(
-                str(artifact), against_here(), 1, args.rounds, args.runs, say, inputs=inputs, calib=calib
+                str(artifact),
+                against_here(),
+                1,
+                args.rounds,
+                args.runs,
+                say,
+                inputs=inputs,
+                calib=calib,
             )
             print_bench(result, Console())
             Console().print(
-                f"auto chose {choice['choice']} (candidates: {choice['candidates']}; refused: "
-                f"{choice['refused']}) in {time.time() - start:.0f} s"
+                f"auto chose {choice['choice']}, {choice['speedup']:.2f}× "
+                f"{choice.get('speedup_spread')} {choice.get('verdict')} (candidates: "
+                f"{choice['candidates']}; refused: {choice['refused']}) in "
+                f"{time.time() - start:.0f} s"
             )
             report["models"][model] = {"auto": choice, "bench": result}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

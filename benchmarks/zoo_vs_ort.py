@@ -4,7 +4,8 @@ ONNX Runtime as-is, interleaved in one process.
     python benchmarks/zoo_vs_ort.py [--rounds 7] [--runs 10] [--out results/zoo_vs_ort.json]
 
 Transformers are also timed against ONNX Runtime's offline transformers optimizer. Every
-figure is a median of per-round P50 ratios; the JSON has all the per-engine statistics.
+figure is a ratio of P50s (each the median of per-round P50s) with the range of per-round
+ratios and a verdict (kiln.timing.speedup); the JSON has all the per-engine statistics.
 """
 
 from __future__ import annotations

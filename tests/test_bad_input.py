@@ -203,7 +203,7 @@ CASES: dict[str, Case] = {
         _non_artifact_dir,
         OPTIMIZE,
         "model.kiln: exists and is not a Kiln artifact; refusing to replace it. Choose "
-        "another -o path or remove it first.",
+        "another -o path, remove it first, or pass --force.",
     ),
     "inputs-missing-file": Case(
         lambda d: None,

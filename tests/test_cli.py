@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from kiln import zoo
-from kiln.report.terminal import print_bench, print_doctor, print_optimize, print_zoo_info
+from kiln.report.terminal import ms, print_bench, print_doctor, print_optimize, print_zoo_info
 
 
 def rendered(render, data) -> str:
@@ -111,7 +111,7 @@ def test_bench_compares_engines_and_writes_json(tmp_path):
         if len(cells) > 2
     }
     for name, engine in result["engines"].items():
-        assert rows[name] == f"{engine['p50_ms']:.2f}"
+        assert rows[name] == ms(engine["p50_ms"])
 
 
 def test_doctor_names_engines_and_cpu(tmp_path):

@@ -29,6 +29,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def output_problem(path: Path, directory: bool = False) -> str | None:
+    """Why `path` cannot receive what a verb will write there (a file, or with `directory` an
+    artifact directory), or None. Checked before the long work, so a bad -o costs nothing: the
+    parent must be an existing directory this process can create files in (tried, not
+    guessed: permissions, read-only mounts and ACLs all answer), and a file's path must not be
+    a directory."""
+    path = Path(path)
+    parent = path.absolute().parent
+    if not parent.exists():
+        return f"the directory {parent} does not exist"
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not directory and path.is_dir():
+        return "is a directory; give a file path"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+    except OSError as exc:
+        return f"cannot write in {parent} ({exc.strerror or exc})"
+    os.close(fd)
+    Path(probe).unlink(missing_ok=True)
+    return None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 

@@ -1,7 +1,10 @@
 """Latency measurement: warm-up, interleaved rounds, percentiles, jitter, ratios.
 
 The machine is shared and noisy, so engines are never measured one after the other: each round
-runs every engine (in rotating order) and speedups are the median of per-round P50 ratios.
+runs every engine (in rotating order). An engine's P50 is the median of its per-round P50s, a
+speedup is the ratio of two such P50s (so the figures printed beside it always agree with it),
+and the per-round ratios give its spread and the verdict: faster, no different within noise,
+or slower.
 """
 
 from __future__ import annotations
@@ -72,15 +75,64 @@ def interleave(
     return samples
 
 
-def round_ratios(samples: dict[str, list[list[float]]], baseline: str) -> dict[str, float]:
-    """Median over rounds of P50(baseline) / P50(engine): > 1 means faster than the baseline."""
-    out = {}
-    for name, rounds in samples.items():
-        ratios = [
-            statistics.median(base) / statistics.median(mine)
-            for base, mine in zip(samples[baseline], rounds, strict=True)
-        ]
-        out[name] = statistics.median(ratios)
+# Below this many rounds the per-round ratios say nothing about the noise.
+MIN_ROUNDS_FOR_SPREAD = 3
+FASTER, SAME, SLOWER, UNKNOWN, BASELINE = (
+    "faster", "no different within noise", "slower", "unknown", "baseline"
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """How much faster an engine ran than the baseline, and whether that is beyond noise.
+
+    `value` = P50(baseline) / P50(engine), each P50 the median of per-round P50s; `spread` is
+    the lowest and highest per-round P50 ratio (None below MIN_ROUNDS_FOR_SPREAD rounds, where
+    the noise is unknown); the verdict is "faster" when every round says so, "slower" when
+    every round says so, otherwise "no different within noise"."""
+
+    value: float
+    spread: tuple[float, float] | None
+    verdict: str
+
+    def to_json(self) -> dict:
+        spread = None if self.spread is None else [self.spread[0], self.spread[1]]
+        return {"speedup": self.value, "speedup_spread": spread, "verdict": self.verdict}
+
+
+def round_p50_ms(rounds: list[list[float]]) -> float:
+    """The median over rounds of each round's P50, in ms: one bad round cannot move it."""
+    return statistics.median(statistics.median(r) for r in rounds) * 1e3
+
+
+def round_stats(rounds: list[list[float]], batch: int = 1) -> LatencyStats:
+    """Statistics of interleaved rounds: P50 as `round_p50_ms` (the figure speedups are ratios
+    of), the tails, mean and throughput over every run."""
+    flat = stats(flatten(rounds), batch)
+    p50 = round_p50_ms(rounds)
+    flat.p50_ms = p50
+    flat.jitter = (flat.p99_ms - p50) / p50 if p50 > 0 else 0.0
+    return flat
+
+
+def speedup(baseline: list[list[float]], engine: list[list[float]]) -> Speedup:
+    """The one place a speedup, its spread and its verdict are derived (optimize, auto's
+    choice and bench all use it). Both arguments: per round, the per-run latencies."""
+    value = round_p50_ms(baseline) / round_p50_ms(engine)
+    if len(engine) < MIN_ROUNDS_FOR_SPREAD:
+        return Speedup(value, None, UNKNOWN)
+    ratios = [
+        statistics.median(b) / statistics.median(e) for b, e in zip(baseline, engine, strict=True)
+    ]
+    low, high = min(min(ratios), value), max(max(ratios), value)
+    verdict = FASTER if low > 1 else SLOWER if high < 1 else SAME
+    return Speedup(value, (low, high), verdict)
+
+
+def speedups(samples: dict[str, list[list[float]]], baseline: str) -> dict[str, Speedup]:
+    """Every engine's `speedup` against `baseline`; the baseline's own is 1× by definition."""
+    out = {name: speedup(samples[baseline], rounds) for name, rounds in samples.items()}
+    out[baseline] = Speedup(1.0, (1.0, 1.0), BASELINE)
     return out
 
 

@@ -19,9 +19,11 @@ import onnx_ir as ir
 from kiln.artifact.manifest import Manifest
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
-from kiln.ir.load import resolve_source
+from kiln.home import output_problem
+from kiln.ir.load import read_checked
 from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins
 
+REBUILD = "Rebuild it with kiln optimize."
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 # Weights above this size go to the external data file, keeping model.onnx small to inspect.
@@ -39,8 +41,37 @@ class Artifact:
     def model_path(self) -> Path:
         return self.path / MODEL_FILE
 
-    def provenance(self) -> dict[str, Any]:
-        return json.loads((self.path / "provenance.json").read_text())
+    def provenance(self) -> dict[str, dict[str, Any]]:
+        """Compiled node → {op_type, origin, passes}, as `provenance_map` wrote it."""
+        where = self.path / "provenance.json"
+        try:
+            data = json.loads(where.read_text())
+        except FileNotFoundError:
+            raise KilnError(
+                f"{self.path}: the artifact is missing provenance.json. {REBUILD}"
+            ) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise KilnError(
+                f"{where}: corrupted provenance ({_one_line(exc)}). {REBUILD}"
+            ) from None
+        if not _is_provenance(data):
+            raise KilnError(
+                f"{where}: corrupted provenance (not a map of compiled nodes). {REBUILD}"
+            )
+        return data
+
+
+def _is_provenance(data: Any) -> bool:
+    def is_names(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(n, str) for n in value)
+
+    return isinstance(data, dict) and all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("op_type"), str)
+        and is_names(entry.get("origin"))
+        and is_names(entry.get("passes"))
+        for entry in data.values()
+    )
 
 
 def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
@@ -55,14 +86,18 @@ def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_artifact(destination: Path, model: ir.Model, manifest: Manifest) -> Artifact:
+def write_artifact(
+    destination: Path, model: ir.Model, manifest: Manifest, force: bool = False
+) -> Artifact:
     """Write atomically: everything goes to a temporary sibling, then one rename.
 
-    An existing artifact at `destination` is replaced; anything else there is refused and left
-    untouched. On any failure nothing is left behind: no partial or temporary directory.
+    An existing Kiln artifact at `destination` is replaced; anything else there (a file, a
+    directory that is not an artifact, an artifact holding files of the user's) is refused and
+    left untouched unless `force`. On any failure nothing is left behind: no partial or
+    temporary directory, and what was at `destination` stays there.
     """
     destination = Path(destination)
-    parent = check_destination(destination)
+    parent = check_destination(destination, force)
     tmp = old = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
@@ -74,9 +109,9 @@ def write_artifact(destination: Path, model: ir.Model, manifest: Manifest) -> Ar
             ir.save(model, tmp / MODEL_FILE)
         _write_json(tmp / "provenance.json", provenance_map(model))
         _write_json(tmp / "manifest.json", manifest.to_json())
-        _refuse_non_artifact(destination)
-        if destination.exists():
-            # Move the old artifact aside first, so a failed rename can put it back.
+        _refuse_non_artifact(destination, force)  # it may have changed while we compiled
+        if destination.exists() or destination.is_symlink():
+            # Move the old one aside first, so a failed rename can put it back.
             old = tmp.with_name(tmp.name + ".old")
             destination.rename(old)
             try:
@@ -94,30 +129,61 @@ def write_artifact(destination: Path, model: ir.Model, manifest: Manifest) -> Ar
         ) from None
     finally:
         for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
-                shutil.rmtree(leftover, ignore_errors=True)
+            _remove(leftover)
     return Artifact(destination, manifest)
 
 
-def check_destination(destination: Path) -> Path:
-    """Refuse, before any work, a destination that cannot receive an artifact; return its
-    parent directory."""
+# What write_artifact puts in an artifact: anything else in one is the user's.
+ARTIFACT_FILES = frozenset({"manifest.json", MODEL_FILE, DATA_FILE, "provenance.json"})
+
+
+def check_destination(destination: Path, force: bool = False) -> Path:
+    """Refuse, before any work, a destination that cannot receive an artifact: its directory
+    missing or not writable, or something there that is not a Kiln artifact of Kiln's own
+    files alone (unless `force`). Return its parent directory."""
+    destination = Path(destination)
     parent = destination.absolute().parent
-    if not parent.is_dir():
-        raise KilnError(
-            f"{destination}: the directory {parent} does not exist. Create it or choose "
-            "another -o path."
-        )
-    _refuse_non_artifact(destination)
+    problem = output_problem(destination, directory=True)
+    if problem:
+        raise KilnError(f"{destination}: {problem}. Nothing was done; choose another -o path.")
+    _refuse_non_artifact(destination, force)
     return parent
 
 
-def _refuse_non_artifact(destination: Path) -> None:
-    if destination.exists() and not (destination / "manifest.json").is_file():
+def replaces_existing(destination: Path) -> bool:
+    """True when writing to `destination` replaces something already there."""
+    destination = Path(destination)
+    return destination.exists() or destination.is_symlink()
+
+
+def _refuse_non_artifact(destination: Path, force: bool = False) -> None:
+    if force or not (destination.exists() or destination.is_symlink()):
+        return
+    if destination.is_symlink() or not (destination / "manifest.json").is_file():
         raise KilnError(
             f"{destination}: exists and is not a Kiln artifact; refusing to replace it. "
-            "Choose another -o path or remove it first."
+            "Choose another -o path, remove it first, or pass --force."
         )
+    foreign = sorted(p.name for p in destination.iterdir() if p.name not in ARTIFACT_FILES)
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        shown = ", ".join(foreign[:5]) + more
+        raise KilnError(
+            f"{destination}: a Kiln artifact that also holds files it did not write ({shown}); "
+            "refusing to replace it and lose them. Move them out, choose another -o path, or "
+            "pass --force."
+        )
+
+
+def _remove(path: Path | None) -> None:
+    """Remove a leftover (a temporary artifact, or what it replaced: with --force maybe a
+    file or a link)."""
+    if path is None or not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def read_artifact(path: str | Path) -> Artifact:
@@ -130,17 +196,17 @@ def read_artifact(path: str | Path) -> Artifact:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise KilnError(
-            f"{manifest_path}: corrupted manifest ({exc}). Rebuild it with kiln optimize."
+            f"{manifest_path}: corrupted manifest ({_one_line(exc)}). {REBUILD}"
         ) from None
     if not isinstance(manifest, dict):
         raise KilnError(f"{manifest_path}: corrupted manifest. Rebuild it with kiln optimize.")
     manifest = Manifest.from_json(manifest, str(manifest_path))
     if not (path / MODEL_FILE).is_file():
         raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
-    try:  # the same checks as any model file: truncated or garbage bytes are one clear line
-        resolve_source(str(path / MODEL_FILE))
+    try:  # the same checks as any model file: a damaged model is one clear line, not a crash
+        read_checked(path / MODEL_FILE, str(path / MODEL_FILE))
     except KilnError as exc:
         raise KilnError(
             f"{exc} The artifact {path} is damaged; rebuild it with kiln optimize."
@@ -152,6 +218,12 @@ def read_artifact(path: str | Path) -> Artifact:
             stacklevel=2,
         )
     return Artifact(path, manifest)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split())
 
 
 def _write_json(path: Path, data: Any) -> None:

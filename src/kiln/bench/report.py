@@ -15,13 +15,14 @@ from kiln.bench.engines import ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
-from kiln.timing import flatten, interleave, round_ratios, stats
+from kiln.timing import interleave, round_stats, speedups
 
 
 def _kiln_runner(
     model: str, say: Callable[[str], None], shapes: dict | None = None, backend: str = "ort"
 ):
-    """The Kiln engine and the original model: from an artifact, or compiled here in memory."""
+    """The original model, the Kiln engine (from an artifact, or compiled here in memory) and
+    what that engine is: its source model and whether `--backend/--precision auto` chose it."""
     from kiln.backends import get_backend
     from kiln.compiler import CompileConfig, build
     from kiln.ir import load_model
@@ -38,12 +39,15 @@ def _kiln_runner(
                 f"{model}: bench compares against the original model, {source}, which "
                 f"cannot be loaded ({exc})"
             ) from None
-        return original, lambda feeds: lambda: session.run(None, feeds)
+        timing = session.artifact.manifest.benchmark or {}
+        built = {"source": source, "auto": len(timing.get("candidates", {})) > 1}
+        return original, lambda feeds: lambda: session.run(None, feeds), built
     say(f"compiling {model}")
     config = CompileConfig(engine=backend, shapes=shapes or {})
     result, _ = build(load_model(model), config, progress=say)
     exe = get_backend(backend).compile(result.model, result.options)
-    return result.loaded.model, lambda feeds: lambda: exe.run(feeds)
+    built = {"source": model, "auto": False}
+    return result.loaded.model, lambda feeds: lambda: exe.run(feeds), built
 
 
 def run_bench(
@@ -62,7 +66,7 @@ def run_bench(
     from kiln.ir.inputs import read_calibration, read_inputs
 
     engines = parse_engines(against)
-    original, kiln_for = _kiln_runner(model, say, shapes, backend)
+    original, kiln_for, built = _kiln_runner(model, say, shapes, backend)
     if inputs:
         feeds = read_inputs(inputs, original)
         batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
@@ -82,7 +86,7 @@ def run_bench(
         runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"round {r}/{rounds}")
     )
     baseline = engines[0] if engines else "kiln"
-    ratios = round_ratios(samples, baseline)
+    compared = speedups(samples, baseline)
     cpu = cpu_info()
     return {
         "command": command,
@@ -96,11 +100,14 @@ def run_bench(
         "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features},
         "versions": _versions(),
         "baseline": baseline,
+        "kiln_build": built,
         "engines": {
             name: {
                 "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
-                **stats(flatten(samples[name]), batch).to_json(),
-                "speedup_vs_baseline": ratios[name],
+                **round_stats(samples[name], batch).to_json(),
+                "speedup_vs_baseline": compared[name].value,
+                "speedup_spread": compared[name].to_json()["speedup_spread"],
+                "verdict": compared[name].verdict,
                 "cosine_vs_fp32": drift[name],
             }
             for name in runners

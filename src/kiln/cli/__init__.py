@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Annotated
 
 import typer
 
-from kiln.cli import bench, doctor, optimize, profile, run, serve, zoo
+from kiln.cli import bench, doctor, optimize, profile, run, serve, strategies, tune, zoo
 from kiln.cli.console import err
 from kiln.errors import KilnError
 
@@ -20,7 +21,30 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every verb inherits -h
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from kiln import __version__
+
+        typer.echo(f"kiln {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print Kiln's version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Kiln: compile, verify and benchmark neural-network models for this machine."""
+
+
 app.add_typer(zoo.app, name="zoo")
 app.command()(optimize.optimize)
 app.command()(run.run)
@@ -28,6 +52,8 @@ app.command()(bench.bench)
 app.command()(doctor.doctor)
 app.command()(serve.serve)
 app.command()(profile.profile)
+app.command()(tune.tune)
+app.add_typer(strategies.app, name="strategies")
 
 
 class Stopped(BaseException):

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress
+from kiln.cli.console import (
+    JsonOpt,
+    at_least,
+    check_output,
+    console,
+    emit_json,
+    progress,
+    speed_advice,
+)
+from kiln.errors import KilnError
 
 
 def bench(
@@ -43,13 +51,16 @@ def bench(
 ) -> None:
     """Kiln against other engines, interleaved in one process: P50/P90/P99, jitter, throughput.
 
-    Speedups are medians of per-round P50 ratios against the first engine in --against.
+    Each engine's P50 is the median of its per-round P50s; its speedup is the first --against
+    engine's P50 over its own, shown with the range of per-round ratios and a verdict: faster,
+    no different within noise, or slower (3 rounds or more; fewer leave the spread unknown).
     """
     from kiln.bench.report import run_bench
     from kiln.ir.inputs import parse_shapes
     from kiln.report.terminal import print_bench
 
     at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
+    check_output(output)  # before the benchmark, not after it: its results are not lost
     with progress() as bar:
         task = bar.add_task("preparing")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
@@ -57,9 +68,28 @@ def bench(
             model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape),
             inputs=inputs, calib=calib,
         )  # fmt: skip
+    result["advice"] = _advice(result)
     if output:
-        output.write_text(json.dumps(result, indent=2) + "\n")
+        from kiln.home import atomic_write_json
+
+        try:
+            atomic_write_json(output, result)
+        except OSError as exc:
+            raise KilnError(
+                f"-o {output}: could not write the results ({exc.strerror or exc})."
+            ) from None
     if as_json:
         emit_json(result)
     else:
         print_bench(result, console)
+
+
+def _advice(result: dict) -> str:
+    """What Kiln's row means against the baseline, and what to try when it is not faster."""
+    kiln, built = result["engines"].get("kiln"), result.get("kiln_build") or {}
+    if kiln is None or result["baseline"] == "kiln":
+        return ""
+    return speed_advice(
+        kiln["verdict"], "kiln", result["baseline"], built.get("source", result["model"]),
+        auto=built.get("auto", False),
+    )  # fmt: skip

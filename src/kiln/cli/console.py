@@ -1,13 +1,15 @@
 """What every verb shares: the consoles, the progress bar, JSON output and common options.
 
-A leaf: it imports nothing from Kiln but its error type, so any verb can use it and
-`kiln --help` stays fast.
+A leaf: it imports nothing from Kiln but its error type and `kiln.home`'s output check, so any
+verb can use it and `kiln --help` stays fast.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,12 +17,14 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kiln.errors import KilnError
+from kiln.home import output_problem
 
 console = Console()
 err = Console(stderr=True)
 
 ModelArg = Annotated[str, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+AUTO_FLAGS = "--backend auto --precision auto"
 
 
 def progress() -> Progress:
@@ -49,3 +53,41 @@ def at_least(**counts: tuple[int, int]) -> None:
         if value < minimum:
             flag = "--" + name.replace("_", "-")
             raise KilnError(f"{flag} {value}: use at least {minimum}.")
+
+
+def check_output(path: Path | None, flag: str = "-o") -> None:
+    """Refuse, before any work, a file path the verb could not write at the end (a missing
+    or read-only directory, a directory where a file goes), naming the flag."""
+    if path is None:
+        return
+    problem = output_problem(path)
+    if problem:
+        raise KilnError(f"{flag} {path}: {problem}. Nothing was done; choose another {flag} path.")
+
+
+def speed_advice(verdict: str | None, what: str, baseline: str, source: str, auto: bool) -> str:
+    """What a speedup's verdict means, and the command to try when Kiln's artifact is not
+    beyond noise faster than `baseline` ("" when it is, or there is no verdict)."""
+    if verdict in (None, "faster", "baseline"):
+        return ""
+    if verdict == "unknown":
+        return (
+            f"whether {what} is faster than {baseline} is unknown: the spread needs 3 or more "
+            "rounds (--rounds 3)."
+        )
+    found = (
+        f"{what} is no faster than {baseline} beyond noise"
+        if verdict != "slower"
+        else f"{what} is slower than {baseline}"
+    )
+    if auto:
+        if verdict == "slower":
+            return f"{found}; no engine or precision Kiln tried was faster here."
+        return (
+            f"{found}; no engine or precision Kiln tried was faster beyond noise (on a busy "
+            "machine more --rounds narrow the spread)."
+        )
+    return (
+        f"{found}. For every engine and precision within the accuracy budget, try: "
+        f"kiln optimize {shlex.quote(source)} {AUTO_FLAGS}"
+    )

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress
+from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress, speed_advice
 from kiln.errors import KilnError
 
 
@@ -87,14 +87,29 @@ def optimize(
             "model; the config fixes every compile decision, so other compile flags are refused.",
         ),
     ] = None,
-    rounds: Annotated[int, typer.Option(help="Interleaved timing rounds (0: no timing).")] = 5,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace whatever is at -o. Without it only a Kiln artifact holding nothing "
+            "but its own files is replaced.",
+        ),
+    ] = False,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="Interleaved timing rounds (0: no timing; 3 or more to tell a speedup from noise)."
+        ),
+    ] = 5,
     runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 10,
     as_json: JsonOpt = False,
 ) -> None:
     """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
 
     Lossless by default: outputs match the original within fp32 tolerance, checked on
-    reference inputs. A pass that breaks the outputs is found by bisection and dropped.
+    reference inputs. A pass that breaks the outputs is found by bisection and dropped. The
+    speedup comes with its spread over rounds and a verdict (faster, no different within
+    noise, slower); --backend auto --precision auto tries every engine and precision.
     """
     from kiln.passes import default_pipeline, format_pipeline
     from kiln.report.terminal import print_optimize
@@ -107,9 +122,12 @@ def optimize(
             raise KilnError(f"unknown pass '{name}' in --skip-pass; see --show-pipeline.")
     pipeline = [s for s in pipeline if s.name not in skip]
     if show_pipeline:
-        console.print(format_pipeline(pipeline), highlight=False, markup=False)
+        if as_json:
+            emit_json([_pass_json(i, spec) for i, spec in enumerate(pipeline, 1)])
+        else:
+            console.print(format_pipeline(pipeline), highlight=False, markup=False)
         return
-    from kiln.artifact import check_destination
+    from kiln.artifact.store import check_destination, replaces_existing
     from kiln.compiler import CompileConfig, build, candidates, save_result
     from kiln.config import read_config
     from kiln.ir.inputs import parse_shapes
@@ -152,29 +170,52 @@ def optimize(
     if config.is_auto and rounds <= 0:
         raise KilnError("auto picks the fastest candidate by timing; use --rounds > 0.")
     candidates(config)  # a missing engine or an unsupported precision fails before loading
+    if output is not None:
+        check_destination(output, force)  # before loading: a bad -o costs nothing
     with progress() as bar:
         task = bar.add_task(f"loading {model}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         loaded = load_model(model)
         destination = output or Path(f"{loaded.name}.kiln")
-        check_destination(destination)
+        check_destination(destination, force)
+        replaced = replaces_existing(destination)
         result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say)
         say("writing the artifact")
-        artifact = save_result(result, destination, bench)
-    summary = _optimize_summary(artifact, bench)
+        artifact = save_result(result, destination, bench, force=force)
+    summary = _optimize_summary(artifact, bench, replaced)
+    verdict = bench.get("verdict") if bench else None
+    summary["advice"] = speed_advice(
+        verdict, "the artifact", "ONNX Runtime as-is", model, auto=_tried_everything(config)
+    )
     if as_json:
         emit_json(summary)
     else:
         print_optimize(summary, console)
 
 
-def _optimize_summary(artifact: Any, bench: dict | None) -> dict:
+def _tried_everything(config: Any) -> bool:
+    """Whether every engine and every precision was tried: nothing left to suggest."""
+    return config.engine == "auto" and config.precision == "auto"
+
+
+def _pass_json(index: int, spec: Any) -> dict:
+    """One pipeline step as `--show-pipeline --json` lists it."""
+    engines = None if spec.engines is None else sorted(spec.engines)
+    return {
+        "index": index, "name": spec.name, "stage": spec.stage, "engines": engines,
+        "doc": spec.doc,
+    }  # fmt: skip
+
+
+def _optimize_summary(artifact: Any, bench: dict | None, replaced: bool) -> dict:
     manifest = artifact.manifest.to_json()
     return {
         "artifact": str(artifact.path),
+        "replaced": replaced,
         "source": manifest["source"],
         "passes": manifest["passes"],
         "dropped_passes": manifest["dropped_passes"],
+        "notes": manifest["notes"],
         "nodes": manifest["nodes"],
         "verification": manifest["verification"],
         "backend": manifest["backend"],

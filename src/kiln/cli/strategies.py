@@ -65,8 +65,10 @@ def list_(
 def show(
     record_id: Annotated[int, typer.Argument(help="The record's id (see kiln strategies list).")],
     storage: StorageOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """One record in full (JSON): signature, winning config, Pareto front, evidence."""
+    """One record in full: signature, winning config, Pareto front, evidence (JSON either
+    way: a record is nested data)."""
     emit_json(_library(storage).get(record_id).to_json())
 
 
@@ -74,6 +76,7 @@ def show(
 def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="JSON file to write.")],
     storage: StorageOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Every record, as JSON (to import into another library)."""
     from kiln.home import atomic_write_json
@@ -81,7 +84,10 @@ def export(
     check_output(output)
     records = [r.to_json() for r in _library(storage).records()]
     atomic_write_json(output, records)
-    console.print(f"{len(records)} records → {output}", highlight=False)
+    if as_json:
+        emit_json({"exported": len(records), "path": str(output)})
+    else:
+        console.print(f"{len(records)} records → {output}", highlight=False)
 
 
 @app.command("import")
@@ -115,9 +121,13 @@ def forget(
     record_id: Annotated[int | None, typer.Argument(help="The record to remove.")] = None,
     model: Annotated[str | None, typer.Option(help="Remove every record of this model.")] = None,
     storage: StorageOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Remove a record, or every record of a model."""
     if record_id is None and model is None:
         raise KilnError("say what to forget: a record id, or --model NAME.")
     removed = _library(storage).forget(record_id, model)
-    console.print(f"removed {removed} record{'s' if removed != 1 else ''}", highlight=False)
+    if as_json:
+        emit_json({"removed": removed})
+    else:
+        console.print(f"removed {removed} record{'s' if removed != 1 else ''}", highlight=False)

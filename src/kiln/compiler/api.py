@@ -52,6 +52,7 @@ def compile(
     rounds: int | None = None,
     runs: int = 10,
     progress: Progress | None = None,
+    force: bool = False,
     **settings: Any,
 ) -> Artifact:
     """Compile a model into a verified artifact directory.
@@ -63,20 +64,22 @@ def compile(
     e.g. `metric="top1"`, `max_drop=0.02`, `calib="calib/"`, `engine_options={...}`, is
     accepted). `backend="auto"` / `precision="auto"` build every candidate and keep the fastest
     verified one, timed over `rounds` interleaved rounds (default 5 when choosing; with a single
-    candidate, rounds > 0 records its timing in the manifest). Raises KilnError, writing
-    nothing, when the result cannot be verified."""
+    candidate, rounds > 0 records its timing in the manifest). An existing Kiln artifact at
+    `output` is replaced; anything else there (a file, another directory, an artifact holding
+    files of the user's) is refused before any work unless `force=True`. Raises KilnError,
+    writing nothing, when the result cannot be verified."""
     if target != "cpu":
         raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
     loaded = load_any(model)
     destination = _destination(loaded, output)
-    check_destination(destination)
+    check_destination(destination, force)
     try:
         result, bench = build(
             loaded, config, inputs=inputs, pipeline=pipeline, rounds=rounds, runs=runs,
             progress=progress,
         )  # fmt: skip
-        return save_result(result, destination, bench)
+        return save_result(result, destination, bench, force=force)
     except BaseException:
         if output is None:  # the temporary directory made for it
             shutil.rmtree(destination.parent, ignore_errors=True)
@@ -123,9 +126,13 @@ def build(
 
 
 def save_result(
-    result: CompileResult, output: str | os.PathLike | None, benchmark: dict | None = None
+    result: CompileResult,
+    output: str | os.PathLike | None,
+    benchmark: dict | None = None,
+    force: bool = False,
 ) -> Artifact:
-    """Write the artifact, or refuse (nothing written) when verification failed."""
+    """Write the artifact, or refuse (nothing written) when verification failed. `force`
+    replaces whatever is at `output`, not only an artifact of Kiln's own files."""
     if not result.ok:
         summary = result.verification.summary()
         if result.precision != "fp32":
@@ -150,8 +157,9 @@ def save_result(
         dims=default_dims(model),
         verification=result.verification,
         benchmark=benchmark,
+        notes=result.notes,
     )
-    return write_artifact(_destination(loaded, output), model, manifest)
+    return write_artifact(_destination(loaded, output), model, manifest, force=force)
 
 
 def _config(

@@ -14,7 +14,7 @@ from kiln.config import AUTO, ENGINES, PRECISIONS, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.inputs import synthesize
 from kiln.precision import ENGINES_FOR, check_precision
-from kiln.timing import flatten, interleave, round_ratios, stats
+from kiln.timing import interleave, round_stats, speedups
 
 Say = Callable[[str], None]
 
@@ -51,29 +51,37 @@ def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: S
     samples = interleave(
         runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"timing round {r}/{rounds}")
     )
-    ratios = round_ratios(samples, "ort")
+    compared = speedups(samples, "ort")
     return {
         "rounds": rounds,
         "runs_per_round": runs,
-        "original_ort": stats(flatten(samples["ort"])).to_json(),
+        "original_ort": round_stats(samples["ort"]).to_json(),
         "candidates": {
-            r.label: {**stats(flatten(samples[r.label])).to_json(), "speedup": ratios[r.label]}
+            r.label: {**round_stats(samples[r.label]).to_json(), **compared[r.label].to_json()}
             for r in results
         },
     }
 
 
 def fastest(results: list[CompileResult], timing: dict[str, Any]) -> tuple[CompileResult, dict]:
-    """The verified candidate with the best median speedup, and the manifest's benchmark."""
+    """The verified candidate with the best speedup, and the manifest's benchmark: its speedup,
+    spread and verdict against the original, and every candidate's."""
     timed = timing["candidates"]
     best = max(results, key=lambda r: timed[r.label]["speedup"])
+    chosen = timed[best.label]
     bench = {
         "rounds": timing["rounds"],
         "runs_per_round": timing["runs_per_round"],
         "original_ort": timing["original_ort"],
-        "artifact": timed[best.label],
-        "speedup": timed[best.label]["speedup"],
+        "artifact": chosen,
+        "speedup": chosen["speedup"],
+        "speedup_spread": chosen["speedup_spread"],
+        "verdict": chosen["verdict"],
         "choice": best.label,
         "candidates": {name: c["speedup"] for name, c in timed.items()},
+        "candidate_verdicts": {
+            name: {k: c[k] for k in ("speedup", "speedup_spread", "verdict")}
+            for name, c in timed.items()
+        },
     }
     return best, bench

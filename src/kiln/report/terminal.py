@@ -82,15 +82,17 @@ def print_zoo_info(info: dict[str, Any], console: Console) -> None:
     table = Table(show_header=False, title=f"zoo:{info['name']}")
     for key in ("description", "dims", "parameters", "nodes", "opset", "inputs", "outputs"):
         table.add_row(key, str(info[key]))
+    table.add_row("GFLOPs (2×MAC)", f"{info['mac_gflops']:.3f} (matrix products, as papers count)")
     table.add_row("GFLOPs (all ops)", f"{info['gflops']:.3f}")
-    table.add_row("GFLOPs (2×MAC)", f"{info['mac_gflops']:.3f}")
     table.add_row("GB moved", f"{info['gbytes']:.3f} (inputs, weights, outputs of every node)")
     table.add_row("intensity", f"{info['intensity']:.1f} FLOP/byte")
     if info["unknown_ops"]:
         table.add_row("not costed", ", ".join(info["unknown_ops"]))
     if info["published_gflops"]:
-        table.add_row("published", f"{info['published_gflops']:.3f} ({info['published_source']})")
-        table.add_row("deviation", f"{info['deviation']:+.2%}")
+        table.add_row(
+            "published", f"{info['published_gflops']:.3f} = 2 × MACs ({info['published_source']})"
+        )
+        table.add_row("deviation", f"{info['deviation']:+.2%} (2×MAC GFLOPs vs published 2×MACs)")
     console.print(table)
 
 
@@ -152,6 +154,8 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
     warning = (precision.get("calibration") or {}).get("warning")
     if warning:
         table.add_row("[yellow]warning[/yellow]", f"[yellow]{escape(warning)}[/yellow]")
+    for note in summary.get("notes") or []:  # options given and not used, and what was used
+        table.add_row("note", escape(note))
     verification = summary["verification"]
     if verification is None:
         table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")
@@ -169,6 +173,8 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
                     f"{verification['threshold']:.5f} (worst held-out sample)"
                 ),
             )
+            if verification.get("note"):
+                table.add_row("  budget read as", escape(verification["note"]))
         for o in verification["outputs"]:
             if o.get("cosine") is not None:
                 text = f"cosine {o['cosine']:.5f}, max abs {o['max_abs']:.1e}"
@@ -181,20 +187,59 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
             s = bench[key]
             table.add_row(
                 label,
-                f"P50 {s['p50_ms']:.2f} ms  P99 {s['p99_ms']:.2f} ms  jitter {s['jitter']:.2f}",
+                f"P50 {ms(s['p50_ms'])} ms  P99 {ms(s['p99_ms'])} ms  jitter {s['jitter']:.2f}",
             )
         table.add_row(
             "speedup",
-            f"{bench['speedup']:.2f}× (median of {bench['rounds']} per-round P50 ratios)",
+            format_speedup(bench["speedup"], bench.get("speedup_spread"), bench.get("verdict"))
+            + f" over {bench['rounds']} rounds",
         )
+        verdicts = bench.get("candidate_verdicts") or {}
         if len(bench["candidates"]) > 1:
             table.add_row(
                 "candidates",
-                ", ".join(f"{k} {v:.2f}×" for k, v in bench["candidates"].items()),
+                ", ".join(
+                    f"{k} " + format_speedup(v, **_spread_of(verdicts.get(k)), color=False)
+                    for k, v in bench["candidates"].items()
+                ),
             )
         for name, why in bench.get("refused", {}).items():
             table.add_row(f"[yellow]refused {name}[/yellow]", escape(why))
+    if summary.get("advice"):
+        table.add_row("[yellow]next[/yellow]", f"[yellow]{escape(summary['advice'])}[/yellow]")
+    if summary.get("replaced"):
+        table.add_row("artifact", escape(f"replaced existing artifact {summary['artifact']}"))
     console.print(table)
+
+
+VERDICT_STYLE = {"faster": "green", "slower": "red", "no different within noise": "yellow"}
+
+
+def ms(value: float) -> str:
+    """A latency in ms with enough digits that two P50s never look equal or reversed when
+    their ratio says otherwise (0.143 vs 0.132, 117.40 vs 123.50)."""
+    return f"{value:#.3g}" if value < 1 else f"{value:.2f}"
+
+
+def format_speedup(
+    value: float, spread: list[float] | None = None, verdict: str | None = None, color: bool = True
+) -> str:
+    """`1.62× (1.55–1.70, faster)`; `1.87× (spread unknown: fewer than 3 rounds)`; markup."""
+    if verdict == "baseline":
+        return f"{value:.2f}× (baseline)"
+    if not spread:
+        return f"{value:.2f}× (spread unknown: fewer than 3 rounds)"
+    said = escape(verdict or "")
+    style = VERDICT_STYLE.get(verdict or "") if color else None
+    if style:
+        said = f"[{style}]{said}[/{style}]"
+    return f"{value:.2f}× ({spread[0]:.2f}–{spread[1]:.2f}, {said})"
+
+
+def _spread_of(verdict: dict | None) -> dict:
+    if not verdict:
+        return {}
+    return {"spread": verdict.get("speedup_spread"), "verdict": verdict.get("verdict")}
 
 
 def print_bench(result: dict[str, Any], console: Console) -> None:
@@ -212,20 +257,33 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         "P99 ms",
         "jitter",
         "samples/s",
-        f"× vs {result['baseline']}",
+        f"× vs {escape(result['baseline'])}",
+        "per-round range",
+        "verdict",
         "cosine vs fp32",
         title=f"kiln bench {escape(result['model'])} (batch {result['batch']}, "
         f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
     )
     for name, e in result["engines"].items():
+        spread, verdict = e.get("speedup_spread"), e.get("verdict") or ""
+        style = VERDICT_STYLE.get(verdict)
         table.add_row(
-            name,
-            f"{e['p50_ms']:.2f}",
-            f"{e['p90_ms']:.2f}",
-            f"{e['p99_ms']:.2f}",
+            escape(name),
+            ms(e["p50_ms"]),
+            ms(e["p90_ms"]),
+            ms(e["p99_ms"]),
             f"{e['jitter']:.2f}",
             f"{e['throughput']:.1f}",
             f"{e['speedup_vs_baseline']:.2f}",
+            f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "unknown (< 3 rounds)",
+            f"[{style}]{escape(verdict)}[/{style}]" if style else escape(verdict),
             f"{e['cosine_vs_fp32']:.5f}",
         )
     console.print(table)
+    console.print(
+        "[dim]P50: median of the per-round P50s; × = the baseline's P50 ÷ the engine's; the "
+        "range is the lowest and highest per-round ratio: faster or slower only when every "
+        "round agrees.[/dim]"
+    )
+    if result.get("advice"):
+        console.print(f"[yellow]{escape(result['advice'])}[/yellow]")
