@@ -11,7 +11,7 @@ _LAZY = {
     "compile": ("kiln.compiler", "compile"),
     "CompileConfig": ("kiln.config", "CompileConfig"),
     "KilnError": ("kiln.errors", "KilnError"),
-    "Session": ("kiln.runtime", "Session"),
+    "Session": ("kiln.tune.feedback", "Session"),  # the runtime Session, + feedback=True
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,9 @@ class Session:
     `warmup`: compile and run every bucket now rather than on first use; `adaptive`: rebuild
     the buckets in the background when the traffic changes; `share_weights`: ORT bucket
     executables share one copy of the weights; `options`: backend options overriding the
-    recorded ones (unknown keys are refused, naming the backend's options).
+    recorded ones (unknown keys are refused, naming the backend's options); `keep_requests`:
+    how many recent requests to keep for replay (`recent_requests`), e.g. by the feedback loop
+    that A/B-measures a new configuration on real traffic before `reconfigure` adopts it.
     """
 
     def __init__(
@@ -78,8 +81,10 @@ class Session:
         adaptive: bool = False,
         share_weights: bool = True,
         options: dict[str, Any] | None = None,
+        keep_requests: int = 0,
     ) -> None:
         source = open_source(path_or_model, backend)
+        self._opened = (path_or_model, backend, share_weights)
         self._source = source
         self._where = source.where
         self.artifact = source.artifact
@@ -96,6 +101,8 @@ class Session:
         self._layout = input_layout(source.interface)
         self._batch = batch_dims(self._layout)
         self.monitor = LoadMonitor()
+        self.keep_requests = keep_requests
+        self._recent: deque[Feeds] | None = deque(maxlen=keep_requests) if keep_requests else None
         # What earlier sessions of this very file learnt: padding verdicts, last bucket set.
         self._record = record_path(source.model_path, source.backend)
         record = load_record(self._record)
@@ -194,6 +201,8 @@ class Session:
         """As onnxruntime.InferenceSession.run: the outputs named (None: all), in order."""
         names = output_list(output_names, self.output_names, self._where)
         feeds = checked_feeds(feeds, self.interface, self._where)
+        if self._recent is not None:
+            self._recent.append(feeds)
         dims = dims_of(feeds, self._layout)
         return self._execute(names, feeds, dims, 1, batching.elements(feeds))
 
@@ -207,6 +216,8 @@ class Session:
         requests = [
             checked_feeds(f, self.interface, f"{where} request {i}") for i, f in enumerate(requests)
         ]
+        if self._recent is not None:
+            self._recent.extend(requests)
         shapes = [dims_of(f, self._layout) for f in requests]
         plan = batching.Plan(self._layout, self._batch, self.verdict, self._state.buckets)
         return batching.run_batch(requests, shapes, names, plan, self._execute)
@@ -295,8 +306,10 @@ class Session:
 
     # ------------------------------------------------------------------ building and swapping
 
-    def _compile(self, dim_overrides: dict[str, int]) -> Executable:
-        settings = {**self._options, "dim_overrides": dim_overrides}
+    def _compile(
+        self, dim_overrides: dict[str, int], options: dict[str, Any] | None = None
+    ) -> Executable:
+        settings = {**(options or self._options), "dim_overrides": dim_overrides}
         if dim_overrides and self._backend.name == "ort":
             settings["share_weights"] = self._share
             # Each ORT session has its own thread pool; spinning pools of idle buckets steal
@@ -357,6 +370,64 @@ class Session:
         """Block until this session has swapped bucket sets `count` times in all (swap() or
         adaptive); False if `timeout` seconds pass first. For tests and scripts."""
         return self.monitor.wait_until(lambda m: m.swaps >= count, timeout)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The engine options the session runs with now."""
+        return dict(self._options)
+
+    @property
+    def batch_dims(self) -> list[str]:
+        """The dims that are a batch of independent items (axis 0 only)."""
+        return sorted(self._batch)
+
+    def twin(self, options: dict[str, Any] | None = None) -> Session:
+        """A new session on the same model and buckets with these engine options on top of
+        the current ones: to measure a configuration off the request path."""
+        path, backend, share = self._opened
+        return Session(
+            path,
+            backend=backend,
+            buckets=self.buckets or None,
+            share_weights=share,
+            options={**self._options, **(options or {})},
+        )
+
+    def recent_requests(self) -> list[Feeds]:
+        """The last `keep_requests` requests (oldest first), for replay."""
+        return list(self._recent or [])
+
+    def reconfigure(self, options: dict[str, Any], reason: str = "reconfigure()") -> None:
+        """Run with these engine options (overrides of the current ones) from now on. The new
+        dynamic executable and every bucket's are built and warmed, and their outputs checked
+        against the current ones, before one swap; requests in flight finish on the old ones.
+        KilnError, and nothing changes, when the new ones cannot build or disagree."""
+        merged = engine_options(self._source, {**self._options, **options})
+        precision = run_precision(self._source, merged)
+        dynamic = Runner(self._compile({}, merged), self._serialise)
+        names = self.output_names
+        samples = self.recent_requests()[-1:] or [synthesize(self.interface)]
+        for sample in samples:
+            for name, want, got in zip(
+                names, self._dynamic.run(sample, names), dynamic.run(sample, names), strict=True
+            ):
+                if not close(want, got, precision):
+                    raise KilnError(
+                        f"{self._where}: with options {options} output '{name}' differs from "
+                        "the current configuration's; not adopted."
+                    )
+        state = BucketSet(self.buckets)
+        for key in bk.all_keys(state.buckets)[: self.max_executables]:
+            runner = state.runner(
+                key, lambda k: Runner(self._compile(dict(k), merged), self._serialise),
+                self.max_executables, self.monitor,
+            )  # fmt: skip
+            runner.run(synthesize(self.interface, dims=dict(key)), names)
+        # The swap: a request reads the dynamic runner and the bucket set once each.
+        self._options, self.precision = merged, precision
+        self.executable, self._dynamic, self._state = dynamic.executable, dynamic, state
+        self.monitor.decide(reason, f"engine options now {options}")
+        self.monitor.swapped()
 
     def _save_record(self) -> None:
         verdicts = {d: asdict(v) for d, v in self._verdicts.items()}

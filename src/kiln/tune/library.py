@@ -30,6 +30,16 @@ STRATEGIES = sa.Table(
     sa.Column("body", sa.Text, nullable=False),  # JSON: the rest (see Record)
 )
 
+WINDOWS = sa.Table(
+    "kiln_feedback_windows",
+    METADATA,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("created", sa.String(40), nullable=False),
+    sa.Column("hardware_class", sa.String(40), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False, index=True),
+    sa.Column("body", sa.Text, nullable=False),  # JSON: kiln.tune.feedback.Window
+)
+
 
 @dataclass
 class Record:
@@ -76,6 +86,24 @@ class Library:
                 )
             )  # fmt: skip
             return int(result.inserted_primary_key[0])
+
+    def add_window(self, model: str, window: dict[str, Any]) -> None:
+        """One window of live traffic, as the feedback loop aggregated it."""
+        from kiln.tune.signature import hardware
+
+        created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        with self.engine.begin() as connection:
+            connection.execute(
+                WINDOWS.insert().values(
+                    created=created, hardware_class=hardware()["class"], model=model,
+                    body=json.dumps(window, default=str),
+                )
+            )  # fmt: skip
+
+    def windows(self, model: str) -> list[dict[str, Any]]:
+        query = sa.select(WINDOWS).where(WINDOWS.c.model == model).order_by(WINDOWS.c.id)
+        with self.engine.connect() as connection:
+            return [json.loads(row.body) for row in connection.execute(query)]
 
     def records(self, hardware_class: str | None = None, kind: str | None = None) -> list[Record]:
         query = sa.select(STRATEGIES).order_by(STRATEGIES.c.id)

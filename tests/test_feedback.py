@@ -1,0 +1,74 @@
+"""The feedback loop: when live traffic shifts (batch 1 → bursts of batch 16) the loop
+diagnoses it, measures the throughput configuration on the replayed requests and hot-swaps
+it in with no failed request; a worse strategy is refused with its measurement; both are in
+the strategy library, and so are the traffic windows."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+import kiln
+from kiln.tune.feedback import FeedbackLoop, Strategy
+from kiln.tune.library import Library
+from kiln.tune.storage import default_url
+
+
+def images(batch: int) -> dict[str, np.ndarray]:
+    return {"input": np.random.default_rng(batch).random((batch, 3, 32, 32), np.float32)}
+
+
+def test_traffic_shift_adopts_the_throughput_config_and_refuses_a_worse_one():
+    session = kiln.Session("zoo:resnet-tiny", options={"intra_op_threads": 1}, keep_requests=64)
+    loop = FeedbackLoop(session, library_url=default_url(), seconds=3.0)
+    for _ in range(30):
+        session.run(None, images(1))
+    loop.cycle()
+    assert all(o.strategy.name != "throughput-config" for o in loop.outcomes)
+
+    failures, served, stop = [], [0], threading.Event()
+
+    def bursts() -> None:  # live traffic during diagnosis, measurement and the swap
+        while not stop.is_set():
+            try:
+                out = session.run(None, images(16))[0]
+                assert out.shape == (16, 10)
+                served[0] += 1
+            except Exception as exc:  # noqa: BLE001 - any failure is the test's finding
+                failures.append(exc)
+            time.sleep(0.1)  # sparse: the A/B measurement shares these 2 cores
+
+    traffic = threading.Thread(target=bursts)
+    traffic.start()
+    try:
+        while served[0] < 25:
+            time.sleep(0.05)
+        outcomes = loop.cycle()
+        adopted = [o for o in outcomes if o.adopted]
+        assert [o.strategy.name for o in adopted] == ["throughput-config"], [
+            (o.strategy.name, o.reason) for o in outcomes
+        ]
+        assert session.options["intra_op_threads"] == 2 and adopted[0].gain >= 0.10
+        before = served[0]
+        while served[0] < before + 10:  # the swapped-in configuration answers
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        traffic.join()
+    assert failures == []
+
+    worse = loop.try_strategy(Strategy("worse", {"optimization": "disable", "intra_op_threads": 1},
+                                       "a deliberately worse configuration"))  # fmt: skip
+    assert not worse.adopted and worse.gain < 0 and "below the 10% needed" in worse.reason
+    assert session.options["intra_op_threads"] == 2
+
+    library = Library(default_url())
+    kinds = {(r.kind, r.evidence["strategy"]) for r in library.records()}
+    assert {("adopted", "throughput-config"), ("refused", "worse")} <= kinds
+    refused = next(r for r in library.records(kind="refused") if r.evidence["strategy"] == "worse")
+    assert refused.evidence["measurement"]["ratio"]["value"] > 1  # measured, slower
+    windows = library.windows(session.interface.graph.name or "model")
+    assert len(windows) == 2 and windows[1]["mean_batch"] == 16
+    session.close()
