@@ -1,0 +1,71 @@
+"""The tuner's measuring and wording: intervals that contain the truth, tails over windows,
+constraints in the CLI's units, the search space's projection of foreign parameters."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import kiln
+from kiln import zoo
+from kiln.config import CompileConfig
+from kiln.tune.measure import bootstrap, tails
+from kiln.tune.objectives import parse_constraint, parse_objectives
+from kiln.tune.space import Space, project
+
+
+def test_bootstrap_interval_holds_the_median_and_narrows_with_data():
+    rng = np.random.default_rng(0)
+    few, many = (
+        bootstrap(list(rng.normal(1.0, 0.1, 10))),
+        bootstrap(list(rng.normal(1.0, 0.1, 400))),
+    )
+    assert few.low <= few.value <= few.high and many.low <= 1.0 <= many.high
+    assert many.halfwidth < few.halfwidth
+
+
+def test_tails_are_per_window_not_one_runs_tail():
+    seconds = [0.001] * 1000
+    seconds[10] = 0.5  # one stall: one window's P99, not the median window's
+    got = tails(seconds)
+    assert got.p99_ms.value == pytest.approx(1.0) and got.jitter.value == pytest.approx(0.0)
+    assert got.runs == 1000
+
+
+@pytest.mark.parametrize(
+    "flag, text, measure, bound",
+    [("max_p50", "20ms", "p50_ms", 20.0), ("max_p99", "0.5s", "p99_ms", 500.0),
+     ("max_memory", "2GB", "memory_mib", 2048.0), ("min_throughput", "300", "throughput", 300.0),
+     ("max_jitter", "0.2", "jitter", 0.2)],
+)  # fmt: skip
+def test_constraints_read_their_units(flag, text, measure, bound):
+    constraint = parse_constraint(flag, text)
+    assert (constraint.measure, constraint.bound) == (measure, pytest.approx(bound))
+
+
+def test_unknown_units_and_objectives_name_the_flag():
+    with pytest.raises(kiln.KilnError, match="--max-p50 20 apples: expected a number"):
+        parse_constraint("max_p50", "20 apples")
+    with pytest.raises(kiln.KilnError, match="unknown objective 'fast'"):
+        parse_objectives(["latency,fast"])
+    assert [o.name for o in parse_objectives(["latency,p99", "latency"])] == ["latency", "p99"]
+
+
+def test_a_past_winner_is_projected_onto_this_space():
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    space = Space(("ort",), ("fp32",), cores=2)
+    params = {"engine": "openvino", "ort.threads": 7, "ort.spinning": False, "bogus": 1}
+    assert project(params, space, model, CompileConfig()) == {"ort.spinning": False}
+
+
+def test_reconfigure_swaps_engine_options_without_changing_outputs():
+    session = kiln.Session("zoo:resnet-tiny", options={"intra_op_threads": 1})
+    feeds = {"input": np.random.default_rng(0).random((2, 3, 32, 32), np.float32)}
+    before = session.run(None, feeds)[0]
+    session.reconfigure({"intra_op_threads": 2, "spinning": False})
+    assert session.options["intra_op_threads"] == 2 and session.monitor.swaps == 1
+    np.testing.assert_allclose(session.run(None, feeds)[0], before, rtol=1e-5, atol=1e-6)
+    with pytest.raises(kiln.KilnError, match="unknown option 'threads'"):
+        session.reconfigure({"threads": 4})
+    assert session.options["intra_op_threads"] == 2
