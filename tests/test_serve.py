@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -19,13 +20,15 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
+from onnx import TensorProto, helper
 
 from kiln import zoo
 from kiln.serve.batcher import Batcher, Overloaded
-from kiln.serve.protocol import ProtocolError, encode_response, parse_request
+from kiln.serve.protocol import ProtocolError, encode_response, header_length, parse_request
 
 BERT = "bert-tiny"
 RESNET = "resnet-tiny"
@@ -34,7 +37,11 @@ RESNET = "resnet-tiny"
 @dataclass
 class Server:
     proc: subprocess.Popen
-    url: str  # host:port, as tritonclient wants it
+    ready: dict  # the line `kiln serve --json` prints once it serves: url, host, port, model
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ready['port']}"  # host:port, as tritonclient wants it
 
     @property
     def base(self) -> str:
@@ -47,40 +54,26 @@ class Server:
         return float(match[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(home: Path, model: str, *args: str) -> Server:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln", "serve", model, "--port", str(port), *args]
+    """`kiln serve MODEL --port 0 --json ...`, returned once it prints that it serves."""
+    cmd = [sys.executable, "-m", "kiln", "serve", model, "--port", "0", "--json", *args]
     env = {**os.environ, "KILN_HOME": str(home)}
-    log = home / f"serve-{port}.log"  # a file, not a pipe nobody drains
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(proc, f"127.0.0.1:{port}")
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited with {proc.returncode}: {log.read_text()}")
-        try:
-            return httpx.get(f"{server.base}/v2/health/ready", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        _until(ready, "kiln serve to be ready")
-    except BaseException:
+    log = home / "serve.log"  # stderr: a file, not a pipe nobody drains
+    with log.open("a") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(120)  # the line is the event; 120 s is a safety net
+    if not line or not line[0]:
         proc.kill()
-        raise
-    return server
+        pytest.fail(f"kiln serve printed no ready line: {log.read_text()}")
+    return Server(proc, json.loads(line[0]))
 
 
 def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
     """Poll the server's state until `condition` holds: across a process boundary there is no
-    event to wait on (the server prints no readiness line). `timeout` is a safety net only."""
+    event to wait on. `timeout` is a safety net only."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -289,6 +282,15 @@ def test_swap_while_serving(bert: Server) -> None:
     assert any(d["action"].startswith("swapped") for d in runtime["decisions"])
 
 
+def test_swap_refuses_malformed_bodies_with_400(bert: Server) -> None:
+    url = f"{bert.base}/v2/models/{BERT}/swap"
+    for body in ['{"buckets": 5}', '{"buckets": {"batch": 4}}', '{"wait": "yes"}', "[" * 5000,
+                 '{"buckets": "batch=x"}', "1" * 5000]:  # fmt: skip
+        response = httpx.post(url, content=body)
+        assert response.status_code == 400, (body[:40], response.text)
+        assert response.json()["error"]
+
+
 def _resnet_request(batch: int = 1) -> bytes:
     data = np.random.default_rng(0).random((batch, 3, 32, 32), dtype=np.float32)
     return json.dumps(
@@ -335,19 +337,93 @@ def test_shutdown_answers_queued_requests(tmp_path) -> None:
 
 
 def test_bad_model_or_settings_exit_2_with_one_line(tmp_path) -> None:
-    for args, message in [
-        (["nothere.onnx"], "nothere.onnx: no such file"),
-        (["zoo:bert-tiny", "--buckets", "foo=1"], "buckets name dim 'foo'"),
-        (["zoo:bert-tiny", "--max-queue", "0"], "--max-queue must be at least 1"),
-    ]:
-        done = subprocess.run(
-            [sys.executable, "-m", "kiln", "serve", *args],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "KILN_HOME": str(tmp_path)},
-        )
-        assert done.returncode == 2 and message in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        # The port and host are checked before the model loads: nothere.onnx is never reached.
+        for args, message in [
+            (["nothere.onnx"], "nothere.onnx: no such file"),
+            (["zoo:bert-tiny", "--buckets", "foo=1"], "buckets name dim 'foo'"),
+            (["zoo:bert-tiny", "--max-queue", "0"], "--max-queue must be at least 1"),
+            (["nothere.onnx", "--port", "99999"], "--port 99999: use a port from 1 to 65535"),
+            (["nothere.onnx", "--port", "-1"], "--port -1: use a port from 1 to 65535"),
+            (["nothere.onnx", "--port", busy], f"--port {busy}: the port is in use"),
+            (["nothere.onnx", "--host", "no.such.host.invalid"], "--host no.such.host.invalid"),
+        ]:
+            done = subprocess.run(
+                [sys.executable, "-m", "kiln", "serve", *args],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "KILN_HOME": str(tmp_path)},
+                timeout=120,
+            )
+            assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+            assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # no 'serving' line
+            assert done.stdout == ""
+
+
+def test_port_0_json_prints_the_bound_port_when_ready(tmp_path) -> None:
+    server = _start(tmp_path, f"zoo:{RESNET}")  # --port 0 --json
+    try:
+        ready = server.ready
+        assert set(ready) == {"url", "host", "port", "model"}
+        assert ready["host"] == "127.0.0.1" and ready["model"] == RESNET and ready["port"] > 0
+        assert ready["url"] == f"http://127.0.0.1:{ready['port']}/v2/models/{RESNET}"
+        # Printed once serving: the server is ready at once, no polling needed.
+        assert httpx.get(f"{ready['url']}/ready").status_code == 200
+    finally:
+        server.proc.send_signal(signal.SIGINT)
+        out, _ = server.proc.communicate(timeout=30)
+    assert server.proc.returncode == 0 and out == ""  # stdout holds that one line only
+
+
+def _strings_model(path: Path) -> Path:
+    """text: STRING [n] → upper: STRING [n] (ASCII upper-cased), count: INT64 [1]."""
+    text = helper.make_tensor_value_info("text", TensorProto.STRING, ["n"])
+    upper = helper.make_tensor_value_info("upper", TensorProto.STRING, ["n"])
+    count = helper.make_tensor_value_info("count", TensorProto.INT64, [1])
+    nodes = [
+        helper.make_node(
+            "StringNormalizer", ["text"], ["upper"], case_change_action="UPPER", locale="C"
+        ),
+        helper.make_node("Shape", ["text"], ["count"]),
+    ]
+    graph = helper.make_graph(nodes, "strings", [text], [upper, count])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, path)
+    return path
+
+
+def test_bytes_inputs_and_outputs_with_tritonclient(tmp_path) -> None:
+    server = _start(tmp_path, str(_strings_model(tmp_path / "strings.onnx")))
+    try:
+        client = triton.InferenceServerClient(server.url)
+        meta = client.get_model_metadata("strings")
+        assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+        words = ["kiln", "héllo wörld", "", "日本語", "nul\x00byte"]
+        ascii_upper = str.maketrans("abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        want = [w.translate(ascii_upper) for w in words]  # the C locale: ASCII only
+        for binary in (False, True):
+            tensor = triton.InferInput("text", [len(words)], "BYTES")
+            tensor.set_data_from_numpy(np.array(words, dtype=object), binary_data=binary)
+            outputs = [
+                triton.InferRequestedOutput(n, binary_data=binary) for n in ("upper", "count")
+            ]
+            result = client.infer("strings", [tensor], outputs=outputs)
+            got = [w.decode() if isinstance(w, bytes) else w for w in result.as_numpy("upper")]
+            assert got == want, binary
+            assert result.as_numpy("count").tolist() == [len(words)]
+        # Bytes that are not UTF-8 (ONNX strings are) are refused, naming the element.
+        tensor = {"name": "text", "datatype": "BYTES", "shape": [2]}
+        header = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": 10}}]})
+        blob = struct.pack("<I", 1) + b"a" + struct.pack("<I", 1) + b"\xff"
+        length = {"Inference-Header-Content-Length": str(len(header))}
+        response = _post(server, header.encode() + blob, "strings", **length)
+        assert response.status_code == 400
+        assert "input 'text': element 1 is not UTF-8 text" in response.json()["error"]
+    finally:
+        _stop(server)
 
 
 # ---------------------------------------------------------------- in-process units
@@ -403,3 +479,85 @@ def test_protocol_binary_sizes_are_checked() -> None:
     assert request.inputs["x"].tolist() == [0.0, 0.0]
     content, length = encode_response("m", request, {"y": np.ones(2, np.float32)})
     assert length is None and json.loads(content)["outputs"][0]["data"] == [1.0, 1.0]
+
+
+def _elements(*words: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(w)) + w for w in words)
+
+
+def _bytes_body(blob: bytes, count: int) -> tuple[bytes, int]:
+    tensor = {"name": "s", "datatype": "BYTES", "shape": [count]}
+    header = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": len(blob)}}]})
+    return header.encode() + blob, len(header)
+
+
+def test_protocol_bytes_round_trip_and_refusals() -> None:
+    request = parse_request(*_bytes_body(_elements(b"ab", b"", "é".encode()), 3))
+    assert request.inputs["s"].dtype == object and request.inputs["s"].tolist() == ["ab", "", "é"]
+    text = {"inputs": [{"name": "s", "datatype": "BYTES", "shape": [1, 2], "data": ["x", "y"]}]}
+    assert parse_request(json.dumps(text).encode(), None).inputs["s"].tolist() == [["x", "y"]]
+
+    out = np.array(["A", "日本"], dtype=object)
+    request.outputs = {"o": True}
+    content, length = encode_response("m", request, {"o": out})
+    assert json.loads(content[:length])["outputs"][0]["datatype"] == "BYTES"
+    assert content[length:] == _elements(b"A", "日本".encode())
+    request.outputs = {"o": False}
+    response = json.loads(encode_response("m", request, {"o": out})[0])
+    assert response["outputs"][0]["data"] == ["A", "日本"]
+
+    for blob, count, message in [
+        (struct.pack("<I", 9) + b"ab", 1, "element 0 declares 9 bytes, but only 2"),
+        (_elements(b"a") + b"xy", 2, "element 1 is cut short"),
+        (_elements(b"\xff"), 1, "element 0 is not UTF-8 text"),
+        (_elements(b"a", b"b"), 1, "shape \\[1\\] needs 1 values, the data has 2"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            parse_request(*_bytes_body(blob, count))
+    for data, message in [
+        (["a", 1], "element 1 is 1; BYTES takes JSON strings"),
+        (["\ud800", "b"], "element 0 is not valid Unicode text"),
+        (["a"], "shape \\[2\\] needs 2 values, the data has 1"),
+    ]:
+        header = {"inputs": [{"name": "s", "datatype": "BYTES", "shape": [2], "data": data}]}
+        with pytest.raises(ProtocolError, match=message):
+            parse_request(json.dumps(header).encode(), None)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        ({"datatype": ["INT64"]}, "unsupported datatype \\['INT64'\\]"),
+        ({"shape": [0, 2**62, 2**62], "data": []}, "cannot be a tensor"),
+        ({"shape": [True, 2]}, "'shape' must be a list of non-negative integers"),
+        ({"shape": [1] * 40}, "shape has 40 dims"),
+        ({"data": [[1], [2, 3]]}, "evenly nested"),
+        ({"data": [2**70, 1]}, "out of INT64's range"),
+        ({"data": None}, "data holds None"),
+    ],
+)
+def test_protocol_refuses_hostile_tensors_with_a_message(tensor, message) -> None:
+    spec = {"name": "x", "datatype": "INT64", "shape": [2], "data": [1, 2], **tensor}
+    with pytest.raises(ProtocolError, match=message):
+        parse_request(json.dumps({"inputs": [spec]}).encode(), None)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[" * 100_000, "nested too deeply"),
+        (b"1" * 5000, "malformed JSON"),
+        (b'{"inputs": [], "outputs": 7}', "'outputs' must be a list"),
+        (b'{"inputs": [], "id": {"a": 1}}', "'id' must be a string"),
+    ],
+)
+def test_protocol_refuses_hostile_json(body, message) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        parse_request(body, None)
+
+
+@pytest.mark.parametrize("value", ["²", "-4", "1e3", "9" * 5000, "0x10"])
+def test_inference_header_length_must_be_a_byte_count(value) -> None:
+    with pytest.raises(ProtocolError, match="must be a byte count"):
+        header_length(value)
+    assert header_length(" 12 ") == 12 and header_length(None) is None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kiln.cli.console import err
+from kiln.cli.console import JsonOpt, err
 from kiln.errors import KilnError
 
 
@@ -20,7 +22,7 @@ def model_name(model: str) -> str:
 
 def serve(
     model: Annotated[str, typer.Argument(help="A NAME.kiln artifact, an .onnx file, or zoo:NAME.")],
-    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
         "127.0.0.1"
     ),
@@ -47,17 +49,16 @@ def serve(
     adaptive: Annotated[
         bool, typer.Option(help="Learn buckets from traffic; recompile and swap in background.")
     ] = False,
+    json_: JsonOpt = False,
 ) -> None:
     """Serve a model over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
 
-    Ctrl-C or SIGTERM answers every queued request before exiting.
+    Once it accepts requests it prints where (with --json: one line {"url", "host", "port",
+    "model"} on stdout). Ctrl-C or SIGTERM answers every queued request before exiting.
     """
     import signal
 
-    import uvicorn
-
-    from kiln.runtime import Session
-    from kiln.serve.app import create_app
+    from kiln.serve.server import bind, http_server, url
 
     for flag, value in [("--max-batch", max_batch), ("--max-queue", max_queue)]:
         if value < 1:
@@ -65,26 +66,41 @@ def serve(
     if max_delay_ms < 0 or max_request_mb <= 0:
         raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
     served = name or model_name(model)
-    session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive)
-    app = create_app(
-        session,
-        served,
-        max_batch=max_batch,
-        max_delay_ms=max_delay_ms,
-        max_queue=max_queue,
-        max_request_bytes=int(max_request_mb * 2**20),
-    )
-    err.print(
-        f"serving '{served}' on http://{host}:{port}/v2/models/{served} (Ctrl-C to stop)",
-        highlight=False,
-        markup=False,
-        soft_wrap=True,
-    )
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight and queued are
-    # answered), then re-raises the signal under the handlers found at start. These no-op
-    # handlers make that a normal exit (status 0) instead of a kill or a KeyboardInterrupt.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    # No access log: one line per request costs real time at high request rates.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # Bound before the model loads: a bad --port or --host is one line at once, and --port 0
+    # knows its port. Closed on any error (load failures included).
+    sock = bind(host, port)
+    with sock:
+        from kiln.runtime import Session  # seconds of engine imports: after the quick checks
+        from kiln.serve.app import create_app
+
+        session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive)
+        app = create_app(
+            session,
+            served,
+            max_batch=max_batch,
+            max_delay_ms=max_delay_ms,
+            max_queue=max_queue,
+            max_request_bytes=int(max_request_mb * 2**20),
+        )
+        where = f"{url(host, sock.getsockname()[1])}/v2/models/{served}"
+
+        def announce() -> None:
+            if json_:
+                line = {"url": where, "host": host, "port": sock.getsockname()[1], "model": served}
+                sys.stdout.write(json.dumps(line) + "\n")
+                sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
+            else:
+                err.print(
+                    f"serving '{served}' on {where} (Ctrl-C to stop)",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )
+
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight and queued are
+        # answered), then re-raises the signal under the handlers found at start. These no-op
+        # handlers make that a normal exit (status 0) instead of a kill or a KeyboardInterrupt.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        http_server(app, on_ready=announce).run(sockets=[sock])
     err.print("stopped; every queued request was answered.", highlight=False)

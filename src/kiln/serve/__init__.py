@@ -2,6 +2,7 @@
 Prometheus metrics, on top of one `kiln.Session`.
 
 Modules, one idea each: `protocol` (JSON and binary tensors), `batcher` (dynamic batching),
-`metrics` (Prometheus), `app` (the FastAPI endpoints; `create_app(session, name)`), `command`
-(the CLI verb). Nothing is imported here, so `kiln --help` does not pay for FastAPI.
+`metrics` (Prometheus), `app` (the FastAPI endpoints; `create_app(session, name)`), `server`
+(the listening socket and uvicorn around the app). The verb is `kiln.cli.serve`. Nothing is
+imported here, so `kiln --help` does not pay for FastAPI.
 """

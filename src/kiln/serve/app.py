@@ -2,8 +2,9 @@
 
 Every error is answered in KServe's form, `{"error": "..."}`: 400 for a request the protocol or
 the model cannot take (the message names the input and what was expected), 404 for an unknown
-model, 413 for a body over the size limit, 503 when the queue is full or the server is shutting
-down, 500 for a failure inside the engine.
+model, 408 for a body that stops arriving (the connection is then closed), 413 for a body over
+the size limit, 503 when the queue is full or the server is shutting down, 500 only for a
+failure inside Kiln itself, never for anything a client sends.
 """
 
 from __future__ import annotations
@@ -21,17 +22,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.serve.batcher import Batcher, Closed, Overloaded
 from kiln.serve.metrics import ServeMetrics
 from kiln.serve.protocol import (
-    DATATYPES,
     ProtocolError,
     RequestTooLarge,
+    clip,
+    datatype_of,
     decompress,
     encode_response,
+    header_length,
     parse_request,
 )
 
@@ -39,10 +43,25 @@ log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches
 VERSION = "1"  # one model, one version: the protocol wants a version string to name
 
 
+# Nginx's code for "the client closed the connection before the answer": counted, never sent.
+CLIENT_CLOSED = 499
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.close = close  # answer with Connection: close (the body was not read to its end)
+
+
+class BodyTimeout(Exception):
+    """The request body stopped arriving; HTTP 408 and the connection is closed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            f"the request body did not arrive within {seconds:g} s of the headers (its "
+            "Content-Length promised more bytes than were sent); the connection is closed"
+        )
 
 
 def create_app(
@@ -53,8 +72,10 @@ def create_app(
     max_delay_ms: float = 5.0,
     max_queue: int = 256,
     max_request_bytes: int = 64 << 20,
+    body_timeout_s: float = 30.0,
 ) -> FastAPI:
-    """A FastAPI app serving `session` (a `kiln.Session`) as model `name`."""
+    """A FastAPI app serving `session` (a `kiln.Session`) as model `name`. A request body must
+    arrive whole within `body_timeout_s` of its headers."""
     metrics = ServeMetrics(name, session.stats)
     batcher = Batcher(
         session.run_batch,
@@ -83,18 +104,27 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        headers = {"Connection": "close"} if exc.close else None
+        return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Unknown routes and wrong methods, in KServe's error form too.
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        # Unknown routes and wrong methods, in KServe's error form too, saying what exists.
+        where = f"{request.method} {clip(request.url.path)}"
+        message = {
+            404: f"no endpoint {where}; this server answers POST /v2/models/{name}/infer, "
+            f"GET /v2/models/{name} and the other KServe v2 paths, and /metrics",
+            405: f"{where}: method not allowed; use {(exc.headers or {}).get('Allow', 'another')}",
+        }.get(exc.status_code, str(exc.detail))
+        return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
     def check_model(model: str, version: str | None = None) -> None:
         if model != name:
-            raise ApiError(404, f"unknown model '{model}'; this server serves '{name}'")
+            raise ApiError(404, f"unknown model {clip(model)}; this server serves '{name}'")
         if version is not None and version != VERSION:
-            raise ApiError(404, f"model '{name}' has no version '{version}'; it has '{VERSION}'")
+            raise ApiError(
+                404, f"model '{name}' has no version {clip(version)}; it has '{VERSION}'"
+            )
 
     def ready() -> bool:
         return batcher.accepting
@@ -141,17 +171,18 @@ def create_app(
                     f"server overloaded: {batcher.depth} requests are queued (the limit, "
                     "kiln serve --max-queue); retry later"
                 )
-            body = await _read_body(request, max_request_bytes)
+            body = await _read_body(request, max_request_bytes, body_timeout_s)
             decoded = await run_in_threadpool(_decode, body, request.headers, max_request_bytes)
             _check_inputs(decoded.inputs, inputs)
             unknown = sorted(set(decoded.outputs) - set(output_names))
             if unknown:
                 raise ApiError(
-                    400, f"unknown output '{unknown[0]}'; the model's outputs are {output_names}"
+                    400,
+                    f"unknown output {clip(unknown[0])}; the model's outputs are {output_names}",
                 )
             values = await asyncio.wrap_future(batcher.submit(decoded.inputs))
             outputs = dict(zip(output_names, values, strict=True))
-            content, header_length = await run_in_threadpool(
+            content, json_length = await run_in_threadpool(
                 encode_response, name, decoded, outputs, VERSION
             )
         except Exception as exc:
@@ -159,15 +190,15 @@ def create_app(
             metrics.failure(status)
             if status == 500:  # not the client's fault: keep the traceback for the operator
                 log.exception("inference failed")
-            raise ApiError(status, message) from exc
+            raise ApiError(status, message, close=isinstance(exc, BodyTimeout)) from exc
         finally:
             metrics.latency.observe(time.perf_counter() - started)
-        if header_length is None:
+        if json_length is None:
             return Response(content, media_type="application/json")
         return Response(
             content,
             media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(header_length)},
+            headers={"Inference-Header-Content-Length": str(json_length)},
         )
 
     @app.post("/v2/models/{model}/swap")
@@ -179,9 +210,14 @@ def create_app(
         body = await request.body()
         try:
             args = json.loads(body) if body.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ApiError(400, f"malformed JSON in the request: {exc}") from None
-        if not isinstance(args, dict) or set(args) - {"buckets", "wait"}:
+        if (
+            not isinstance(args, dict)
+            or set(args) - {"buckets", "wait"}
+            or not isinstance(args.get("buckets"), str | dict | None)
+            or not isinstance(args.get("wait", True), bool)
+        ):
             raise ApiError(
                 400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}'
             )
@@ -190,7 +226,7 @@ def create_app(
             await run_in_threadpool(
                 lambda: session.swap(args.get("buckets"), wait=bool(args.get("wait", True)))
             )
-        except KilnError as exc:
+        except (KilnError, TypeError, ValueError) as exc:  # TypeError: {"batch": 4}, not [4]
             raise ApiError(400, str(exc)) from None
         stats = session.stats()
         return {"name": name, "swapped": stats["swaps"] > swaps, "stats": stats}
@@ -208,28 +244,32 @@ def create_app(
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to pass `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `limit` bytes, and with 408 if
+    it is not whole within `timeout` seconds: a client that promises bytes and stalls must not
+    hold a request (and its slot in the server) forever."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)  # not asyncio.timeout: Python 3.10
+    except asyncio.TimeoutError:
+        raise BodyTimeout(timeout) from None
 
 
 def _decode(body: bytes, headers: Any, limit: int):
     body = decompress(body, headers.get("content-encoding"), limit)
-    header_length = headers.get("inference-header-content-length")
-    if header_length is not None and not header_length.strip().isdigit():
-        raise ProtocolError(
-            f"Inference-Header-Content-Length must be a byte count, got {header_length!r}"
-        )
-    return parse_request(body, int(header_length) if header_length is not None else None)
+    return parse_request(body, header_length(headers.get("inference-header-content-length")))
 
 
 def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]) -> None:
@@ -237,13 +277,15 @@ def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]
     and what it should be. Also one batch size across inputs, which batching relies on."""
     unknown = sorted(set(feeds) - set(specs))
     if unknown:
-        raise ApiError(400, f"unknown input '{unknown[0]}'; the model's inputs are {sorted(specs)}")
+        raise ApiError(
+            400, f"unknown input {clip(unknown[0])}; the model's inputs are {sorted(specs)}"
+        )
     for spec in specs.values():
         want = f"{spec['datatype']} with shape {spec['shape']} (-1: any size)"
         array = feeds.get(spec["name"])
         if array is None:
             raise ApiError(400, f"missing input '{spec['name']}': expected {want}")
-        datatype = next(k for k, v in DATATYPES.items() if v == array.dtype)
+        datatype = datatype_of(array)
         if datatype != spec["datatype"]:
             raise ApiError(400, f"input '{spec['name']}' has datatype {datatype}, expected {want}")
         shape = spec["shape"]
@@ -267,6 +309,10 @@ def _status_of(exc: Exception) -> tuple[int, str]:
         return 400, str(exc)
     if isinstance(exc, RequestTooLarge):
         return 413, str(exc)
+    if isinstance(exc, BodyTimeout):
+        return 408, str(exc)
+    if isinstance(exc, ClientDisconnect):
+        return CLIENT_CLOSED, "the client closed the connection before sending the whole body"
     if isinstance(exc, Overloaded | Closed):
         return 503, str(exc)
     return 500, f"inference failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,135 @@
+"""The listening socket and the HTTP server around the app.
+
+The socket is bound first, before any model is loaded, so a port out of range, a port in use or
+a host that does not resolve is one line at once rather than an error after a long load; the
+bound socket is then handed to uvicorn, which is how `--port 0` can say the port it got.
+
+uvicorn closes a keep-alive connection that stays idle, but waits forever for a request head
+that never ends; the protocol here closes a connection whose head is not complete within that
+same keep-alive timeout, so a client that stalls mid-headers cannot hold a connection forever.
+(A body that stalls is the app's to answer: 408, see app.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kiln.errors import KilnError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port); KilnError naming the flag
+    when the port is out of range or taken, or the host does not resolve to this machine."""
+    if not 0 <= port <= 65535:
+        raise KilnError(f"--port {port}: use a port from 1 to 65535, or 0 for any free port.")
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_ADDRCONFIG
+        )
+    except (OSError, UnicodeError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise KilnError(
+            f"--host {host}: cannot resolve it ({reason}); give an address of this machine, "
+            "e.g. 127.0.0.1, or 0.0.0.0 for every interface."
+        ) from None
+    # One address: IPv4 first, as clients asking for "localhost" mostly try 127.0.0.1.
+    ipv4 = [info for info in infos if info[0] == socket.AF_INET]
+    family, kind, proto, _, address = (ipv4 or infos)[0]
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a restart can rebind at once. It does not share a port in use (Linux).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise KilnError(_bind_problem(host, port, exc)) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_problem(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"--port {port}: the port is in use on {host}; stop what holds it, pick another "
+            "port, or give --port 0 for any free one."
+        )
+    if exc.errno == errno.EACCES:
+        return f"--port {port}: binding it needs privileges (ports below 1024); use 1024 or above."
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0."
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}."
+
+
+def url(host: str, port: int) -> str:
+    """http://host:port, with an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _HeadDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head is not complete
+    `timeout_keep_alive` seconds after the connection opened or the last answer was sent."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.timeout_keep_alive, self._head_overdue)
+
+    def _head_overdue(self) -> None:
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE:  # no complete request head since armed
+            self.transport.close()
+        else:  # a request in progress; look again later (a finished answer re-arms anyway)
+            self._arm()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_ready` once it accepts requests."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def http_server(
+    app: Any, *, timeout_keep_alive: int = 5, on_ready: Callable[[], None] | None = None
+) -> uvicorn.Server:
+    """A uvicorn server for `app`; run it with `.run(sockets=[bind(host, port)])`, stop it
+    with `.should_exit = True` (or SIGINT/SIGTERM, from the main thread)."""
+    config = uvicorn.Config(
+        app,
+        http=_HeadDeadlineH11,
+        timeout_keep_alive=timeout_keep_alive,
+        log_level="warning",
+        access_log=False,  # one line per request costs real time at high request rates
+    )
+    return _Server(config, on_ready)
