@@ -57,6 +57,15 @@ def test_measured_peaks_are_plausible_for_a_cpu(shared_home, monkeypatch) -> Non
     if peaks.bf16_gflops is not None:
         assert 5 < peaks.bf16_gflops < 20_000 * cores
     assert Peaks.from_json(json.loads(json.dumps(peaks.to_json()))) == peaks
+    # the caches this machine has are measured; the hierarchy gets slower as it gets bigger
+    caches = cpu_info().caches
+    assert (peaks.l2_bytes is not None) == ("L2" in caches)
+    levels = peaks.memory_levels()
+    assert levels[-1] == ("DRAM", None, peaks.bandwidth_gbs)
+    sizes = [size for _, size, _ in levels[:-1]]
+    assert sizes == sorted(sizes) and all(size > 0 for size in sizes)
+    speeds = [speed for _, _, speed in levels]
+    assert speeds == sorted(speeds, reverse=True)
 
 
 @pytest.mark.slow
@@ -119,6 +128,29 @@ def test_cache_without_optional_fields_is_read(fake_measure) -> None:
     assert measured_peaks() == FAKE and fake_measure == []
 
 
+def test_cache_without_cache_ceilings_is_measured_again(fake_measure) -> None:
+    """A cache written before L2/L3 were measured has no cache ceilings to give the roofline
+    (and GEMM peaks of one engine only): it is measured over, not half-trusted."""
+    path = peaks_module.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = {k: v for k, v in FAKE.to_json().items() if not k.startswith(("l2_", "l3_"))}
+    path.write_text(json.dumps({"fingerprint": cpu_info().fingerprint, "peaks": old}))
+    assert measured_peaks() == FAKE and fake_measure == [1]
+    assert "l2_bandwidth_gbs" in json.loads(path.read_text())["peaks"]
+
+
+def test_cache_ceilings_never_rank_below_the_level_above() -> None:
+    # a noisy measurement of L3 above L2, or of a cache below memory, is not a hierarchy
+    noisy = Peaks(100.0, None, None, 30.0, 2, "x", None, 1 << 20, 50.0, 8 << 20, 60.0)
+    assert noisy.memory_levels() == [
+        ("L2", 1 << 20, 60.0),
+        ("L3", 8 << 20, 60.0),
+        ("DRAM", None, 30.0),
+    ]
+    slow = Peaks(100.0, None, None, 30.0, 2, "x", None, 1 << 20, 20.0, None, None)
+    assert slow.memory_levels() == [("L2", 1 << 20, 30.0), ("DRAM", None, 30.0)]
+
+
 def test_unwritable_home_still_gives_peaks(tmp_path, monkeypatch, fake_measure) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
@@ -135,3 +167,7 @@ def test_doctor_shows_the_peaks(measured, tmp_path) -> None:
     table = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
     assert table.returncode == 0, table.stderr
     assert "peak fp32" in table.stdout and "GB/s" in table.stdout
+    # the cache ceilings the roofline uses are shown with the DRAM bandwidth
+    assert "memory ceilings" in table.stdout and "DRAM" in table.stdout
+    if measured.l2_bandwidth_gbs:
+        assert f"{measured.l2_bytes / 2**20:g} MiB" in table.stdout

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 import kiln
 from kiln import zoo
+from kiln.cost import node_costs, total_cost
 from kiln.hardware import Peaks
 from kiln.profile import profile_model
 from kiln.profile.mapping import NodeMatcher, core_op
@@ -99,7 +100,8 @@ def test_unfused_attention_is_found_before_optimize_and_gone_after(original, com
     assert "kiln optimize zoo:bert-tiny" in before["unfused-attention"]["action"]
     assert "unfused-attention" not in {f["kind"] for f in compiled["findings"]}
     # each kernel counts toward one finding only
-    assert sum(f["share"] for f in original["findings"] if f["kind"] != "thread-underuse") <= 1.0
+    shares = [f["share"] for f in original["findings"] if f["kind"] != "thread-underuse"]
+    assert sum(shares) == pytest.approx(1.0) or sum(shares) < 1.0
 
 
 def test_artifact_kernels_map_back_to_the_original_nodes(compiled):
@@ -130,12 +132,69 @@ def test_openvino_kernels_carry_their_original_layers():
     pytest.importorskip("openvino")
     result = profile_model("zoo:bert-tiny", backend="openvino", runs=2, rounds=1, peaks=PEAKS)
     assert result["backend"]["name"] == "openvino"
-    keys = {"node", "op_type", "provider", "dur_us", "run", "origin"}
-    assert result["records"] and all(set(r) == keys for r in result["records"])
+    keys = {"node", "op_type", "provider", "dur_us", "run", "origin", "order", "precision"}
+    assert result["records"] and all(keys <= set(r) for r in result["records"])
     assert all(isinstance(r["origin"], list) for r in result["records"])
     mapped = [n for n in result["nodes"] if n["graph_nodes"]]
     assert len(mapped) >= len(result["nodes"]) // 2
     assert all(n["kernel"] for n in result["nodes"])  # OpenVINO's implementation, e.g. brgemm
+    # every kernel, the Reorders OpenVINO inserts included, leads to original nodes
+    assert all(n["original"] for n in result["nodes"])
+
+
+@pytest.fixture(scope="module")
+def resnet_openvino():
+    """Three profiling rounds: three compiles, which name OpenVINO's fused layers anew."""
+    pytest.importorskip("openvino")
+    return profile_model("zoo:resnet-tiny", backend="openvino", runs=6, rounds=3, peaks=PEAKS)
+
+
+def test_openvino_kernels_are_the_same_kernels_in_every_compile(resnet_openvino):
+    nodes = resnet_openvino["nodes"]
+    assert all(n["calls_per_run"] == 1 for n in nodes)  # one entry per kernel, every run
+    convs = [n for n in nodes if n["op_type"] == "Convolution"]
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    assert len(convs) == sum(n.op_type == "Conv" for n in model.graph)
+    assert all(n["median_ms"] > 0 for n in convs)
+
+
+def test_a_fused_conv_is_costed_by_every_node_it_ran(resnet_openvino):
+    model = zoo.build("resnet-tiny")
+    ops = {n.name: n.op_type for n in model.graph.node}
+    costs = node_costs(model, zoo.entry("resnet-tiny").dims)
+    for conv in (n for n in resnet_openvino["nodes"] if n["op_type"] == "Convolution"):
+        # OpenVINO lists the BatchNorm and Relu it fused, not the Conv: found above them
+        assert [ops[g] for g in conv["graph_nodes"]].count("Conv") == 1
+        assert conv["node"] in ops and ops[conv["node"]] == "Conv"  # named after its Conv
+        assert conv["flops"] == sum(costs[g].flops for g in conv["graph_nodes"])
+    # every graph node's FLOPs are counted once, by one kernel: the model's total, as
+    # `kiln zoo info` gives it
+    whole = total_cost(costs.values()).flops
+    assert resnet_openvino["roofline"]["flops"] == pytest.approx(whole, rel=0.01)
+    # ... and the Convolution row adds up its kernels' (its share is the slow test's: on a
+    # 32×32 input OpenVINO's 10-class Gemm waking its threads can outweigh every Conv)
+    row = next(o for o in resnet_openvino["op_types"] if o["op_type"] == "Convolution")
+    convs = [n for n in resnet_openvino["nodes"] if n["op_type"] == "Convolution"]
+    assert row["flops"] == sum(n["flops"] for n in convs) and row["share"] > 0
+
+
+def test_a_global_average_pool_is_no_layernorm(resnet_openvino):
+    # OpenVINO runs GlobalAveragePool as ReduceMean, a LayerNorm primitive; ResNet has none
+    assert "unfused-chains" not in {f["kind"] for f in resnet_openvino["findings"]}
+
+
+def test_openvino_layer_names_resolve_through_output_names_and_suffixes():
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    matcher = NodeMatcher(model)
+    gemm = next(n for n in model.graph if n.op_type == "Gemm")
+    output = gemm.outputs[0].name
+    assert output != gemm.name  # OpenVINO names the layer after the tensor
+    assert matcher.match_all([f"{gemm.name}/WithoutBiases/DequantizationMultiply", output],
+                             "FullyConnected") == [gemm.name]  # fmt: skip
+    bn = next(n for n in model.graph if n.op_type == "BatchNormalization")
+    relu = next(user for user, _ in bn.outputs[0].uses())
+    found = matcher.match_all(["Multiply_4791", bn.name, relu.name], "Convolution")
+    assert [model_op(model, n) for n in found] == ["Conv", "BatchNormalization", "Relu"]
 
 
 def test_cli_profile_prints_findings_and_writes_json(monkeypatch, tmp_path):

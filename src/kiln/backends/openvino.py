@@ -218,18 +218,24 @@ class OpenVinoExecutable:
 
     def profile(self, feeds: dict[str, np.ndarray], runs: int) -> Profile:
         """Per-layer records from OpenVINO's performance counters over `runs` runs after one
-        warm-up: the exec type as `provider` (the kernel, e.g. brgconv_avx512_f32), and the
-        original layers fused into each as `origin`; each run's wall time as timed here.
+        warm-up: the exec type as `provider` (the kernel, e.g. brgconv_avx512_f32), the
+        original layers fused into each as `origin`, and from the runtime model its place in
+        the execution order, the precision it ran in and the bytes it moved
+        (`OpenVinoKernelRecord`); each run's wall time as timed here.
 
-        PERF_COUNT slows every layer a little, so it lives in a separate compiled model."""
+        PERF_COUNT slows every layer a little, so it lives in a separate compiled model. Each
+        compile names the layers OpenVINO creates anew (Multiply_4791, then Multiply_18761):
+        `order` is what stays the same from one compile to the next."""
         self._check(feeds)
         props = {**self.options.properties(), "PERF_COUNT": "YES"}
         # A profiling build must neither come from nor land in the model cache.
         props.pop("CACHE_DIR", None)
         compiled, _ = _compile(self._model, self.options.device, props, self.options.dim_overrides)
-        origins = _origins(compiled)
         request = compiled.create_infer_request()
         request.infer(feeds, share_inputs=True, share_outputs=True)
+        # Read after an inference: only then does a dynamic model's runtime model hold the
+        # shapes these feeds gave every layer.
+        layers = _layers(compiled)
         records: list[KernelRecord] = []
         run_ms: list[float] = []
         for run in range(runs):
@@ -241,14 +247,18 @@ class OpenVinoExecutable:
                 # NOT_RUN: fused into a neighbour or a no-op (Parameter, Result): no time.
                 if info.status != info.Status.EXECUTED:
                     continue
+                layer = layers.get(info.node_name, _Layer(origin=(info.node_name,)))
                 records.append(
-                    KernelRecord(
+                    OpenVinoKernelRecord(
                         node=info.node_name,
                         op_type=info.node_type,
                         provider=info.exec_type,
                         dur_us=info.real_time.total_seconds() * 1e6,
                         run=run,
-                        origin=tuple(origins.get(info.node_name, [info.node_name])),
+                        origin=layer.origin,
+                        order=layer.order,
+                        precision=layer.precision,
+                        bytes=layer.bytes,
                     )
                 )
         return Profile(records, run_ms, engine="openvino")
@@ -384,16 +394,72 @@ def _port_name(port: Any) -> str:
     return node_name if node_name in names else sorted(names)[0]
 
 
-def _origins(compiled: ov.CompiledModel) -> dict[str, list[str]]:
-    """Executed layer name → the original layers OpenVINO fused into it, from the runtime
-    model: the link from a kernel record back to the ONNX nodes."""
+@dataclass(frozen=True)
+class OpenVinoKernelRecord(KernelRecord):
+    """A kernel record with what OpenVINO's runtime model says about the layer."""
+
+    # place in the execution order (execOrder): the same in every compile of one model with
+    # one configuration, unlike the names of the layers OpenVINO creates
+    order: int | None = None
+    # what it computed in (runtimePrecision): "fp32", "bf16", "fp16", "int8"
+    precision: str | None = None
+    # its inputs (weights included) and outputs at the element types it ran with: the bytes
+    # an int8 kernel moves are int8, not the fp32 of the QDQ graph it came from
+    bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One executed layer of a runtime model (see `_layers`)."""
+
+    origin: tuple[str, ...]
+    order: int | None = None
+    precision: str | None = None
+    bytes: int | None = None
+
+
+# OpenVINO's runtimePrecision → the names the roofline uses; integer kernels (u8 activations,
+# i8 weights) run on the int8 roof.
+_RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
+
+
+def _layers(compiled: ov.CompiledModel) -> dict[str, _Layer]:
+    """Executed layer name → the original layers OpenVINO fused into it (the link from a
+    kernel record back to the ONNX nodes), its execution order, runtime precision and bytes
+    moved, read from the runtime model's rt_info (a Reorder OpenVINO inserted has no
+    original layers)."""
     out = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
-        if "originalLayersNames" in info:
-            names = str(info["originalLayersNames"].astype(str))
-            out[op.get_friendly_name()] = [n for n in names.split(",") if n]
+        if "originalLayersNames" not in info:
+            continue
+        names = _rt_text(info, "originalLayersNames") or ""
+        order = _rt_text(info, "execOrder")
+        precision = _rt_text(info, "runtimePrecision")
+        out[op.get_friendly_name()] = _Layer(
+            origin=tuple(n for n in names.split(",") if n),
+            order=int(order) if order and order.lstrip("-").isdigit() else None,
+            precision=_RUNTIME_PRECISIONS.get(precision or "", "fp32"),
+            bytes=_moved_bytes(op),
+        )
     return out
+
+
+def _rt_text(info: Any, key: str) -> str | None:
+    return str(info[key].astype(str)) if key in info else None
+
+
+def _moved_bytes(op: Any) -> int | None:
+    """Bytes of a runtime layer's inputs (weights included: they are Const inputs) and
+    outputs at the element types it ran with; None when a shape is dynamic."""
+    ports = [*(i.get_source_output() for i in op.inputs()), *op.outputs()]
+    total = 0
+    for port in ports:
+        shape = port.get_partial_shape()
+        if shape.is_dynamic:
+            return None
+        total += int(np.prod(shape.to_shape(), dtype=np.int64)) * port.get_element_type().bitwidth
+    return total // 8
 
 
 def _explain(exc: BaseException) -> str:

@@ -1,10 +1,12 @@
-"""`kiln doctor`: what Kiln found on this machine: versions, CPU, engines, measured peaks."""
+"""`kiln doctor`: what Kiln found on this machine: versions, CPU, engines, measured peaks and
+the bandwidth of each level of the memory hierarchy (L2, L3, DRAM)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
 from kiln.cli.console import JsonOpt, console, emit_json, progress
 
@@ -49,3 +51,14 @@ def doctor(
         emit_json(info)
     else:
         print_doctor(info, console)
+        console.print(memory_ceilings(peaks))
+
+
+def memory_ceilings(peaks: Any) -> Table:
+    """The bandwidth of each level of the memory hierarchy the roofline uses: a kernel whose
+    working set fits in a level is held to that level's bandwidth."""
+    table = Table("level", "holds", "bandwidth", title="memory ceilings (roofline)")
+    for level, size, speed in peaks.memory_levels():
+        holds = "everything else" if size is None else f"{size / 2**20:g} MiB"
+        table.add_row(level, holds, f"{speed:,.1f} GB/s")
+    return table

@@ -1,12 +1,14 @@
-"""CPU model, ISA features that matter to engines, cores: read from the OS, never measured."""
+"""CPU model, ISA features that matter to engines, cores, caches: read from the OS, never
+measured."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
+from pathlib import Path
 
 # Features that decide which kernels engines can use.
 INTERESTING_FLAGS = [
@@ -33,6 +35,9 @@ class CpuInfo:
     logical_cores: int
     physical_cores: int
     features: list[str]
+    # data/unified cache level ("L2", "L3") → bytes, summed over the distinct caches of the
+    # cores this process may run on (a kernel split over the cores has all of them)
+    caches: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -70,4 +75,35 @@ def cpu_info() -> CpuInfo:
         logical_cores=logical,
         physical_cores=len(cores) or logical,
         features=[f for f in INTERESTING_FLAGS if f in flags],
+        caches=cache_sizes(),
     )
+
+
+def cache_sizes(root: Path = Path("/sys/devices/system/cpu")) -> dict[str, int]:
+    """Bytes of each data cache level over the CPUs this process may use, from sysfs (one
+    L2 per core and one L3 per core complex are counted once each); {} where sysfs has none."""
+    cpus = (
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    seen: dict[str, dict[str, int]] = {}
+    for cpu in cpus:
+        for index in sorted((root / f"cpu{cpu}" / "cache").glob("index*")):
+            try:
+                kind = (index / "type").read_text().strip()
+                level = int((index / "level").read_text())
+                size = _size_bytes((index / "size").read_text().strip())
+                shared = (index / "shared_cpu_list").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if kind == "Instruction" or level < 2:
+                continue
+            seen.setdefault(f"L{level}", {})[shared] = size
+    return {level: sum(sizes.values()) for level, sizes in sorted(seen.items())}
+
+
+def _size_bytes(text: str) -> int:
+    """sysfs cache sizes: "512K", "32768K", "8M"."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)

@@ -9,15 +9,19 @@ first (RULES' order): a Softmax inside an unfused attention block is the attenti
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import onnx_ir as ir
 
+from kiln.cost import peak_compute
 from kiln.profile.mapping import core_op
+from kiln.profile.roofline import mixed_peak
 
 NEAR_ROOF = 0.4  # efficiency at which a kernel counts as running at the roof
+FASTER = 1.25  # a precision's compute peak this much above another's is worth a change
 OVERHEAD = 0.1  # below this efficiency the time is not the work's (dispatch, threads)
 THREADS_USED = 0.6  # CPU time / (wall × cores) under this: cores sit idle
 MAC_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "MultiHeadAttention"}
@@ -28,6 +32,8 @@ DATA_MOVEMENT = {
 }  # fmt: skip
 # Operators that LayerNorm, GELU and Softmax decompose into when exported op by op.
 PRIMITIVES = {"Erf", "Pow", "Sqrt", "ReduceMean", "Reciprocal", "ReduceSum", "Exp", "ReduceMax"}
+# ... of which these appear in hardly anything else: a model without them has no such chains
+TELLTALE = {"Erf", "Pow", "Sqrt", "Reciprocal"}
 SHAPE_SOURCES = {"Shape", "Size"}
 SHAPE_MATH = {
     "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul", "Div",
@@ -91,65 +97,127 @@ def compute_bound(ctx: Context) -> Finding | None:
     )
     flops = sum(n["flops"] for n in near)
     time_s = sum(n["median_ms"] for n in near) / 1e3
-    fp32 = [n for n in near if n["precision"] == "fp32"]
-    faster = _lower_precision_roofs(ctx.peaks)
+    peak, precision = mixed_peak(near, ctx.peaks)
+    # only a precision whose compute roof is higher than the one these kernels run under helps
+    lower = _lower_precisions(ctx, near, gain=lambda p: _peak(ctx, p) >= FASTER * peak)
     action = (
-        f"lower precision: {_optimize(ctx, '--precision int8')} or "
-        f"{_optimize(ctx, '--backend openvino --precision bf16')} ({faster})"
-        if fp32 and faster
+        f"lower precision: {_precision_commands(ctx, lower)} ({_roofs_text(ctx, lower, near)})"
+        if lower
         else "more cores or a faster machine: these kernels already run at the roof"
     )
     evidence = (
         f"{len(near)} kernels at ≥ {NEAR_ROOF:.0%} of their roof, "
         f"{flops / time_s / 1e9 if time_s else 0:.0f} GFLOP/s achieved against "
-        f"{ctx.peaks.fp32_gflops:.0f} GFLOP/s fp32 peak"
+        f"{peak:.0f} GFLOP/s {precision} peak"
     )
     return _finding(ctx, "compute-bound", "compute-bound near the roof", near, evidence, action)
 
 
-def _lower_precision_roofs(peaks: Any) -> str:
-    parts = []
-    if peaks.int8_gops:
-        parts.append(f"int8 peak {peaks.int8_gops:.0f} GOP/s")
-    if peaks.bf16_gflops:
-        parts.append(f"bf16 peak {peaks.bf16_gflops:.0f} GFLOP/s")
-    if not parts:
-        return ""
-    return ", ".join(parts) + f" vs fp32 {peaks.fp32_gflops:.0f}"
+# precision → bits per value: a kernel is never advised a precision at least as wide as the
+# one it already runs in
+_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8}
+# `kiln optimize` flags that build each precision
+_FLAGS = {"int8": "--precision int8", "bf16": "--backend openvino --precision bf16"}
+
+
+def _peak(ctx: Context, precision: str) -> float:
+    return peak_compute(ctx.peaks, precision)[0]
+
+
+def _lower_precisions(
+    ctx: Context, kernels: list[dict[str, Any]], gain: Callable[[str], bool]
+) -> list[str]:
+    """Precisions narrower than every one of `kernels` runs in that this machine has kernels
+    for (a measured peak) and for which `gain` holds: what an artifact already beats is never
+    proposed."""
+    if not kernels:
+        return []
+    narrowest = min(_BITS.get(n["precision"], 32) for n in kernels)
+    measured = {"int8": ctx.peaks.int8_gops, "bf16": ctx.peaks.bf16_gflops}
+    return [p for p in ("int8", "bf16") if measured[p] and _BITS[p] < narrowest and gain(p)]
+
+
+def _precision_commands(ctx: Context, precisions: list[str]) -> str:
+    return " or ".join(_optimize(ctx, _FLAGS[p]) for p in precisions)
+
+
+def _roofs_text(ctx: Context, precisions: list[str], kernels: list[dict[str, Any]]) -> str:
+    peak, precision = mixed_peak(kernels, ctx.peaks)
+    parts = [
+        f"{p} peak {_peak(ctx, p):.0f} {'GOP/s' if p == 'int8' else 'GFLOP/s'}" for p in precisions
+    ]
+    return ", ".join(parts) + f" vs {precision} {peak:.0f}"
 
 
 def fp32_compute(ctx: Context) -> Finding | None:
-    """MAC kernels in fp32 below the roof (those at it are `compute_bound`'s)."""
-    faster = _lower_precision_roofs(ctx.peaks)
-    if not faster:
-        return None
+    """MAC kernels in fp32 below the roof (those at it are `compute_bound`'s), where this
+    machine computes int8 or bf16 markedly faster than fp32."""
     chosen = ctx.free(
         [n for n in ctx.nodes if core_op(n["op_type"]) in MAC_OPS and n["precision"] == "fp32"]
     )
-    evidence = f"{len(chosen)} fp32 MatMul/Conv kernels below the roof; this CPU has {faster}"
-    action = f"{_optimize(ctx, '--precision int8')} (accuracy-guarded)"
+    fp32 = ctx.peaks.fp32_gflops
+    lower = _lower_precisions(ctx, chosen, gain=lambda p: _peak(ctx, p) >= FASTER * fp32)
+    if not lower:
+        return None
+    evidence = (
+        f"{len(chosen)} fp32 MatMul/Conv kernels below the roof; this CPU has "
+        f"{_roofs_text(ctx, lower, chosen)}"
+    )
+    action = f"{_precision_commands(ctx, lower)} (accuracy-guarded)"
     return _finding(
         ctx, "fp32-compute", "fp32 compute where int8/bf16 kernels exist", chosen, evidence, action
     )
+
+
+def below_roof(ctx: Context) -> Finding | None:
+    """Compute-bound kernels well below their roof that no narrower precision would speed
+    up (those are `fp32_compute`'s): the engine's kernel, not the machine, is the limit."""
+    chosen = ctx.free(
+        [
+            n
+            for n in ctx.nodes
+            if n.get("bound") == "compute" and OVERHEAD <= n["efficiency"] < NEAR_ROOF
+        ]
+    )
+    if not chosen:
+        return None
+    floor = sum(n["roofline_ms"] for n in chosen)
+    spent = sum(n["median_ms"] for n in chosen)
+    evidence = (
+        f"{len(chosen)} compute-bound kernels reach {floor / spent:.0%} of their roof "
+        f"together ({spent:.2f} ms per run where their roofs allow {floor:.2f} ms)"
+    )
+    action = (
+        f"another engine's kernels: {_optimize(ctx, '--backend auto')} builds each engine "
+        "and keeps the fastest; a machine busy with other work slows them too"
+    )
+    return _finding(ctx, "below-roof", "compute-bound below the roof", chosen, evidence, action)
 
 
 def memory_bound(ctx: Context) -> Finding | None:
     chosen = ctx.free(
         [n for n in ctx.nodes if n.get("bound") == "memory" and n["efficiency"] >= OVERHEAD]
     )
+    if not chosen:
+        return None
     moved = sum(n["bytes"] for n in chosen)
     time_s = sum(n["median_ms"] for n in chosen) / 1e3
-    ridge = ctx.peaks.fp32_gflops / ctx.peaks.bandwidth_gbs
+    # the bandwidth they could have had: each at the level its working set fits in
+    bandwidth = ctx.peaks.bandwidth_gbs
+    allowed_s = sum(n["bytes"] / (n.get("bandwidth_gbs", bandwidth) * 1e9) for n in chosen)
+    levels = Counter(n.get("memory_level", "DRAM") for n in chosen)
+    where = ", ".join(f"{count} in {level}" for level, count in sorted(levels.items()))
     evidence = (
-        f"{len(chosen)} kernels below the ridge point ({ridge:.1f} FLOP/byte), moving "
-        f"{moved / time_s / 1e9 if time_s else 0:.1f} GB/s against "
-        f"{ctx.peaks.bandwidth_gbs:.0f} GB/s measured"
+        f"{len(chosen)} kernels below their ridge point, moving "
+        f"{moved / time_s / 1e9 if time_s else 0:.1f} GB/s against the "
+        f"{moved / allowed_s / 1e9 if allowed_s else 0:.0f} GB/s of where their working sets "
+        f"fit ({where})"
     )
-    action = (
-        f"fewer trips through memory: {_optimize(ctx)} fuses elementwise chains; "
-        "bf16 activations halve the bytes "
-        f"({_optimize(ctx, '--backend openvino --precision bf16')})"
-    )
+    action = f"fewer trips through memory: {_optimize(ctx)} fuses elementwise chains"
+    # narrower values move fewer bytes, wherever the engine has kernels for them
+    lower = _lower_precisions(ctx, chosen, gain=lambda _p: True)
+    if lower:
+        action += f"; narrower activations move fewer bytes ({_precision_commands(ctx, lower)})"
     return _finding(ctx, "memory-bound", "memory-bound kernels", chosen, evidence, action)
 
 
@@ -233,7 +301,20 @@ def unfused_attention(ctx: Context) -> Finding | None:
 
 
 def unfused_primitives(ctx: Context) -> Finding | None:
-    chosen = ctx.free([n for n in ctx.nodes if n["op_type"] in PRIMITIVES])
+    """Kernels of the primitives LayerNorm and GELU are written with, in a model that has
+    them: a ResNet's global average pool, run as a ReduceMean, is not a LayerNorm."""
+    ops = {node.op_type for node in ctx.model.graph}
+    if not ops & TELLTALE:
+        return None
+    graph_ops = {node.name: node.op_type for node in ctx.model.graph}
+    chosen = ctx.free(
+        [
+            n
+            for n in ctx.nodes
+            if n["op_type"] in PRIMITIVES
+            and all(graph_ops.get(g) in PRIMITIVES for g in n["graph_nodes"])
+        ]
+    )
     kinds = sorted({n["op_type"] for n in chosen})
     evidence = (
         f"{len(chosen)} kernels of primitive ops ({', '.join(kinds)}): normalisations or "
@@ -307,6 +388,7 @@ RULES: list[Callable[[Context], Finding | None]] = [
     overhead_bound,
     compute_bound,
     fp32_compute,
+    below_roof,
     memory_bound,
     thread_underuse,
 ]

@@ -23,8 +23,9 @@ from kiln.profile.aggregate import (
 from kiln.profile.diagnose import Context, diagnose
 from kiln.profile.mapping import NodeMatcher
 from kiln.profile.measure import measure
-from kiln.profile.roofline import place, roofs
+from kiln.profile.roofline import mixed_peak, place, roofs
 from kiln.profile.target import feed_dims, load_target, target_feeds
+from kiln.profile.traffic import Traffic
 from kiln.timing import stats
 
 
@@ -112,7 +113,11 @@ def profile_model(
         "findings": [f.to_json() for f in findings],
         "nodes": nodes,
         "op_types": per_op_type(nodes),
-        "timeline": timeline(records, runs_seen[median_run]) if runs_seen else [],
+        "timeline": (
+            timeline(records, runs_seen[median_run], {n["key"]: n["node"] for n in nodes})
+            if runs_seen
+            else []
+        ),
         "records": records,
         "provenance": _provenance_view(nodes) if target.is_artifact else None,
         "manifest": _manifest_summary(target.manifest),
@@ -122,29 +127,42 @@ def profile_model(
 def _attach_costs(nodes: list[dict], model: ir.Model, dims: dict[str, int]) -> str | None:
     """FLOPs and bytes per kernel from kiln.cost; a model it cannot cost is still profiled."""
     from kiln.cost import node_costs
+    from kiln.cost.shapes import known_tensors, resolve_dims
 
+    proto = ir.to_proto(model)
     try:
-        costs = node_costs(ir.to_proto(model), dims)
+        costs = node_costs(proto, dims)
+        # Boundary bytes are only needed for kernels whose engine does not report its own.
+        needs_traffic = any(n.get("bytes_from") != "engine" for n in nodes if n["graph_nodes"])
+        tensors = known_tensors(proto, resolve_dims(proto, dims)) if needs_traffic else None
     except KilnError as exc:
         return f"no roofline: {exc}"
-    attach_costs(nodes, costs)
+    attach_costs(nodes, costs, Traffic(proto, tensors) if tensors is not None else None)
     return None
 
 
 def _whole_model(nodes: list[dict], p50_ms: float, peaks: Any, note: str | None) -> dict:
     """Achieved GFLOP/s against the peak, and the fraction of the roofline: the time the
-    roofline allows for all the work (kernel by kernel) over the end-to-end P50."""
+    roofline allows for all the work (kernel by kernel) over the end-to-end P50.
+
+    The peak is that of the precisions the kernels ran in, weighted by their FLOPs (the
+    harmonic mean: the time all the FLOPs would take, each at its own precision's peak): an
+    int8 model is measured against the int8 peak, not the fp32 one."""
     costed = [n for n in nodes if n.get("flops") is not None]
     flops = sum(n["flops"] for n in costed)
     floor_ms = sum(n.get("roofline_ms", 0.0) for n in costed)
     node_ms = sum(n["median_ms"] for n in nodes)
+    peak, precision = mixed_peak(costed, peaks)
+    achieved = flops / (p50_ms * 1e6) if p50_ms > 0 else 0.0
     return {
         "peaks": peaks.to_json(),
         "roofs": roofs(peaks),
         "flops": flops,
-        "bytes": sum(n["bytes"] for n in costed),
-        "achieved_gflops": flops / (p50_ms * 1e6) if p50_ms > 0 else 0.0,
-        "fraction_of_peak": flops / (p50_ms * 1e6) / peaks.fp32_gflops if p50_ms > 0 else 0.0,
+        "bytes": sum(n.get("bytes") or 0.0 for n in costed),
+        "achieved_gflops": achieved,
+        "peak_gflops": peak,
+        "peak_precision": precision,
+        "fraction_of_peak": achieved / peak if peak else 0.0,
         "roofline_ms": floor_ms,
         "fraction_of_roofline": floor_ms / p50_ms if p50_ms > 0 else 0.0,
         "costed_share": sum(n["median_ms"] for n in costed) / node_ms if node_ms else 0.0,

@@ -10,23 +10,35 @@ _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_w
 
 
 def roofline_figure(result: dict[str, Any]) -> go.Figure:
-    """Log-log: the memory slope and one compute roof per measured precision, and every
-    costed kernel at (arithmetic intensity, achieved GFLOP/s), sized by its time."""
+    """Log-log: one memory slope per level of the memory hierarchy measured (DRAM, and the
+    L2/L3 ceilings a small working set meets), one compute roof per measured precision, and
+    every costed kernel at (arithmetic intensity, achieved GFLOP/s), sized by its time."""
     roofs = result["roofline"]["roofs"]
     nodes = [n for n in result["nodes"] if n.get("intensity") and n.get("achieved_gflops")]
+    memory = roofs.get("memory") or {"DRAM": roofs["bandwidth_gbs"]}
     bandwidth = roofs["bandwidth_gbs"]
     xs = [n["intensity"] for n in nodes] or [1.0]
     low = min(min(xs), 0.01) / 2
     high = max(max(xs), 2 * max(roofs["compute"].values()) / bandwidth) * 2
+    top = max(roofs["compute"].values())
     figure = go.Figure()
-    for precision, peak in roofs["compute"].items():
-        ridge = peak / bandwidth
+    for level, speed in memory.items():
         figure.add_trace(
             go.Scatter(
-                x=[low, ridge, high],
-                y=[low * bandwidth, peak, peak],
+                x=[low, top / speed],
+                y=[low * speed, top],
                 mode="lines",
-                name=f"{precision} roof ({peak:.0f} GFLOP/s, {bandwidth:.0f} GB/s)",
+                name=f"{level} bandwidth ({speed:.0f} GB/s)",
+                line={"dash": "solid" if level == "DRAM" else "dash", "width": 1},
+            )
+        )
+    for precision, peak in roofs["compute"].items():
+        figure.add_trace(
+            go.Scatter(
+                x=[peak / max(memory.values()), high],
+                y=[peak, peak],
+                mode="lines",
+                name=f"{precision} roof ({peak:.0f} GFLOP/s)",
                 line={"dash": "solid" if precision == "fp32" else "dot"},
             )
         )
@@ -42,11 +54,7 @@ def roofline_figure(result: dict[str, Any]) -> go.Figure:
                 mode="markers",
                 name=op_type,
                 marker={"size": [6 + 24 * (n["median_ms"] / longest) ** 0.5 for n in members]},
-                text=[
-                    f"{n['node']}<br>{n['median_ms']:.3f} ms/run, "
-                    f"{n.get('efficiency', 0):.0%} of roof ({n.get('bound', '?')}-bound)"
-                    for n in members
-                ],
+                text=[_hover(n) for n in members],
                 hoverinfo="text",
             )
         )
@@ -58,6 +66,15 @@ def roofline_figure(result: dict[str, Any]) -> go.Figure:
         **_LAYOUT,
     )
     return figure
+
+
+def _hover(node: dict[str, Any]) -> str:
+    """One kernel: its time, and the roof it is held to (precision, memory level)."""
+    return (
+        f"{node['node']}<br>{node['median_ms']:.3f} ms/run, {node['precision']}, working set "
+        f"in {node.get('memory_level', 'DRAM')}<br>{node.get('efficiency', 0):.0%} of its roof "
+        f"({node.get('bound', '?')}-bound)"
+    )
 
 
 def timeline_figure(result: dict[str, Any]) -> go.Figure:

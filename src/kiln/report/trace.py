@@ -15,7 +15,9 @@ _PID, _RUNS_TID, _KERNELS_TID = 1, 1, 2
 
 def trace_events(result: dict[str, Any]) -> dict[str, Any]:
     """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", ...}."""
-    about = {n["node"]: n for n in result["nodes"]}
+    # kernels are known by their key: OpenVINO renames its layers at every profiling compile
+    about = {n.get("key", n["node"]): n for n in result["nodes"]}
+    names = {key: n["node"] for key, n in about.items()}
     title = f"{result['name']} on {result['backend']['name']}"
     events: list[dict[str, Any]] = [
         _meta("process_name", _RUNS_TID, {"name": title}),
@@ -24,18 +26,19 @@ def trace_events(result: dict[str, Any]) -> dict[str, Any]:
     ]
     clock = 0.0
     for run in sorted({r["run"] for r in result["records"]}):
-        spans = timeline(result["records"], run)
+        spans = timeline(result["records"], run, names)
         if not spans:
             continue
         length = max(s["start_us"] + s["dur_us"] for s in spans)
         events.append(_span(f"run {run}", "run", clock, length, _RUNS_TID, {"run": run}))
         for span in spans:
-            node = about.get(span["node"], {})
+            node = about.get(span["key"], {})
             args = {
                 "op_type": span["op_type"],
                 "kernel": node.get("kernel", ""),
                 "origin": node.get("graph_nodes", []),
                 "original": node.get("original", []),
+                "precision": node.get("precision", ""),
                 "run": run,
             }
             start = clock + span["start_us"]
