@@ -69,6 +69,24 @@ def test_traffic_shift_adopts_the_throughput_config_and_refuses_a_worse_one():
     assert {("adopted", "throughput-config"), ("refused", "worse")} <= kinds
     refused = next(r for r in library.records(kind="refused") if r.evidence["strategy"] == "worse")
     assert refused.evidence["measurement"]["ratio"]["value"] > 1  # measured, slower
-    windows = library.windows(session.interface.graph.name or "model")
+    windows = library.windows(loop.model)
     assert len(windows) == 2 and windows[1]["mean_batch"] == 16
     session.close()
+
+
+def test_kiln_serve_feedback_stores_windows_of_live_traffic(tmp_path):
+    import httpx
+    from test_serve import _resnet_request, _start, _stop, _until
+
+    server = _start(tmp_path, "zoo:resnet-tiny", "--feedback", "--feedback-interval", "1")
+    try:
+        url = f"{server.base}/v2/models/resnet-tiny/infer"
+        codes = [httpx.post(url, content=_resnet_request(1)).status_code for _ in range(60)]
+        assert set(codes) == {200}
+        library = Library(f"sqlite:///{tmp_path / 'tune.db'}")
+        _until(lambda: library.windows("resnet-tiny"), "a stored traffic window", timeout=60)
+        window = library.windows("resnet-tiny")[0]
+        assert window["requests"] >= 20 and window["batches"] == {"1": window["requests"]}
+        assert window["queue_depth"] is not None and window["cpu_percent"] >= 0
+    finally:
+        _stop(server)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress
+from kiln.cli.console import JsonOpt, at_least, check_output, console, emit_json, progress
 from kiln.errors import KilnError
 
 
@@ -45,9 +45,8 @@ def profile(
     from kiln.report import print_profile, write_html, write_trace
 
     at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
-    for path in (output, trace):
-        if path is not None and not path.absolute().parent.is_dir():
-            raise KilnError(f"{path}: the directory {path.absolute().parent} does not exist.")
+    check_output(output, "-o")
+    check_output(trace, "--trace")
     with progress() as bar:
         task = bar.add_task(f"loading {model}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731

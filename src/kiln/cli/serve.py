@@ -49,6 +49,27 @@ def serve(
     adaptive: Annotated[
         bool, typer.Option(help="Learn buckets from traffic; recompile and swap in background.")
     ] = False,
+    feedback: Annotated[
+        bool,
+        typer.Option(
+            help="Tune from live traffic: windows of latency, batch sizes, padding, queue and "
+            "CPU feed a loop that proposes strategies, A/B-measures each on replayed requests "
+            "and hot-swaps it in only when it is --min-gain better (kiln strategies list)."
+        ),
+    ] = False,
+    feedback_objective: Annotated[
+        str, typer.Option(help="What the feedback loop improves: latency or throughput.")
+    ] = "latency",
+    feedback_interval: Annotated[
+        float, typer.Option(help="Seconds per traffic window of the feedback loop.")
+    ] = 60.0,
+    min_gain: Annotated[
+        float, typer.Option(help="Improvement a strategy must show to be adopted (0.10: 10 %).")
+    ] = 0.10,
+    storage: Annotated[
+        str | None,
+        typer.Option(help="Strategy-library database for --feedback (default: under KILN_HOME)."),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Serve a model over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
@@ -65,6 +86,10 @@ def serve(
             raise KilnError(f"{flag} must be at least 1, got {value}.")
     if max_delay_ms < 0 or max_request_mb <= 0:
         raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
+    if feedback and (feedback_interval <= 0 or not 0 <= min_gain < 10):
+        raise KilnError("--feedback-interval must be > 0 and --min-gain in [0, 10).")
+    if feedback_objective not in ("latency", "throughput"):
+        raise KilnError(f"--feedback-objective {feedback_objective}: use latency or throughput.")
     served = name or model_name(model)
     # Bound before the model loads: a bad --port or --host is one line at once, and --port 0
     # knows its port. Closed on any error (load failures included).
@@ -73,7 +98,8 @@ def serve(
         from kiln.runtime import Session  # seconds of engine imports: after the quick checks
         from kiln.serve.app import create_app
 
-        session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive)
+        session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive,
+                          keep_requests=256 if feedback else 0)  # fmt: skip
         app = create_app(
             session,
             served,
@@ -82,6 +108,18 @@ def serve(
             max_queue=max_queue,
             max_request_bytes=int(max_request_mb * 2**20),
         )
+        loop = None
+        if feedback:
+            from kiln.tune.feedback import FeedbackLoop
+            from kiln.tune.storage import default_url
+
+            batcher = app.state.batcher
+            loop = FeedbackLoop(
+                session, objective=feedback_objective, min_gain=min_gain,
+                interval_s=feedback_interval, library_url=storage or default_url(),
+                queue_depth=lambda: batcher.depth, model=served,
+                say=lambda msg: err.print(msg, highlight=False, markup=False, soft_wrap=True),
+            ).start()  # fmt: skip
         where = f"{url(host, sock.getsockname()[1])}/v2/models/{served}"
 
         def announce() -> None:
@@ -102,5 +140,9 @@ def serve(
         # handlers make that a normal exit (status 0) instead of a kill or a KeyboardInterrupt.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        http_server(app, on_ready=announce).run(sockets=[sock])
+        try:
+            http_server(app, on_ready=announce).run(sockets=[sock])
+        finally:
+            if loop is not None:
+                loop.stop()
     err.print("stopped; every queued request was answered.", highlight=False)

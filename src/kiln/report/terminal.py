@@ -25,8 +25,9 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
     console.print(
         f"per-node sum {node_time['median_ms']:.2f} ms per run "
         f"({node_time['ratio_to_p50']:.0%} of the end-to-end P50{_profiled(node_time)}) · "
-        f"{roof['achieved_gflops']:.1f} GFLOP/s = {roof['fraction_of_peak']:.0%} of the fp32 "
-        f"peak · {roof['fraction_of_roofline']:.0%} of the roofline · "
+        f"{roof['achieved_gflops']:.1f} GFLOP/s = {roof['fraction_of_peak']:.0%} of the "
+        f"{roof.get('peak_precision', 'fp32')} peak · {roof['fraction_of_roofline']:.0%} of the "
+        "roofline · "
         f"peak RSS {result['memory']['model_peak_mib']:.0f} MiB"
     )
     if roof.get("note"):

@@ -150,7 +150,7 @@ class FeedbackLoop:
         self, session: RuntimeSession, *, objective: str = "latency", min_gain: float = 0.10,
         interval_s: float = 30.0, seconds: float = 3.0, cooldown_s: float = 300.0,
         library_url: str | None = None, queue_depth: Callable[[], int] | None = None,
-        say: Say = lambda _m: None,
+        model: str | None = None, say: Say = lambda _m: None,
     ) -> None:  # fmt: skip
         if objective not in ("latency", "throughput"):
             raise KilnError(f"feedback objective '{objective}': use latency or throughput.")
@@ -162,6 +162,7 @@ class FeedbackLoop:
         self.session, self.objective, self.min_gain = session, objective, min_gain
         self.interval_s, self.seconds, self.cooldown_s = interval_s, seconds, cooldown_s
         self.queue_depth, self.say = queue_depth, say
+        self.model = model or _model_name(session)
         self.library = None
         if library_url is not None:
             from kiln.tune.library import Library
@@ -263,7 +264,7 @@ class FeedbackLoop:
         return outcome
 
     def _model(self) -> str:
-        return self.session.interface.graph.name or "model"
+        return self.model
 
     # ---------------------------------------------------------------- the thread
 
@@ -283,6 +284,13 @@ class FeedbackLoop:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+
+
+def _model_name(session: RuntimeSession) -> str:
+    """The name records are kept under: the artifact's source model, else the graph's."""
+    if session.artifact is not None:
+        return session.artifact.manifest.source.name
+    return session.interface.graph.name or "model"
 
 
 def _replayer(session: RuntimeSession, replay: list[dict]) -> Callable[[], None]:
