@@ -1,7 +1,8 @@
-"""The feedback loop: when live traffic shifts (batch 1 → bursts of batch 16) the loop
-diagnoses it, measures the throughput configuration on the replayed requests and hot-swaps
-it in with no failed request; a worse strategy is refused with its measurement; both are in
-the strategy library, and so are the traffic windows."""
+"""The feedback loop: when live traffic shifts (batch 1 → bursts of batch 16) on buckets
+made for other traffic (batch 1 and 32: a 16 is padded to 32) the loop diagnoses the waste,
+measures new buckets on the replayed requests and hot-swaps them in with no failed request;
+a worse strategy is refused with its measurement; both are in the strategy library, and so
+are the traffic windows."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ def images(batch: int) -> dict[str, np.ndarray]:
     return {"input": np.random.default_rng(batch).random((batch, 3, 32, 32), np.float32)}
 
 
-def test_traffic_shift_adopts_the_throughput_config_and_refuses_a_worse_one():
-    session = kiln.Session("zoo:resnet-tiny", options={"intra_op_threads": 1}, keep_requests=64)
+def test_traffic_shift_adopts_new_buckets_and_refuses_a_worse_strategy():
+    session = kiln.Session("zoo:resnet-tiny", buckets="batch=1,32", keep_requests=64)
     loop = FeedbackLoop(session, library_url=default_url(), seconds=3.0)
     for _ in range(30):
         session.run(None, images(1))
     loop.cycle()
-    assert all(o.strategy.name != "throughput-config" for o in loop.outcomes)
+    assert all(o.strategy.name != "rebucket" for o in loop.outcomes)  # batch 1: no padding
 
     failures, served, stop = [], [0], threading.Event()
 
@@ -47,10 +48,10 @@ def test_traffic_shift_adopts_the_throughput_config_and_refuses_a_worse_one():
             time.sleep(0.05)
         outcomes = loop.cycle()
         adopted = [o for o in outcomes if o.adopted]
-        assert [o.strategy.name for o in adopted] == ["throughput-config"], [
+        assert [o.strategy.name for o in adopted] == ["rebucket"], [
             (o.strategy.name, o.reason) for o in outcomes
         ]
-        assert session.options["intra_op_threads"] == 2 and adopted[0].gain >= 0.10
+        assert session.buckets == {"batch": [1, 16, 32]} and adopted[0].gain >= 0.10
         before = served[0]
         while served[0] < before + 10:  # the swapped-in configuration answers
             time.sleep(0.05)
@@ -62,11 +63,11 @@ def test_traffic_shift_adopts_the_throughput_config_and_refuses_a_worse_one():
     worse = loop.try_strategy(Strategy("worse", {"optimization": "disable", "intra_op_threads": 1},
                                        "a deliberately worse configuration"))  # fmt: skip
     assert not worse.adopted and worse.gain < 0 and "below the 10% needed" in worse.reason
-    assert session.options["intra_op_threads"] == 2
+    assert session.options["optimization"] == "all"  # unchanged
 
     library = Library(default_url())
     kinds = {(r.kind, r.evidence["strategy"]) for r in library.records()}
-    assert {("adopted", "throughput-config"), ("refused", "worse")} <= kinds
+    assert {("adopted", "rebucket"), ("refused", "worse")} <= kinds
     refused = next(r for r in library.records(kind="refused") if r.evidence["strategy"] == "worse")
     assert refused.evidence["measurement"]["ratio"]["value"] > 1  # measured, slower
     windows = library.windows(loop.model)

@@ -381,14 +381,17 @@ class Session:
         """The dims that are a batch of independent items (axis 0 only)."""
         return sorted(self._batch)
 
-    def twin(self, options: dict[str, Any] | None = None) -> Session:
-        """A new session on the same model and buckets with these engine options on top of
-        the current ones: to measure a configuration off the request path."""
+    def twin(
+        self, options: dict[str, Any] | None = None, buckets: bk.Buckets | None = None
+    ) -> Session:
+        """A new session on the same model with these engine options on top of the current
+        ones, and these buckets (default: the current ones): to measure a configuration off
+        the request path."""
         path, backend, share = self._opened
         return Session(
             path,
             backend=backend,
-            buckets=self.buckets or None,
+            buckets=buckets or self.buckets or None,
             share_weights=share,
             options={**self._options, **(options or {})},
         )

@@ -38,6 +38,7 @@ class Strategy:
     name: str
     options: dict[str, Any]  # engine options on top of the current ones
     why: str  # the evidence that proposed it
+    buckets: dict[str, list[int]] | None = None  # a new bucket set (None: keep the current)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Window:
     mean_batch: float
     batches: dict[int, int]
     shapes: dict[str, int]
+    dims: dict[str, dict[int, int]]  # per dynamic dim: how many requests had each value
     padding_waste: float
     queue_depth: int | None
     cpu_percent: float  # of the whole machine
@@ -71,6 +73,10 @@ def window_of(session: RuntimeSession, since: int, start: float, cpu: float,
     batch_of = lambda o: math.prod(o.dims.get(d, 1) for d in session.batch_dims) or 1  # noqa: E731
     batches = Counter(batch_of(o) for o in new)
     shapes = Counter(",".join(f"{k}={v}" for k, v in sorted(o.dims.items())) for o in new)
+    dims: dict[str, Counter] = {}
+    for o in new:
+        for dim, value in o.dims.items():
+            dims.setdefault(dim, Counter())[value] += 1
     p50, p99 = _percentile(ms, 50), _percentile(ms, 99)
     real, executed = sum(o.real for o in new), sum(o.executed for o in new)
     return Window(
@@ -78,6 +84,7 @@ def window_of(session: RuntimeSession, since: int, start: float, cpu: float,
         jitter=(p99 - p50) / p50 if p50 else 0.0,
         mean_batch=sum(b * n for b, n in batches.items()) / len(new),
         batches=dict(batches), shapes=dict(shapes.most_common(10)),
+        dims={d: dict(c.most_common(16)) for d, c in dims.items()},
         padding_waste=1 - real / executed if executed else 0.0,
         queue_depth=queue_depth, cpu_percent=cpu,
     ), len(seen)  # fmt: skip
@@ -88,10 +95,37 @@ def _percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[index]
 
 
-def diagnose(window: Window, options: dict[str, Any], engine: str) -> list[Strategy]:
-    """Named strategies for the window's bottleneck, each with its evidence."""
+WASTE = 0.25  # padding above this share of the work asks for new buckets
+COMMON = 0.10  # a dim value this share of the requests has earns its own bucket
+
+
+def rebucket(window: Window, buckets: dict[str, list[int]]) -> Strategy | None:
+    """New buckets when padding wastes more than WASTE: every dim value COMMON in the window
+    gets a bucket of its own (the current ones stay, for the traffic that still needs them)."""
+    if window.padding_waste <= WASTE or not buckets:
+        return None
+    proposed = {}
+    for dim, sizes in buckets.items():
+        seen = window.dims.get(dim, {})
+        common = {int(v) for v, n in seen.items() if n >= COMMON * window.requests}
+        proposed[dim] = sorted(set(sizes) | common)
+    if proposed == buckets:
+        return None
+    added = {d: sorted(set(v) - set(buckets[d])) for d, v in proposed.items() if v != buckets[d]}
+    return Strategy(
+        "rebucket", {}, f"padding wastes {window.padding_waste:.0%} of the work; common sizes "
+        f"{added} have no bucket of their own", buckets=proposed,
+    )  # fmt: skip
+
+
+def diagnose(
+    window: Window, options: dict[str, Any], engine: str,
+    buckets: dict[str, list[int]] | None = None,
+) -> list[Strategy]:  # fmt: skip
+    """Named strategies for the window's bottleneck, each with its evidence, the surest
+    first (padding is measured waste; thread counts depend on what else runs)."""
     cores = os.cpu_count() or 1
-    out = []
+    out = [s for s in [rebucket(window, buckets or {})] if s is not None]
     if engine == "ort":
         threads = options.get("intra_op_threads") or cores
         if window.mean_batch >= 4 and threads < cores:
@@ -192,7 +226,7 @@ class FeedbackLoop:
         engine = self.session.get_providers()[0]
         engine = "openvino" if engine.startswith("OpenVINO") else "ort"
         outcomes = []
-        for strategy in diagnose(window, self.session.options, engine):
+        for strategy in diagnose(window, self.session.options, engine, self.session.buckets):
             refused_at = self._refused.get(strategy.name)
             if refused_at is not None and time.time() - refused_at < self.cooldown_s:
                 continue
@@ -211,7 +245,7 @@ class FeedbackLoop:
             return self._record(Outcome(strategy, False, None, None, "no recent requests"))
         try:
             current = self.session.twin()
-            candidate = self.session.twin(strategy.options)
+            candidate = self.session.twin(strategy.options, strategy.buckets)
         except KilnError as exc:
             return self._record(Outcome(strategy, False, None, None, f"does not build: {exc}"))
         try:
@@ -231,7 +265,7 @@ class FeedbackLoop:
                     "replayed_requests": len(replay)}  # fmt: skip
         if gain >= self.min_gain and low > 0:
             try:
-                self.session.reconfigure(strategy.options, reason=f"feedback: {strategy.name}")
+                self._adopt(strategy)
             except KilnError as exc:
                 return self._record(Outcome(strategy, False, gain, (low, high), str(exc), measured))
             reason = f"{self.objective} {gain:+.0%} ({low:+.0%}..{high:+.0%}) on replayed traffic"
@@ -241,6 +275,16 @@ class FeedbackLoop:
             f"the {self.min_gain:.0%} needed beyond noise"
         )
         return self._record(Outcome(strategy, False, gain, (low, high), reason, measured))
+
+    def _adopt(self, strategy: Strategy) -> None:
+        """Hot-swap the strategy in: engine options by `reconfigure`, buckets by the
+        session's verified background swap. KilnError when either refuses."""
+        if strategy.options:
+            self.session.reconfigure(strategy.options, reason=f"feedback: {strategy.name}")
+        if strategy.buckets:
+            self.session.swap(strategy.buckets, wait=True)
+            if self.session.buckets != strategy.buckets:
+                raise KilnError(f"the bucket swap to {strategy.buckets} did not verify")
 
     def _record(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)
@@ -256,7 +300,8 @@ class FeedbackLoop:
                                                       "interval": outcome.interval}  # fmt: skip
             self.library.add(Record(
                 verb, hardware(), self._model(), {}, f"feedback-{self.objective}", {},
-                {"engine_options": outcome.strategy.options}, gains, [],
+                {"engine_options": outcome.strategy.options,
+                 "buckets": outcome.strategy.buckets}, gains, [],
                 {"strategy": outcome.strategy.name, "why": outcome.strategy.why,
                  "reason": outcome.reason, "measurement": outcome.measurement,
                  "window": self.windows[-1].to_json() if self.windows else None},
