@@ -26,7 +26,7 @@ import kiln
 from kiln.artifact import BackendInfo, Manifest, SourceInfo, new_manifest, write_artifact
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
-from kiln.ir.load import MAX_OPSET
+from kiln.ir.load import MAX_OPSET, load_model
 
 # ---------------------------------------------------------------- tiny models
 
@@ -104,6 +104,58 @@ def _non_artifact_dir(d: Path) -> None:
 def _short_external_data(d: Path) -> None:
     save(model_proto(weight=external_weight("model.data", length=16)), d / "model.onnx")
     (d / "model.data").write_bytes(bytes(10))
+
+
+def _changed(change: Callable[[onnx.ModelProto], None]) -> Callable[[Path], None]:
+    """Writes model.onnx: the Relu model of `model_proto`, changed."""
+
+    def setup(d: Path) -> None:
+        proto = model_proto()
+        change(proto)
+        save(proto, d / "model.onnx")
+
+    return setup
+
+
+def _external_through_a_link(d: Path) -> None:
+    """The weight's file is a link inside the model's directory to a file outside it."""
+    (d / "outside.bin").write_bytes(bytes(16))
+    (d / "m").mkdir()
+    (d / "m" / "link.bin").symlink_to("../outside.bin")
+    save(model_proto(weight=external_weight("link.bin")), d / "m" / "model.onnx")
+
+
+def _external_key(d: Path) -> None:
+    weight = external_weight("model.data")
+    entry = weight.external_data.add()
+    entry.key, entry.value = "lenght", "16"
+    save(model_proto(weight=weight), d / "model.onnx")
+    (d / "model.data").write_bytes(bytes(16))
+
+
+def _external_short_for_its_shape(d: Path) -> None:
+    save(model_proto(weight=external_weight("model.data", length=8)), d / "model.onnx")
+    (d / "model.data").write_bytes(bytes(16))
+
+
+def _one_value_too_many(d: Path) -> None:
+    """Valid for the ONNX checker, refused by ONNX Runtime (which also logs it on its own)."""
+    weight = numpy_helper.from_array(ONES, "w")
+    weight.ClearField("raw_data")
+    weight.float_data.extend([1.0] * 5)  # the shape [1, 4] holds 4
+    save(model_proto(weight=weight), d / "model.onnx")
+
+
+def _self_loop(proto: onnx.ModelProto) -> None:
+    proto.graph.node[0].input[0] = "y"
+
+
+def _no_outputs(proto: onnx.ModelProto) -> None:
+    proto.graph.ClearField("output")
+
+
+def _untyped_input(proto: onnx.ModelProto) -> None:
+    proto.graph.input[0].type.tensor_type.elem_type = TensorProto.UNDEFINED
 
 
 def _npz(**arrays: np.ndarray) -> Callable[[Path], None]:
@@ -198,6 +250,57 @@ CASES: dict[str, Case] = {
         "has only 10; the file is truncated. Re-export or re-download it.",
         api=True,
         cli=False,
+    ),
+    "external-data-through-a-link": Case(
+        _external_through_a_link,
+        ["optimize", "m/model.onnx", "-o", "model.kiln", "--rounds", "0"],
+        f"m/model.onnx: weight 'w' points to external data 'link.bin' {OUTSIDE}",
+    ),
+    "external-data-unknown-key": Case(
+        _external_key,
+        OPTIMIZE,
+        "model.onnx: weight 'w' has unknown external data key 'lenght' (ONNX knows basepath, "
+        "checksum, length, location, offset); the file is corrupted. Re-export the model.",
+        api=True,
+        cli=False,
+    ),
+    "external-data-short-for-its-shape": Case(
+        _external_short_for_its_shape,
+        OPTIMIZE,
+        "model.onnx: weight 'w' has shape [1, 4], 16 bytes, but its external data in "
+        "'model.data' holds 8; the model is corrupted. Re-export the model.",
+        api=True,
+        cli=False,
+    ),
+    "cycle": Case(
+        _changed(_self_loop),
+        OPTIMIZE,
+        "model.onnx: is not a valid ONNX model: Nodes in a graph must be topologically sorted, "
+        "however input 'y' of node: name: n0 OpType: Relu is not output of any previous nodes. "
+        "Re-export it (onnx.checker shows the same).",
+        api=True,
+    ),
+    "no-outputs": Case(
+        _changed(_no_outputs),
+        OPTIMIZE,
+        "model.onnx: the graph has no outputs; there is nothing to run. Re-export the model.",
+        api=True,
+        cli=False,
+    ),
+    "input-of-no-type": Case(
+        _changed(_untyped_input),
+        OPTIMIZE,
+        "model.onnx: input 'x' has no valid element type (elem_type 0). Re-export the model.",
+        api=True,
+        cli=False,
+    ),
+    # ONNX Runtime's own log line ("[E:onnxruntime:...]") stays off the terminal; its message
+    # is said once, without its C++ source locations and signatures.
+    "engine-refuses-the-model": Case(
+        _one_value_too_many,
+        OPTIMIZE,
+        "ONNX Runtime cannot load the model: Initializer 'w': data field count (5) does not "
+        "match expected count from shape (4)",
     ),
     "output-is-not-an-artifact": Case(
         _non_artifact_dir,
@@ -359,6 +462,61 @@ def test_session_on_a_directory_that_is_not_an_artifact(tmp_path, monkeypatch):
     assert str(info.value) == (
         "model.kiln: not a Kiln artifact (no manifest.json). Build one with kiln optimize."
     )
+
+
+def test_an_input_no_machine_holds_is_refused(tmp_path, monkeypatch):
+    """A corrupted dim (2^40) is refused before Kiln tries to make such an input."""
+    proto = model_proto()
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 1 << 40
+    save(proto, tmp_path / "model.onnx")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KilnError, match=r"input 'x' has shape 1x1099511627776, larger than"):
+        kiln.compile("model.onnx")
+
+
+def test_a_shapeless_input_is_not_refused(tmp_path):
+    """The ONNX checker wants a shape on every graph input; ONNX Runtime does not, and nor
+    does Kiln, with weights beside the model too."""
+    proto = model_proto(weight=external_weight("model.data"))
+    proto.graph.input[0].type.tensor_type.ClearField("shape")
+    save(proto, tmp_path / "model.onnx")
+    (tmp_path / "model.data").write_bytes(ONES.tobytes())
+    loaded = load_model(str(tmp_path / "model.onnx"))
+    assert loaded.model.graph.inputs[0].shape is None
+    np.testing.assert_array_equal(loaded.model.graph.initializers["w"].const_value.numpy(), ONES)
+
+
+@pytest.fixture
+def artifact(tmp_path) -> Path:
+    save(model_proto(), tmp_path / "relu.onnx")
+    return kiln.compile(str(tmp_path / "relu.onnx"), tmp_path / "relu.kiln").path
+
+
+def test_a_damaged_artifact_model_is_rebuilt_not_re_exported(artifact):
+    proto = model_proto()
+    _self_loop(proto)
+    save(proto, artifact / "model.onnx")
+    with pytest.raises(KilnError) as info:
+        kiln.Session(artifact)
+    assert str(info.value) == (
+        f"{artifact}/model.onnx: is not a valid ONNX model: Nodes in a graph must be "
+        "topologically sorted, however input 'y' of node: name: n0 OpType: Relu is not output "
+        f"of any previous nodes. The artifact {artifact} is damaged; rebuild it with kiln "
+        "optimize."
+    )
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe", b"[1, 2]", b'{"n0": {"origin": 3}}', None])
+def test_a_damaged_provenance_is_one_line(artifact, damage):
+    where = artifact / "provenance.json"
+    if damage is None:
+        where.unlink()
+    else:
+        where.write_bytes(damage)
+    with pytest.raises(KilnError) as info:
+        kiln.artifact.read_artifact(artifact).provenance()
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.endswith("Rebuild it with kiln optimize.")
 
 
 # ---------------------------------------------------------------- writing the artifact

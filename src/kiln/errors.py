@@ -3,3 +3,14 @@
 
 class KilnError(Exception):
     """A problem with the user's input, reported as one line and exit code 2."""
+
+
+class ModelError(KilnError):
+    """A model file Kiln refuses: what is wrong (`problem`, naming the file) and what to do
+    (`fix`), kept apart so that a caller who knows better gives its own fix: an artifact's
+    damaged model is rebuilt, not re-exported."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem} {fix}")
+        self.problem = problem
+        self.fix = fix

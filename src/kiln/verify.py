@@ -64,6 +64,7 @@ class Verification:
     metric: str | None = None  # lower precisions: the task metric, its worst score, the bar
     score: float | None = None
     threshold: float | None = None
+    note: str | None = None  # how the budget was read, where that is not the obvious way
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -328,7 +329,7 @@ class Budget:
     def score(self, ref: list[np.ndarray], new: list[np.ndarray]) -> float:
         """The metric on one input set's outputs (builtins: the worst floating output)."""
         if self.function is not None:
-            return float(self.function(ref, new))
+            return self._user_score(ref, new)
         each = BUILTIN_METRICS[self.metric]
         pairs = [_tensor_pairs(r, n) for r, n in zip(ref, new, strict=True)]
         if any(p is None for p in pairs):
@@ -339,7 +340,31 @@ class Budget:
 
     def threshold(self, ref: list[np.ndarray]) -> float:
         best = self.score(ref, ref)  # a user metric need not score 1 on identical outputs
-        return best - self.max_drop * abs(best)
+        return best - self.max_drop * self.scale(best)
+
+    @staticmethod
+    def scale(best: float) -> float:
+        """What --max-drop is a fraction of: the fp32 score, or, where that is 0 (a metric
+        such as -max error), the metric's own unit — a relative drop from 0 allows nothing."""
+        return abs(best) if best != 0 else 1.0
+
+    def _user_score(self, ref: list[np.ndarray], new: list[np.ndarray]) -> float:
+        try:
+            value = self.function(ref, new)  # type: ignore[misc]
+        except Exception as exc:  # the user's code: any error is theirs to see, in one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise KilnError(
+                f"metric '{self.metric}' raised {type(exc).__name__}"
+                f"{': ' + first if first else ''}; it is called as f(outputs_ref, outputs_new) "
+                "with two lists of numpy arrays and must return a float."
+            ) from None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise KilnError(
+                f"metric '{self.metric}' returned {type(value).__name__}, not a number; it "
+                "must return a float (higher is better)."
+            ) from None
 
 
 def budget_for(metric: str = "cosine", max_drop: float = 0.01) -> Budget:
@@ -436,4 +461,12 @@ def _compare_metric(
             o.ok = ok
         if o.problem:  # NaN or inf where the original has none fails whatever the metric says
             o.ok = ok = False
-    return Verification(ok, precision, inputs, outputs, None, budget.metric, worst_score, bar)
+    note = None
+    if any(budget.score(r, r) == 0 for r in reference):
+        note = (
+            f"the original scores 0 on {budget.metric}: --max-drop {budget.max_drop:g} is read "
+            "on the metric's own scale (an absolute drop), since a relative one allows nothing"
+        )
+    return Verification(
+        ok, precision, inputs, outputs, None, budget.metric, worst_score, bar, note=note
+    )

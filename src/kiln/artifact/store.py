@@ -17,7 +17,7 @@ from typing import Any
 import onnx_ir as ir
 
 from kiln.artifact.manifest import Manifest
-from kiln.errors import KilnError
+from kiln.errors import KilnError, ModelError
 from kiln.hardware import cpu_info
 from kiln.home import output_problem
 from kiln.ir.load import read_checked
@@ -207,9 +207,9 @@ def read_artifact(path: str | Path) -> Artifact:
         raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
     try:  # the same checks as any model file: a damaged model is one clear line, not a crash
         read_checked(path / MODEL_FILE, str(path / MODEL_FILE))
-    except KilnError as exc:
+    except ModelError as exc:  # what is wrong with it, and our own fix: not "re-export"
         raise KilnError(
-            f"{exc} The artifact {path} is damaged; rebuild it with kiln optimize."
+            f"{exc.problem} The artifact {path} is damaged; rebuild it with kiln optimize."
         ) from None
     if manifest.hardware.fingerprint != cpu_info().fingerprint:
         warnings.warn(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 import weakref
@@ -27,6 +28,9 @@ LEVELS = {
 # Serialized protobufs cannot exceed 2 GiB; above this, models go through a file with
 # external data.
 _INLINE_LIMIT = 1 << 30
+# ONNX Runtime's own log lines (its "[E:onnxruntime:...]" on a failed load) never reach the
+# user's terminal: every failure it has is raised, and Kiln says it once, as a KilnError.
+_FATAL_ONLY = 4
 
 
 @dataclass
@@ -66,7 +70,7 @@ class OrtOptions:
         so.inter_op_num_threads = self.inter_op_threads
         so.enable_cpu_mem_arena = self.memory_arena
         so.enable_mem_pattern = self.memory_pattern
-        so.log_severity_level = 3
+        so.log_severity_level = _FATAL_ONLY
         so.add_session_config_entry(
             "session.intra_op.allow_spinning", "1" if self.spinning else "0"
         )
@@ -97,7 +101,7 @@ class OrtExecutable:
         try:
             return self.session.run(output_names, feeds)
         except (ort.capi.onnxruntime_pybind11_state.InvalidArgument, ValueError) as exc:
-            raise KilnError(f"invalid inputs: {_first_line(exc)}") from None
+            raise KilnError(f"invalid inputs: {_explain(exc)}") from None
         except Exception as exc:  # a kernel failing on these inputs (shape mismatch inside)
             raise KilnError(f"ONNX Runtime failed to run the model: {_explain(exc)}") from None
 
@@ -234,14 +238,42 @@ def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSe
         return _session(str(path), so)
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+# What ONNX Runtime wraps its messages in: status prefixes, the step that failed, and the C++
+# source location with the function's signature ("graph.cc:1617 void onnxruntime::Graph::F()").
+_STATUS = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_STEP = re.compile(r"Load model from .*? failed:|Exception during initialization: ")
+_LOCATION = re.compile(r"\S*\.(?:cc|cpp|h|hpp|cu):\d+ ")
+_NODE = re.compile(r"Non-zero status code returned while running (\S+) node\. Name:'([^']*)' ")
 
 
 def _explain(exc: BaseException) -> str:
-    text = _first_line(exc)
+    """ONNX Runtime's message in one line, without its wrapping: what went wrong, where."""
+    text = " ".join(str(exc).split("Stacktrace:")[0].split())
+    if not text:
+        return type(exc).__name__
+    text = _STEP.sub("", _STATUS.sub("", text))
+    parts = _LOCATION.split(text)
+    text = " ".join(p.strip() for p in [parts[0], *map(_drop_function, parts[1:])] if p.strip())
+    text = _NODE.sub(lambda m: f"node '{m[2]}' ({m[1]}): ", text).replace("Status Message: ", "")
     marker = "Could not find an implementation for "
     if marker in text:
         return "no kernel for " + text.split(marker, 1)[1] + " (op unsupported on CPU)"
     return text
+
+
+def _drop_function(text: str) -> str:
+    """The message after a source location, without the function named first: a signature
+    ("void ns::F(T) const [with T = int]") or a bare name ("ValidateShape")."""
+    paren = text.find("(")
+    if paren > 0 and "::" in text[:paren] and ". " not in text[:paren]:
+        depth = 0
+        for index in range(paren, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[index], 0)
+            if depth == 0:
+                rest = text[index + 1 :].lstrip().removeprefix("const ").lstrip()
+                if rest.startswith("[with "):  # a template's arguments
+                    rest = rest.partition("] ")[2]
+                return rest
+        return text
+    name, _, rest = text.partition(" ")
+    return rest if re.fullmatch(r"[A-Za-z_][\w:<>~]*", name) else text

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 
 import onnx_ir as ir
+
+# onnx_ir's passes warn about what they leave alone: a model whose declared shapes contradict
+# ONNX's inference (with a traceback, once per pass), an initializer that is also an output
+# and so is not deduplicated. Kiln's pipeline runs them as its own steps and the result is
+# verified; nothing there is for a user to act on, so it stays off the terminal.
+logging.getLogger("onnx_ir.passes").setLevel(logging.ERROR)
 
 
 class KilnPass(ir.passes.InPlacePass):
