@@ -44,3 +44,19 @@ def test_a_signal_while_writing_leaves_nothing_and_says_so(tmp_path, signum, wor
     assert result.returncode == 128 + signum, result.stderr
     assert result.stderr.strip() == f"{word}; nothing was written."
     assert list(tmp_path.iterdir()) == []  # no artifact, no hidden .r.kiln.* directory
+
+
+def test_a_bug_in_kiln_is_one_line_and_a_crash_report_not_a_traceback(monkeypatch, capsys):
+    import kiln.cli as cli
+
+    def broken() -> None:
+        raise RuntimeError("something Kiln did not expect\nsecond line")
+
+    monkeypatch.setattr(cli, "app", broken)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == cli.INTERNAL_ERROR
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "internal error: RuntimeError: something Kiln did not" in lines[0]
+    report = lines[0].rsplit("the traceback is in ", 1)[1]
+    assert "Traceback" in open(report).read()

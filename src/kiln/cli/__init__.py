@@ -12,7 +12,18 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli import bench, doctor, optimize, profile, run, serve, strategies, tune, zoo
+from kiln.cli import (
+    bench,
+    compare,
+    doctor,
+    optimize,
+    profile,
+    run,
+    serve,
+    strategies,
+    tune,
+    zoo,
+)
 from kiln.cli.console import err
 from kiln.errors import KilnError
 
@@ -53,6 +64,7 @@ app.command()(doctor.doctor)
 app.command()(serve.serve)
 app.command()(profile.profile)
 app.command()(tune.tune)
+app.command()(compare.compare)
 app.add_typer(strategies.app, name="strategies")
 
 
@@ -89,3 +101,34 @@ def main() -> None:
         what = "interrupted" if signum == signal.SIGINT else "terminated"
         err.print(f"{what}; nothing was written.", highlight=False)
         sys.exit(128 + signum)
+    except Exception as exc:  # a bug in Kiln: the backstop, never the fix
+        where = _crash_report(exc)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        err.print(
+            f"internal error: {type(exc).__name__}: {first} — a bug in Kiln, not your input; "
+            f"the traceback is in {where}",
+            highlight=False, markup=False, soft_wrap=True,
+        )  # fmt: skip
+        sys.exit(INTERNAL_ERROR)
+
+
+INTERNAL_ERROR = 70  # EX_SOFTWARE
+
+
+def _crash_report(exc: BaseException) -> str:
+    """The traceback, written under KILN_HOME/crashes for a bug report (the terminal gets one
+    line); where it went, or why it could not be written."""
+    import datetime as dt
+    import traceback
+
+    from kiln.home import atomic_write_text, kiln_home
+
+    text = "".join(traceback.format_exception(exc))
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    path = kiln_home() / "crashes" / f"crash-{stamp}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, f"kiln {' '.join(sys.argv[1:])}\n{text}")
+    except OSError as why:
+        return f"(nowhere: {why})"
+    return str(path)

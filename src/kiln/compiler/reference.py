@@ -76,7 +76,7 @@ def _unfitted(model: ir.Model, shapes: dict | None, failure: KilnError, tries: i
     unresolved = f" Unresolved: {', '.join(what)}." if what else ""
     return (
         f"the original model does not run on synthesized inputs ({tried}){ladder_note}: "
-        f"{failure}.{unresolved} Pass {' or '.join(dict.fromkeys(flags))}."
+        f"{str(failure).rstrip('.')}.{unresolved} Pass {' or '.join(dict.fromkeys(flags))}."
     )
 
 

@@ -72,7 +72,10 @@ def profile_model(
             idle_fraction=measured.idle_fraction,
         )
     )
-    median_run = sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2]
+    # a model with no nodes (output = input) runs no kernel: there is no median run
+    median_run = (
+        sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2] if totals else 0
+    )
     runs_seen = sorted({r.run for r in measured.records})
     # The raw records leave as JSON (for --trace and kiln.report), in the shape they always had.
     records = [record_json(r) for r in measured.records]
