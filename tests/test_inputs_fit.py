@@ -125,3 +125,9 @@ def test_when_nothing_runs_the_error_names_what_to_pass(tmp_path):
     assert "nor on 5 other guesses" in message and "Unresolved: dim frames" in message
     assert "--shape frames=N" in message and "\n" not in message
     assert not (tmp_path / "f.kiln").exists()
+
+
+def test_an_input_too_big_for_this_machine_is_refused_before_numpy_tries():
+    model = ir.serde.deserialize_model(zoo.build("bert-tiny"))
+    with pytest.raises(kiln.KilnError, match="input 'input_ids' of shape 100000x100000 would"):
+        synthesize(model, shapes={"input_ids": (100000, 100000)})

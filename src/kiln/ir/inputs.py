@@ -188,6 +188,7 @@ def synthesize(
             continue
         shape = input_shape(value, dims, shapes)
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
+        _check_size(value.name, shape, dtype)
         name = (value.name or "").lower()
         if np.issubdtype(dtype, np.integer):
             if name in SAMPLE_RATE_NAMES and int(np.prod(shape)) == 1:
@@ -206,6 +207,21 @@ def synthesize(
     for name, fill in (scalars or {}).items():
         feeds[name] = np.full(feeds[name].shape, fill, feeds[name].dtype)
     return feeds
+
+
+def _check_size(name: str | None, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Refuse to synthesize an input larger than a quarter of this machine's memory (a
+    --shape or a guessed dim far too big) before numpy tries and the machine swaps."""
+    import psutil
+
+    size = int(np.prod(shape, dtype=object)) * max(dtype.itemsize, 1)
+    limit = psutil.virtual_memory().total // 4
+    if size > limit:
+        raise KilnError(
+            f"input '{name}' of shape {'x'.join(map(str, shape))} would take "
+            f"{size / 2**30:.1f} GiB, more than a quarter of this machine's memory; give smaller "
+            "dims with --shape INPUT=D0xD1x... or real inputs with --inputs."
+        )
 
 
 def read_inputs(path: str, model: ir.Model) -> dict[str, np.ndarray]:
