@@ -31,6 +31,8 @@ _INLINE_LIMIT = 1 << 30
 # ONNX Runtime's own log lines (its "[E:onnxruntime:...]" on a failed load) never reach the
 # user's terminal: every failure it has is raised, and Kiln says it once, as a KilnError.
 _FATAL_ONLY = 4
+# ... nor do those of sessions Kiln does not open itself (the quantizers' calibration runs).
+ort.set_default_logger_severity(_FATAL_ONLY)
 
 
 @dataclass
