@@ -1,0 +1,127 @@
+"""`kiln compare A B`: two versions of a model layer by layer, and the layer that broke."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kiln.cli.console import JsonOpt, check_output, console, emit_json, err, progress
+from kiln.errors import KilnError
+
+if TYPE_CHECKING:
+    from kiln.debug import Comparison
+
+SIDE_HELP = (
+    "An .onnx file, zoo:NAME, a NAME.kiln artifact, or MODEL@ENGINE:PRECISION "
+    "(e.g. model.onnx@openvino:fp32, zoo:bert-tiny@ort:int8)."
+)
+
+
+def compare(
+    a: Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")],
+    b: Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")],
+    inputs: Annotated[
+        Path | None,
+        typer.Option("--inputs", help=".npz with one array per input (default: synthesized)."),
+    ] = None,
+    shape: Annotated[
+        list[str],
+        typer.Option("--shape", help="INPUT=D0xD1x... or DIM=N for synthesized inputs."),
+    ] = [],  # noqa: B006
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="auto: Kiln's fp32 tolerance when both sides are fp32, else cosine; "
+            "or max-abs, cosine."
+        ),
+    ] = "auto",
+    max_drop: Annotated[
+        float | None,
+        typer.Option("--max-drop", help="Cosine budget: a layer diverges below 1 − this (0.01)."),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
+    ] = None,
+    model_explorer: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-explorer",
+            help="Directory for Model Explorer node data (error.json, latency.json).",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run A and B on the same inputs and compare every tensor they share, layer by layer.
+
+    Rows follow the original graph; the first divergence is the earliest layer beyond the
+    budget whose inputs still agree. Fused kernels stay fused: only tensors both sides compute
+    are compared."""
+    from kiln.debug import compare as compare_models
+    from kiln.ir.inputs import parse_shapes
+
+    check_output(output, "-o")
+    _check_directory(model_explorer)
+    with progress() as bar:
+        task = bar.add_task(f"loading {a}")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
+        comparison = compare_models(
+            a,
+            b,
+            inputs=str(inputs) if inputs is not None else None,
+            shapes=parse_shapes(shape),
+            metric=metric,
+            max_drop=max_drop,
+            say=say,
+        )
+        result = comparison.to_json()
+        written = _write(comparison, result, output, model_explorer, say)
+    if as_json:
+        emit_json(result)
+        return
+    from kiln.report.compare import print_compare
+
+    print_compare(result, console)
+    for path in written:
+        console.print(f"wrote {path}", highlight=False, markup=False)
+    if model_explorer is not None:
+        err.print(
+            "Model Explorer: model-explorer ORIGINAL.onnx --node_data_paths="
+            + ",".join(str(p) for p in written if p.suffix == ".json"),
+            highlight=False,
+            markup=False,
+        )
+
+
+def _check_directory(directory: Path | None) -> None:
+    """--model-explorer: a directory to create or one to write in, checked before any work."""
+    if directory is None:
+        return
+    if directory.exists() and not directory.is_dir():
+        raise KilnError(f"--model-explorer {directory}: is a file; give a directory.")
+    check_output(directory / "error.json" if directory.is_dir() else directory, "--model-explorer")
+
+
+def _write(
+    comparison: Comparison,
+    result: dict[str, Any],
+    output: Path | None,
+    model_explorer: Path | None,
+    say: Callable[[str], None],
+) -> list[Path]:
+    from kiln.debug.model_explorer import write_model_explorer
+    from kiln.report.compare import write_compare_html
+
+    written = []
+    try:
+        if output is not None:
+            say(f"writing {output}")
+            written.append(write_compare_html(result, output))
+        if model_explorer is not None:
+            say("profiling B for the latency overlay")
+            written += write_model_explorer(comparison, model_explorer)
+    except OSError as exc:
+        raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
+    return written

@@ -1,0 +1,436 @@
+"""Layer-wise comparison of two sides and the first layer where they part.
+
+Both sides run on the same inputs with the tensors they share exposed as extra graph outputs of
+a copy of each side's graph — the graph as compiled, so every Kiln fusion stays fused. Only
+tensors computed on both sides *and* in the original graph are compared: Kiln's rewrites keep
+the names of the tensors they replace, so a fused kernel's output is compared with the tensor
+of the same name in the other graph, and its insides, which one side no longer has, are not
+invented. Quantizers keep names too (a dynamic-int8 MatMul's last Mul computes the MatMul's
+output; a QDQ Conv still computes its float output), so the comparison is of float tensors.
+
+Each row is one original node's output, in the original's topological order, with the error of
+the second side against the first (max abs, max rel, worst per-sample cosine, as
+`kiln.verify` measures them) and, for each side, the node that computed it, the passes that
+made that node and the precision it runs in. The budget is Kiln's: fp32 against fp32 is held to
+the fp32 tolerance (max abs ≤ 1e-4 · the tensor's scale); anything lower to cosine ≥ 0.99.
+
+The **first divergence** is the earliest row that breaks the budget while every compared tensor
+it is computed from still keeps it: the layer that broke, not one that inherited the damage.
+
+Engines fuse kernels of their own too (ONNX Runtime's QDQ kernels, OpenVINO's Conv+ReLU and its
+int8 pipeline); a tensor exposed as an output must be materialised, which can keep such a fusion
+from forming. So each side's exposed run is checked against its plain run: when its own outputs
+moved beyond the fp32 tolerance the engine compiled another program (OpenVINO does for NNCF's int8
+graphs), the notes say its per-layer figures are approximate, and the first divergence is
+re-measured with only it and the tensors it is computed from exposed, and said confirmed or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.debug.sides import Side, load_side
+from kiln.errors import KilnError
+from kiln.verify import FP32_TOLERANCE, MIN_COSINE, _is_float, check_output, cosine
+
+Say = Callable[[str], None]
+Feeds = dict[str, np.ndarray]
+METRICS = ("auto", "max-abs", "cosine")
+DEFAULT_MAX_DROP = round(1.0 - MIN_COSINE, 6)  # cosine ≥ 0.99, as verification
+# Nodes whose outputs say nothing about numerical drift: weights and shape bookkeeping.
+_SKIPPED_OPS = {"Constant", "ConstantOfShape", "Shape", "Size"}
+
+
+@dataclass(frozen=True)
+class LayerBudget:
+    """How far a tensor of side B may be from side A's: within the fp32 tolerance
+    (`max-abs`), or cosine ≥ 1 − max_drop (`cosine`)."""
+
+    metric: str = "cosine"
+    max_drop: float = DEFAULT_MAX_DROP
+
+    @property
+    def min_cosine(self) -> float:
+        return 1.0 - self.max_drop
+
+    def keeps(self, check: Any, cos: float | None) -> bool:
+        if check.problem:  # NaN/inf on one side, another shape: broken whatever the metric
+            return False
+        if self.metric == "max-abs" or cos is None:  # integers: exact, as check_output says
+            return bool(check.ok)
+        return bool(cos >= self.min_cosine)
+
+    def describe(self) -> str:
+        if self.metric == "max-abs":
+            return f"max abs ≤ {FP32_TOLERANCE:g} · scale (Kiln's fp32 tolerance)"
+        return f"cosine ≥ {self.min_cosine:.4g}"
+
+
+def _check_budget(metric: str, max_drop: float | None) -> None:
+    if metric not in METRICS:
+        raise KilnError(f"unknown --metric '{metric}'; use one of {', '.join(METRICS)}.")
+    if max_drop is not None and not 0 <= max_drop < 1:
+        raise KilnError(f"--max-drop {max_drop} is a fraction: use a value in [0, 1), e.g. 0.01.")
+
+
+def layer_budget(
+    a: Side, b: Side, metric: str = "auto", max_drop: float | None = None
+) -> LayerBudget:
+    """`auto`: fp32 against fp32 is held to the fp32 tolerance, anything lower to cosine."""
+    _check_budget(metric, max_drop)
+    if metric == "auto":
+        metric = "max-abs" if a.precision == b.precision == "fp32" else "cosine"
+    return LayerBudget(metric, DEFAULT_MAX_DROP if max_drop is None else max_drop)
+
+
+@dataclass
+class Comparison:
+    """What `compare` found: the rows, the first divergence, and what ran."""
+
+    a: Side
+    b: Side
+    original: ir.Model
+    budget: LayerBudget
+    inputs: str
+    feeds: Feeds
+    rows: list[dict[str, Any]]
+    first: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def shared(self) -> int:
+        """Intermediate tensors compared: computed by both sides (and the original)."""
+        return sum(not row["output"] for row in self.rows)
+
+    @property
+    def graph_name(self) -> str:
+        return self.original.graph.name or "main_graph"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "a": self.a.describe(),
+            "b": self.b.describe(),
+            "graph": self.graph_name,
+            "budget": {
+                "metric": self.budget.metric,
+                "max_drop": self.budget.max_drop,
+                "text": self.budget.describe(),
+            },
+            "inputs": self.inputs,
+            "shared_tensors": self.shared,
+            "first_divergence": self.first["node"] if self.first else None,
+            "first_divergence_row": self.first,
+            "diverging": sum(not r["ok"] for r in self.rows),
+            "exact": sum(r["exact"] for r in self.rows),
+            "layers": self.rows,
+            "notes": self.notes,
+        }
+
+
+def compare(
+    a: str,
+    b: str,
+    *,
+    inputs: str | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    metric: str = "auto",
+    max_drop: float | None = None,
+    say: Say = lambda _msg: None,
+) -> Comparison:
+    """Compare side `b` against side `a` layer by layer (see the module docstring); each side
+    is an .onnx file, zoo:NAME, a NAME.kiln artifact or MODEL@ENGINE:PRECISION."""
+    _check_budget(metric, max_drop)  # before anything is compiled
+    say(f"loading {a}")
+    side_a = load_side(a, inputs=inputs, shapes=shapes, say=say)
+    say(f"loading {b}")
+    side_b = load_side(b, inputs=inputs, shapes=shapes, say=say)
+    budget = layer_budget(side_a, side_b, metric, max_drop)
+    original = _original(side_a, side_b)
+    shapes = shapes or side_a.shapes or side_b.shapes  # an artifact's own, if none given
+    feeds, source = _feeds(original, (side_a, side_b), inputs, shapes)
+    pairs, shared = _pairs(original, side_a, side_b)
+    notes = [*side_a.notes, *side_b.notes]
+    if not shared:
+        notes.append(
+            f"{a} and {b} share no intermediate tensors (no tensor name in common with the "
+            "original): only the outputs are compared"
+        )
+    say(f"running {side_a.label}")
+    ran_a = _run(side_a, [p[0] for p in pairs], feeds, source)
+    say(f"running {side_b.label}")
+    ran_b = _run(side_b, [p[1] for p in pairs], feeds, source)
+    rows = _rows(pairs, ran_a, ran_b, side_a, side_b, original, budget)
+    lost = [p[0] for p in pairs if p[0] not in ran_a or p[1] not in ran_b]
+    if lost:
+        notes.append(f"{len(lost)} shared tensors could not be read back from an engine")
+    first = first_divergence(rows, original)
+    perturbed = [s for s, ran in ((side_a, ran_a), (side_b, ran_b)) if _perturbed(s, ran, feeds)]
+    for side in perturbed:
+        notes.append(
+            f"exposing the intermediate tensors changed {side.spec}'s own outputs: {side.engine} "
+            "compiled the exposed graph differently (e.g. other int8 kernels), so its "
+            "per-layer figures are approximate"
+        )
+    if perturbed and first is not None:
+        say(f"confirming {first['node']} with only it and its inputs exposed")
+        notes.append(_confirmation(first, pairs, rows, side_a, side_b, original, budget, feeds))
+    return Comparison(side_a, side_b, original, budget, source, feeds, rows, first, notes)
+
+
+def _original(a: Side, b: Side) -> ir.Model:
+    """The graph the rows are named and ordered by: A's original, else B's."""
+    for side in (a, b):
+        if side.original is not None:
+            return side.original
+    raise KilnError(
+        f"cannot name the layers: {a.missing or b.missing}. Restore it, or compare an "
+        f"artifact with its original model directly: kiln compare ORIGINAL.onnx {b.spec}"
+    )
+
+
+def _feeds(
+    original: ir.Model,
+    sides: tuple[Side, Side],
+    inputs: str | None,
+    shapes: dict[str, tuple[int, ...]] | None,
+) -> tuple[Feeds, str]:
+    """The user's inputs, or synthesized ones; checked against both sides before any run."""
+    from kiln.ir.inputs import check_feeds, read_inputs, synthesize
+
+    a, b = (_input_names(side.model) for side in sides)
+    if a != b:
+        raise KilnError(
+            f"{sides[0].spec} takes inputs {sorted(a)} and {sides[1].spec} {sorted(b)}: "
+            "compare two versions of one model, which take the same inputs."
+        )
+    if inputs is not None:
+        feeds, source = read_inputs(inputs, original), inputs
+    else:
+        feeds, source = synthesize(original, shapes=shapes), "synthesized"
+    for side in sides:
+        check_feeds(side.model, feeds, where=f"{source} (for {side.spec})")
+    return feeds, source
+
+
+def _input_names(model: ir.Model) -> set[str]:
+    return {v.name for v in model.graph.inputs if v.name not in model.graph.initializers}
+
+
+def _pairs(original: ir.Model, a: Side, b: Side) -> tuple[list[tuple[str, str, str]], int]:
+    """(tensor in A, tensor in B, original node) to compare, in the original's order, and how
+    many of them are intermediates. Outputs are always compared: by name, else by position."""
+    from_a, from_b = _computed(a.model), _computed(b.model)
+    outputs_a = [v.name for v in a.model.graph.outputs]
+    outputs_b = [v.name for v in b.model.graph.outputs]
+    pairs = []
+    for node in original.graph:
+        if node.op_type in _SKIPPED_OPS and node.domain in ("", "ai.onnx"):
+            continue
+        for value in node.outputs:
+            name = value.name
+            if name and name in from_a and name in from_b:
+                pairs.append((name, name, node.name or name))
+    shared = sum(1 for p in pairs if p[0] not in outputs_a)
+    named = {p[0] for p in pairs}
+    if len(outputs_a) == len(outputs_b):
+        producers = {v.name: n.name for n in original.graph for v in n.outputs}
+        for name_a, name_b in zip(outputs_a, outputs_b, strict=True):
+            if name_a not in named:  # another name on B's side (a re-export): by position
+                pairs.append((name_a, name_b, producers.get(name_a) or name_a))
+    elif not pairs:
+        raise KilnError(
+            f"{a.spec} has {len(outputs_a)} outputs and {b.spec} {len(outputs_b)}, and they "
+            "share no tensor: there is nothing to compare."
+        )
+    return pairs, shared
+
+
+def _computed(model: ir.Model) -> set[str]:
+    return {v.name for node in model.graph for v in node.outputs if v.name}
+
+
+def expose(model: ir.Model, names: list[str]) -> ir.Model:
+    """A copy of `model` that also outputs the tensors `names` it computes (the fusions stay:
+    they are in the graph already). Types come from shape inference where it knew them; the
+    engines type the rest themselves."""
+    from kiln.compiler.reference import copy_model
+
+    copy = copy_model(model)
+    values = {v.name: v for node in copy.graph for v in node.outputs if v.name}
+    present = {v.name for v in copy.graph.outputs}
+    for name in dict.fromkeys(names):
+        if name in values and name not in present:
+            copy.graph.outputs.append(values[name])
+            present.add(name)
+    return copy
+
+
+def _run(side: Side, names: list[str], feeds: Feeds, source: str) -> dict[str, Any]:
+    """`run_exposed`; a failure on synthesized inputs says how to give better ones."""
+    try:
+        return run_exposed(side, names, feeds)
+    except KilnError as exc:
+        if source != "synthesized":
+            raise
+        raise KilnError(
+            f"{side.spec} does not run on the synthesized inputs ({exc}); give their shapes "
+            "with --shape INPUT=D0xD1x... or the inputs themselves with --inputs f.npz."
+        ) from None
+
+
+def _perturbed(side: Side, ran: dict[str, Any], feeds: Feeds) -> bool:
+    """Whether the exposed graph's own outputs differ from the plain graph's beyond the fp32
+    tolerance: the engine then compiled another program, not merely one with more outputs."""
+    plain = run_exposed(side, [], feeds)
+    return any(
+        not check_output(name, plain[name], ran[name], FP32_TOLERANCE).ok
+        for name in plain
+        if name in ran
+    )
+
+
+def _confirmation(
+    first: dict[str, Any],
+    pairs: list[tuple[str, str, str]],
+    rows: list[dict[str, Any]],
+    a: Side,
+    b: Side,
+    original: ir.Model,
+    budget: LayerBudget,
+    feeds: Feeds,
+) -> str:
+    """Re-run both sides with only the first divergence and the tensors it is computed from
+    exposed, and say whether it still breaks the budget while they keep it."""
+    inputs = compared_inputs(original, {r["tensor"] for r in rows}).get(first["tensor"], set())
+    few = [p for p in pairs if p[0] == first["tensor"] or p[0] in inputs]
+    again = _rows(
+        few,
+        run_exposed(a, [p[0] for p in few], feeds),
+        run_exposed(b, [p[1] for p in few], feeds),
+        a, b, original, budget,
+    )  # fmt: skip
+    row = next((r for r in again if r["tensor"] == first["tensor"]), None)
+    held = row is not None and not row["ok"] and all(r["ok"] for r in again if r is not row)
+    verdict = "confirmed" if held else "not confirmed"
+    return (
+        f"first divergence {first['node']} {verdict} with only it and its {len(inputs)} "
+        "compared inputs exposed"
+    )
+
+
+def run_exposed(side: Side, names: list[str], feeds: Feeds) -> dict[str, Any]:
+    """Run `side` once on `feeds`, returning every tensor of `names` the engine gave back."""
+    from kiln.backends import get_backend
+
+    executable = get_backend(side.engine).compile(expose(side.model, names), side.options)
+    outputs = executable.run(feeds)
+    return dict(zip(executable.output_names, outputs, strict=True))
+
+
+def _rows(
+    pairs: list[tuple[str, str, str]],
+    ran_a: dict[str, Any],
+    ran_b: dict[str, Any],
+    a: Side,
+    b: Side,
+    original: ir.Model,
+    budget: LayerBudget,
+) -> list[dict[str, Any]]:
+    outputs = {v.name for v in original.graph.outputs}
+    kinds = {n.name: n.op_type for n in original.graph}
+    rows = []
+    for name_a, name_b, node in pairs:
+        if name_a not in ran_a or name_b not in ran_b:
+            continue
+        ref, new = ran_a[name_a], ran_b[name_b]
+        floating = _floating(ref) and _floating(new)
+        if not floating and name_a not in outputs:
+            continue  # an index or a mask computed alike on both sides is not a layer
+        check = check_output(name_a, ref, new, FP32_TOLERANCE)
+        cos = cosine(ref, new) if floating and _same_shape(ref, new) else None
+        rows.append({
+            "index": len(rows),
+            "node": node,
+            "op_type": kinds.get(node, "?"),
+            "tensor": name_a,
+            "shape": list(np.shape(ref)) if isinstance(ref, np.ndarray) else None,
+            "output": name_a in outputs,
+            "scale": check.scale,  # the largest finite |A| (fp32 bound: 1e-4 · scale)
+            "max_abs": check.max_abs,
+            "max_rel": check.max_rel,
+            "cosine": cos,
+            "exact": check.problem is None and check.max_abs == 0.0 and _equal(ref, new),
+            "ok": budget.keeps(check, cos),
+            "problem": check.problem,
+            "a": _made_by(a, name_a),
+            "b": _made_by(b, name_b),
+        })  # fmt: skip
+    return rows
+
+
+def _floating(array: Any) -> bool:
+    return isinstance(array, np.ndarray) and _is_float(array.dtype)
+
+
+def _same_shape(ref: np.ndarray, new: np.ndarray) -> bool:
+    return ref.shape == new.shape
+
+
+def _equal(ref: Any, new: Any) -> bool:
+    """Bit for bit (NaN equal to NaN): what "exact" means in a self-comparison."""
+    if not (isinstance(ref, np.ndarray) and isinstance(new, np.ndarray)):
+        return False
+    if ref.shape != new.shape or ref.dtype != new.dtype:
+        return False
+    return bool(np.array_equal(ref, new, equal_nan=_is_float(ref.dtype)))
+
+
+def _made_by(side: Side, tensor: str) -> dict[str, Any]:
+    """The node of `side` that computed `tensor`, the passes that made it, its precision."""
+    node = side.producer(tensor)
+    if node is None:
+        return {"node": None, "op_type": None, "passes": [], "precision": side.precision}
+    op = f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+    return {
+        "node": node.name,
+        "op_type": op,
+        "origin": side.origin(node)["origin"],
+        "passes": side.origin(node)["passes"],
+        "precision": side.precision_of(node),
+    }
+
+
+def first_divergence(rows: list[dict[str, Any]], original: ir.Model) -> dict[str, Any] | None:
+    """The earliest row out of budget whose compared inputs are all within it."""
+    kept = {row["tensor"]: row["ok"] for row in rows}
+    inputs = compared_inputs(original, set(kept))
+    for row in rows:
+        if not row["ok"] and all(kept[t] for t in inputs.get(row["tensor"], ())):
+            return row
+    return None
+
+
+def compared_inputs(original: ir.Model, compared: set[str]) -> dict[str, set[str]]:
+    """For each compared tensor, the nearest compared tensors it is computed from (through
+    any number of tensors that are not compared, e.g. the insides of a fused kernel)."""
+    nearest: dict[str, set[str]] = {}  # any tensor → the nearest compared ones at or above it
+    found: dict[str, set[str]] = {}
+    for node in original.graph:  # topological order: producers first
+        above: set[str] = set()
+        for value in node.inputs:
+            if value is not None and value.name:
+                above |= nearest.get(value.name, set())
+        for value in node.outputs:
+            if not value.name:
+                continue
+            if value.name in compared:
+                found[value.name] = above
+                nearest[value.name] = {value.name}
+            else:
+                nearest[value.name] = above
+    return found

@@ -1,0 +1,186 @@
+"""`kiln compare`'s report: a terminal table of the layers and the first divergence, and a
+self-contained HTML page (the error per layer along the graph, every row in a table). Takes
+`Comparison.to_json()`: plain data, no import of kiln.debug."""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+import plotly.offline
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.home import atomic_write_text
+
+_CONFIG = {"displaylogo": False, "responsive": True}
+_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
+MAX_TABLE_ROWS = 40  # a bigger model shows the rows around the first divergence and the worst
+CONTEXT = 5
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "NaN"
+    return f"{value:.{digits}g}"
+
+
+def _cosine(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "NaN" if math.isnan(value) else f"{min(value, 1.0):.6f}"
+
+
+def _side(made: dict[str, Any]) -> str:
+    passes = ",".join(made.get("passes") or []) or "-"
+    return f"{made.get('precision')} {passes}"
+
+
+def headline(result: dict[str, Any]) -> str:
+    """One sentence: where the two sides part, or that they do not."""
+    first = result["first_divergence_row"]
+    if first is None:
+        if result["exact"] == len(result["layers"]):
+            return f"no divergence: all {len(result['layers'])} compared tensors are identical."
+        return f"no divergence: every compared tensor is within {result['budget']['text']}."
+    measure = (
+        f"cosine {_cosine(first['cosine'])}"
+        if result["budget"]["metric"] == "cosine"
+        else f"max abs {_number(first['max_abs'])}"
+    )
+    problem = f" ({first['problem']})" if first.get("problem") else ""
+    return (
+        f"first divergence: {first['node']} ({first['op_type']}, layer {first['index']}): "
+        f"{measure}, beyond {result['budget']['text']}, while its inputs agree{problem}."
+    )
+
+
+def shown_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every row of a small model; else the rows around the first divergence and the worst."""
+    rows = result["layers"]
+    if len(rows) <= MAX_TABLE_ROWS:
+        return rows
+    picked: set[int] = set()
+    first = result["first_divergence_row"]
+    if first is not None:
+        picked |= set(range(max(0, first["index"] - CONTEXT), first["index"] + CONTEXT + 1))
+    worst = sorted(rows, key=_badness, reverse=True)[: MAX_TABLE_ROWS - len(picked)]
+    picked |= {r["index"] for r in worst}
+    return [r for r in rows if r["index"] in picked]
+
+
+def _badness(row: dict[str, Any]) -> float:
+    cosine = row["cosine"]
+    if cosine is None or math.isnan(cosine):
+        return math.inf if row["problem"] else row["max_abs"]
+    return 1.0 - cosine
+
+
+def print_compare(result: dict[str, Any], console: Console) -> None:
+    a, b = result["a"], result["b"]
+    with_a = a["kind"] != "model"  # an original as-is: nothing to say about its nodes
+    table = Table(title=f"kiln compare: {escape(a['spec'])} → {escape(b['spec'])}")
+    columns = ["#", "node (original)", "op", "max abs", "cosine"]
+    columns += ["A: precision passes"] * with_a + ["B: precision passes", ""]
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    first = _first_index(result)
+    rows = shown_rows(result)
+    for row in rows:
+        mark = "FIRST" if row["index"] == first else "" if row["ok"] else "over"
+        style = "bold red" if mark == "FIRST" else "red" if mark else None
+        cells = [str(row["index"]), escape(row["node"]), escape(row["op_type"]),
+                 _number(row["max_abs"]), _cosine(row["cosine"])]  # fmt: skip
+        cells += [escape(_side(row["a"]))] * with_a + [escape(_side(row["b"])), mark]
+        table.add_row(*cells, style=style)
+    console.print(table)
+    if len(rows) < len(result["layers"]):
+        console.print(
+            f"{len(rows)} of {len(result['layers'])} layers shown (around the first divergence "
+            "and the worst); --json or -o report.html has them all.",
+            highlight=False,
+        )
+    console.print(
+        f"A: {escape(a['spec'])} on {a['engine']} {a['precision']}; B: {escape(b['spec'])} on "
+        f"{b['engine']} {b['precision']}; inputs {escape(result['inputs'])}; "
+        f"{result['shared_tensors']} shared intermediate tensors; "
+        f"budget {result['budget']['text']}",
+        highlight=False,
+    )
+    for note in result["notes"]:
+        console.print(f"note: {escape(note)}", highlight=False)
+    console.print(escape(headline(result)), highlight=False)
+
+
+def _error_figure(result: dict[str, Any]) -> go.Figure:
+    rows = result["layers"]
+    figure = go.Figure()
+    names = [r["node"] for r in rows]
+    figure.add_trace(go.Scatter(
+        x=[r["index"] for r in rows], y=[r["max_abs"] for r in rows], mode="lines+markers",
+        name="max abs", text=names, yaxis="y",
+    ))  # fmt: skip
+    figure.add_trace(go.Scatter(
+        x=[r["index"] for r in rows], y=[r["cosine"] for r in rows], mode="lines+markers",
+        name="cosine", text=names, yaxis="y2",
+    ))  # fmt: skip
+    first = result["first_divergence_row"]
+    if first is not None:
+        figure.add_vline(x=first["index"], line_color="#b71c1c", annotation_text=first["node"])
+    figure.update_layout(
+        title="error per layer (original topological order)",
+        xaxis_title="layer",
+        yaxis={"title": "max abs", "type": "log"},
+        yaxis2={"title": "cosine", "overlaying": "y", "side": "right"},
+        **_LAYOUT,
+    )
+    return figure
+
+
+def _first_index(result: dict[str, Any]) -> int | None:
+    first = result["first_divergence_row"]
+    return None if first is None else first["index"]
+
+
+def compare_html(result: dict[str, Any]) -> str:
+    first = _first_index(result)
+    rows = "".join(
+        f'<tr class="{"first" if r["index"] == first else "" if r["ok"] else "over"}">'
+        f"<td>{r['index']}</td><td>{html.escape(r['node'])}</td>"
+        f"<td>{html.escape(r['op_type'])}</td><td>{_number(r['max_abs'])}</td>"
+        f"<td>{_number(r['max_rel'])}</td><td>{_cosine(r['cosine'])}</td>"
+        f"<td>{html.escape(_side(r['a']))}</td><td>{html.escape(_side(r['b']))}</td></tr>"
+        for r in result["layers"]
+    )
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in result["notes"])
+    figure = _error_figure(result).to_html(full_html=False, include_plotlyjs=False, config=_CONFIG)
+    a, b = result["a"], result["b"]
+    return f"""<!doctype html><html><head><meta charset="utf-8">
+<title>kiln compare {html.escape(a["spec"])} → {html.escape(b["spec"])}</title>
+<script>{plotly.offline.get_plotlyjs()}</script>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px}}
+tr.over{{background:#ffccbc}}tr.first{{background:#ef9a9a;font-weight:bold}}</style>
+</head><body>
+<h1>kiln compare</h1>
+<p>A: {html.escape(a["spec"])} ({a["engine"]} {a["precision"]})<br>
+B: {html.escape(b["spec"])} ({b["engine"]} {b["precision"]})<br>
+inputs: {html.escape(result["inputs"])}; budget: {html.escape(result["budget"]["text"])};
+{result["shared_tensors"]} shared intermediate tensors</p>
+<p><b>{html.escape(headline(result))}</b></p>
+<ul>{notes}</ul>
+{figure}
+<table><tr><th>#</th><th>node (original)</th><th>op</th><th>max abs</th><th>max rel</th>
+<th>cosine</th><th>A: precision, passes</th><th>B: precision, passes</th></tr>{rows}</table>
+</body></html>"""
+
+
+def write_compare_html(result: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    atomic_write_text(path, compare_html(result))
+    return path

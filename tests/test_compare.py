@@ -1,0 +1,233 @@
+"""`kiln compare`: two versions of a model layer by layer, and the layer that broke."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper as nh
+from test_precision import hostile_model  # a model with one layer int8 breaks
+
+import kiln
+from kiln.debug import compare
+from kiln.debug.compare import _SKIPPED_OPS
+
+
+def kiln_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """A refusal: exit 2, one line on stderr, no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def zoo_files(tmp_path_factory):
+    """resnet-tiny and bert-tiny as .onnx files, as a user would have them."""
+    where = tmp_path_factory.mktemp("zoo")
+    for name in ("resnet-tiny", "bert-tiny"):
+        result = kiln_cli("zoo", "export", name, "-o", f"{name}.onnx", cwd=where)
+        assert result.returncode == 0, result.stderr
+    return where
+
+
+def perturbed_copy(source, target) -> str:
+    """The model with one weight ×1.3: the middle Conv/MatMul's; returns that node's name."""
+    model = onnx.load(str(source))
+    weights = {t.name: t for t in model.graph.initializer}
+    layers = [
+        n
+        for n in model.graph.node
+        if n.op_type in ("Conv", "MatMul") and any(i in weights for i in n.input)
+    ]
+    node = layers[len(layers) // 2]
+    weight = weights[next(i for i in node.input if i in weights)]
+    weight.CopyFrom(nh.from_array(nh.to_array(weight) * np.float32(1.3), weight.name))
+    onnx.save(model, str(target))
+    return node.name
+
+
+def compared_nodes(path) -> set[str]:
+    """The original nodes a comparison of this model with itself has a row for."""
+    graph = onnx.load(str(path)).graph
+    return {n.name for n in graph.node if n.op_type not in _SKIPPED_OPS}
+
+
+@pytest.mark.parametrize("name", ["resnet-tiny", "bert-tiny"])
+def test_a_model_against_itself_has_no_divergence_and_every_row_is_exact(zoo_files, name):
+    path = str(zoo_files / f"{name}.onnx")
+    result = compare(path, path).to_json()
+    assert result["first_divergence"] is None
+    assert all(row["exact"] and row["ok"] for row in result["layers"])
+    # Every float-valued layer has its row (integer shape bookkeeping has none).
+    nodes = {row["node"] for row in result["layers"]}
+    assert nodes <= compared_nodes(path)
+    if name == "resnet-tiny":  # every layer computes floats
+        assert nodes == compared_nodes(path)
+    assert [row["index"] for row in result["layers"]] == list(range(len(result["layers"])))
+
+
+@pytest.mark.parametrize("name", ["resnet-tiny", "bert-tiny"])
+def test_a_perturbed_weight_is_found_at_the_node_that_consumes_it(zoo_files, tmp_path, name):
+    bad = tmp_path / "bad.onnx"
+    planted = perturbed_copy(zoo_files / f"{name}.onnx", bad)
+    result = compare(str(zoo_files / f"{name}.onnx"), str(bad)).to_json()
+    assert result["first_divergence"] == planted
+    rows = result["layers"]
+    first = result["first_divergence_row"]
+    assert all(row["exact"] for row in rows[: first["index"]])  # before it: untouched
+    assert not first["ok"] and first["max_abs"] > 0
+    assert result["budget"]["metric"] == "max-abs"  # fp32 against fp32
+
+
+def test_a_hostile_layer_forced_into_int8_is_named(tmp_path):
+    hostile_model(tmp_path / "m.onnx")
+    shapes = {"x": (16, 64)}
+    # A budget so loose that the guard keeps everything in int8, mm2 included.
+    artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
+                            shapes=shapes, max_drop=0.99)  # fmt: skip
+    assert set(artifact.manifest.precision["nodes"].values()) == {"int8"}
+    result = compare(str(tmp_path / "m.onnx"), str(artifact.path), shapes=shapes).to_json()
+    assert result["first_divergence"] == "mm2"
+    rows = {row["node"]: row for row in result["layers"]}
+    assert rows["mm1"]["ok"] and rows["mm1"]["b"]["precision"] == "int8"  # benign int8
+    assert rows["mm2"]["b"]["precision"] == "int8"
+    assert "quantize-int8" in rows["mm2"]["b"]["passes"]
+    assert result["budget"]["metric"] == "cosine"
+
+
+def test_a_compiled_side_keeps_its_fusions_and_no_insides_are_invented():
+    result = compare("zoo:bert-tiny", "zoo:bert-tiny@ort:int8").to_json()
+    assert result["b"]["precision"] == "int8" and result["first_divergence"] is None
+    rows = result["layers"]
+    fused = [r for r in rows if r["b"]["op_type"] == "com.microsoft::QAttention"]
+    assert fused, "the fused attention's output is compared"
+    # What the fused kernels swallowed has no row: Softmax lives inside (Q)Attention.
+    assert not [r for r in rows if r["op_type"] == "Softmax"]
+    assert all(r["b"]["origin"] for r in rows)
+    matmuls = [r for r in rows if r["op_type"] == "MatMul"]
+    assert matmuls and all(r["b"]["precision"] == "int8" for r in matmuls)
+
+
+def test_onnx_runtime_and_openvino_agree_within_fp32_tolerance():
+    result = compare("zoo:resnet-tiny", "zoo:resnet-tiny@openvino:fp32").to_json()
+    assert result["b"]["engine"] == "openvino"
+    assert result["budget"]["metric"] == "max-abs"
+    assert result["first_divergence"] is None, result["first_divergence_row"]
+    assert result["shared_tensors"] > 0
+
+
+def test_graphs_that_share_nothing_compare_their_outputs_only(zoo_files, tmp_path):
+    model = onnx.load(str(zoo_files / "resnet-tiny.onnx"))
+    outputs = {o.name for o in model.graph.output}
+    renamed = {}
+    for node in model.graph.node:  # a re-export: every node and intermediate tensor renamed
+        node.name = f"x_{node.name}"
+        node.input[:] = [renamed.get(i, i) for i in node.input]
+        for index, name in enumerate(node.output):
+            if name not in outputs:
+                renamed[name] = node.output[index] = f"x_{name}"
+    onnx.save(model, str(tmp_path / "renamed.onnx"))
+    result = compare(str(zoo_files / "resnet-tiny.onnx"), str(tmp_path / "renamed.onnx"))
+    data = result.to_json()
+    assert any("share no intermediate tensors" in note for note in data["notes"])
+    assert [row["tensor"] for row in data["layers"]] == sorted(outputs)
+    assert data["first_divergence"] is None and data["layers"][0]["exact"]
+
+
+def test_cli_json_html_and_model_explorer(zoo_files, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    planted = perturbed_copy(zoo_files / "resnet-tiny.onnx", bad)
+    result = kiln_cli("compare", str(zoo_files / "resnet-tiny.onnx"), str(bad), "--json",
+                      "-o", "report.html", "--model-explorer", "me", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["first_divergence"] == planted
+    assert {"node", "max_abs", "max_rel", "cosine", "a", "b"} <= set(data["layers"][0])
+    assert planted in (tmp_path / "report.html").read_text()
+    error = json.loads((tmp_path / "me" / "error.json").read_text())
+    (graph,) = error
+    assert error[graph]["results"][planted]["value"] > 0
+    latency = json.loads((tmp_path / "me" / "latency.json").read_text())
+    assert sum(r["value"] for r in latency[graph]["results"].values()) > 0
+
+
+def test_cli_table_names_the_first_divergence(zoo_files, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    planted = perturbed_copy(zoo_files / "resnet-tiny.onnx", bad)
+    result = kiln_cli("compare", str(zoo_files / "resnet-tiny.onnx"), str(bad), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"first divergence: {planted}" in " ".join(result.stdout.split())
+
+
+def test_inputs_of_the_wrong_shape_are_one_line(zoo_files, tmp_path):
+    np.savez(tmp_path / "x.npz", input=np.zeros((1, 3, 16, 16), np.float32))  # 32×32 expected
+    model = str(zoo_files / "resnet-tiny.onnx")
+    line = one_line_error(kiln_cli("compare", model, model, "--inputs", "x.npz", cwd=tmp_path))
+    assert "input 'input' has shape [1, 3, 16, 16]" in line
+
+
+def test_an_artifact_whose_original_is_gone_is_one_line(zoo_files, tmp_path):
+    shutil.copy(zoo_files / "resnet-tiny.onnx", tmp_path / "m.onnx")
+    kiln.compile(tmp_path / "m.onnx", tmp_path / "a.kiln")
+    shutil.copytree(tmp_path / "a.kiln", tmp_path / "b.kiln")
+    (tmp_path / "m.onnx").unlink()
+    line = one_line_error(kiln_cli("compare", "a.kiln", "b.kiln", cwd=tmp_path))
+    assert "m.onnx, which is gone" in line
+
+
+def test_models_with_other_inputs_are_one_line(tmp_path):
+    line = one_line_error(kiln_cli("compare", "zoo:bert-tiny", "zoo:resnet-tiny", cwd=tmp_path))
+    assert "takes inputs" in line
+
+
+def test_bf16_without_bf16_kernels_is_refused_in_one_line(tmp_path):
+    from kiln.backends.openvino import cpu_runs_bf16
+
+    if cpu_runs_bf16():
+        pytest.skip("this CPU has bf16 kernels")
+    result = kiln_cli("compare", "zoo:bert-tiny", "zoo:bert-tiny@openvino:bf16", cwd=tmp_path)
+    assert "no bf16 kernels" in one_line_error(result)
+
+
+@pytest.mark.parametrize("drift", ["outputs", "everything"])
+def test_an_engine_that_computes_otherwise_when_exposed_is_said_and_checked(
+    zoo_files, tmp_path, monkeypatch, drift
+):
+    """An engine may compile the exposed graph into another program (OpenVINO's int8 does):
+    the comparison says so, and re-measures the first divergence with few tensors exposed."""
+    import importlib
+
+    module = importlib.import_module("kiln.debug.compare")  # the module, not the function
+    bad = tmp_path / "bad.onnx"
+    planted = perturbed_copy(zoo_files / "resnet-tiny.onnx", bad)
+    honest = module.run_exposed
+
+    def drifting(side, names, feeds):  # with many tensors exposed, B computes otherwise
+        ran = honest(side, names, feeds)
+        if side.spec != str(bad) or len(names) <= 5:
+            return ran
+        moved = {"logits"} if drift == "outputs" else set(ran)
+        return {k: v + np.float32(0.5) if k in moved else v for k, v in ran.items()}
+
+    monkeypatch.setattr(module, "run_exposed", drifting)
+    result = compare(str(zoo_files / "resnet-tiny.onnx"), str(bad)).to_json()
+    notes = " ".join(result["notes"])
+    assert f"changed {bad}'s own outputs" in notes
+    if drift == "outputs":  # the layers still tell the truth: the planted one stands
+        assert f"first divergence {planted} confirmed" in notes
+    else:  # every exposed tensor moved: the first row out of budget does not stand alone
+        assert f"first divergence {result['first_divergence']} not confirmed" in notes
+        assert result["first_divergence"] != planted
