@@ -124,7 +124,8 @@ def test_doctor_names_engines_and_cpu(tmp_path):
 
 
 def test_help_lists_every_verb_without_loading_their_dependencies(tmp_path):
-    verbs = ("zoo", "optimize", "run", "bench", "doctor", "serve", "profile")
+    verbs = ("zoo", "optimize", "run", "bench", "doctor", "serve", "profile", "tune",
+             "strategies", "compare")  # fmt: skip
     shown = kiln("--help", cwd=tmp_path).stdout
     assert all(verb in shown for verb in verbs)
     # The verbs import the compiler, engines, servers and report templates when they run.

@@ -73,6 +73,7 @@ def test_a_damaged_artifact_is_one_line_everywhere(good, damage, tmp_path):
         ["run", str(artifact), "--inputs", str(inputs), "-o", str(tmp_path / "out.npz")],
         ["profile", str(artifact), "--runs", "1", "--rounds", "1"],
         ["bench", str(artifact), "--runs", "1", "--rounds", "1"],
+        ["compare", str(artifact), str(artifact)],
     ):
         result = subprocess.run(
             [sys.executable, "-m", "kiln", *verb], capture_output=True, text=True, timeout=300

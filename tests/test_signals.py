@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -59,4 +60,4 @@ def test_a_bug_in_kiln_is_one_line_and_a_crash_report_not_a_traceback(monkeypatc
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "internal error: RuntimeError: something Kiln did not" in lines[0]
     report = lines[0].rsplit("the traceback is in ", 1)[1]
-    assert "Traceback" in open(report).read()
+    assert "Traceback" in Path(report).read_text()

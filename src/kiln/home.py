@@ -23,6 +23,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
+        os.chmod(name, 0o644)  # as open() would make it; mkstemp's 0600 hides reports
         os.replace(name, path)
     except BaseException:
         Path(name).unlink(missing_ok=True)
