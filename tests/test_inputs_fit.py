@@ -97,12 +97,12 @@ def rated(name: str) -> ir.Model:
 
 def test_a_dim_the_first_guess_gets_wrong_is_found_on_the_ladder(tmp_path):
     path = tmp_path / "framed.onnx"
-    ir.save(framed(16), path)
+    ir.save(framed(64), path)
     seen: list[str] = []
     artifact = kiln.compile(path, tmp_path / "f.kiln", rounds=0, progress=seen.append)
     verification = artifact.manifest.verification
-    assert verification.ok and "frames=16" in verification.inputs, verification.inputs
-    assert any("trying frames=16" in line for line in seen), seen
+    assert verification.ok and "frames=64" in verification.inputs, verification.inputs
+    assert any("trying frames=64" in line for line in seen), seen
 
 
 def test_a_scalar_input_gets_a_sample_rate_from_the_ladder(tmp_path):
@@ -122,7 +122,7 @@ def test_when_nothing_runs_the_error_names_what_to_pass(tmp_path):
     with pytest.raises(kiln.KilnError) as info:
         kiln.compile(path, tmp_path / "f.kiln", rounds=0)
     message = str(info.value)
-    assert "nor on 5 other guesses" in message and "Unresolved: dim frames" in message
+    assert "nor on 6 other guesses" in message and "Unresolved: dim frames" in message
     assert "--shape frames=N" in message and "\n" not in message
     assert not (tmp_path / "f.kiln").exists()
 

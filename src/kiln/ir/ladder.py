@@ -18,9 +18,10 @@ from kiln.ir.inputs import (
     named_dims,
 )
 
-# Sizes tried for unresolved dims, after the first guess: small first (cheap, and most
-# dynamic dims accept them), then the powers of two windows and sequences come in.
-DIM_LADDER = (1, 16, 32, 64, 256, 512)
+# Sizes tried for unresolved dims, after the first guess: realistic ones first (a model that
+# runs on a 1-pixel image or a 1-token sequence is verified on almost nothing), multiples of
+# the strides and windows models divide by; 1 last.
+DIM_LADDER = (32, 64, 128, 16, 256, 512, 1)
 MOST_TRIES = 16
 FIRST_GUESS = "first guess"
 
@@ -59,8 +60,9 @@ def _given(model: ir.Model, shapes: dict[str, tuple[int, ...]]) -> set[str]:
     return fixed
 
 
-def _is_batch(name: str, axis: int) -> bool:
-    return axis == 0 and ("batch" in name.lower() or name in {"N", "B", ""})
+def _is_batch(axis: int, rank: int) -> bool:
+    """The leading dim of a tensor of rank ≥ 2 is a batch: 1 runs, and the ladder leaves it."""
+    return axis == 0 and rank >= 2
 
 
 def free_of(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> Free:
@@ -81,7 +83,7 @@ def free_of(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> Free:
             if isinstance(dim, int) and dim > 0:
                 continue
             label = str(dim.value) if not isinstance(dim, int) and dim.value else ""
-            if _is_batch(label, axis) or label in fixed:
+            if _is_batch(axis, value.shape.rank()) or label in fixed:
                 continue
             dims.append(label or f"{name}[{axis}]")
     return Free(tuple(dict.fromkeys(dims)), tuple(scalars))
