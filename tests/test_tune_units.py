@@ -69,3 +69,14 @@ def test_reconfigure_swaps_engine_options_without_changing_outputs():
     with pytest.raises(kiln.KilnError, match="unknown option 'threads'"):
         session.reconfigure({"threads": 4})
     assert session.options["intra_op_threads"] == 2
+
+
+def test_a_study_starts_where_auto_ends_the_engines_defaults_first():
+    from kiln.tune.study import seed_params
+
+    space = Space(("ort", "openvino"), ("fp32", "bf16", "int8", "int4"), cores=2)
+    pairs = [(p["engine"], p[f"{p['engine']}.precision"]) for p in seed_params(space)]
+    assert pairs == [("ort", "fp32"), ("openvino", "fp32"), ("ort", "int8"), ("openvino", "int8")]
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    for params in seed_params(space):  # each lies wholly in the space
+        assert project(params, space, model, CompileConfig()).keys() >= {"engine"}

@@ -77,21 +77,42 @@ class TuneResult:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def default_params(space: Space, engine: str = "ort") -> dict[str, Any]:
-    """The Optuna parameters of the defaults: ORT, fp32, every pass, its own options."""
+def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -> dict[str, Any]:
+    """The Optuna parameters of an engine's defaults at a precision (every pass, the engine's
+    own options); `default_params(space)` are Kiln's defaults: ORT, fp32."""
     from kiln.tune.space import PASS_GROUPS
 
-    params: dict[str, Any] = {"engine": engine, f"{engine}.precision": "fp32"}
+    params: dict[str, Any] = {"engine": engine, f"{engine}.precision": precision}
     params |= {f"{engine}.passes.{g}": True for g in PASS_GROUPS}
     if engine == "ort":
         params |= {
             "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
             "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
-            "ort.memory_arena": True, "ort.memory_pattern": True,
+            "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
+        }  # fmt: skip
+    else:
+        params |= {
+            "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
+            "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
         }  # fmt: skip
     if space.throughput:
         params |= {"batch": 1, "concurrency": 1}
     return params
+
+
+# The engines' defaults at the precisions that win most often, tried first after Kiln's own:
+# what `kiln optimize --backend auto --precision auto` would build, so a study starts at least
+# where auto ends; the sampler explores from there.
+SEEDS = (("openvino", "fp32"), ("ort", "int8"), ("openvino", "int8"))
+
+
+def seed_params(space: Space) -> list[dict[str, Any]]:
+    pairs = [("ort", "fp32"), *SEEDS]
+    return [
+        default_params(space, engine, precision)
+        for engine, precision in pairs
+        if engine in space.engines and precision in space.precisions
+    ]
 
 
 def choice_of(params: dict[str, Any], space: Space, loaded: LoadedModel, base: CompileConfig):
@@ -115,8 +136,9 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     objective_name = "+".join(o.name for o in plan.objectives)
     warm = []
     if not study.trials:
-        defaults = project(default_params(space), space, loaded.model, plan.base)
-        study.enqueue_trial(defaults, skip_if_exists=True)
+        for params in seed_params(space):
+            study.enqueue_trial(project(params, space, loaded.model, plan.base),
+                                skip_if_exists=True)  # fmt: skip
         if warm_start:
             for d, record in library.nearest(signature, machine["class"], objective_name):
                 params = project(record.params, space, loaded.model, plan.base)
