@@ -72,7 +72,7 @@ def test_reconfigure_swaps_engine_options_without_changing_outputs():
 
 
 def test_a_study_starts_where_auto_ends_the_engines_defaults_first():
-    from kiln.tune.study import seed_params
+    from kiln.tune.space import seed_params
 
     space = Space(("ort", "openvino"), ("fp32", "bf16", "int8", "int4"), cores=2)
     pairs = [(p["engine"], p[f"{p['engine']}.precision"]) for p in seed_params(space)]

@@ -45,7 +45,8 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
         table.add_row("throughput", "1×", _interval(gains["throughput_ratio"], "×"))
     kept = (
         f"tuned (trial {result['pick']['trial']})" if gains["verdict"] == "better"
-        else f"defaults: the best trial was {gains['verdict']} beyond noise"
+        else "the defaults" if gains["verdict"].startswith("the defaults")
+        else f"the defaults: the best trial was {gains['verdict']} beyond noise"
     )  # fmt: skip
     table.add_row("verdict", "", f"{gains['verdict']}; written: {kept}")
     for knob, (before, after) in sorted(result["changed"].items()):

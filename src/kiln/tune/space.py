@@ -169,3 +169,46 @@ def project(params: dict[str, Any], space: Space, model: ir.Model, base: Compile
     trial = _Projection(params)
     suggest(trial, space, model, base)
     return trial.kept
+
+
+def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -> dict[str, Any]:
+    """The Optuna parameters of an engine's defaults at a precision (every pass, the engine's
+    own options); `default_params(space)` are Kiln's defaults: ORT, fp32."""
+    params: dict[str, Any] = {"engine": engine, f"{engine}.precision": precision}
+    params |= {f"{engine}.passes.{g}": True for g in PASS_GROUPS}
+    if engine == "ort":
+        params |= {
+            "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
+            "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
+            "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
+        }  # fmt: skip
+    else:
+        params |= {
+            "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
+            "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
+        }  # fmt: skip
+    if space.throughput:
+        params |= {"batch": 1, "concurrency": 1}
+    return params
+
+
+# The engines' defaults at the precisions that win most often, tried first after Kiln's own:
+# what `kiln optimize --backend auto --precision auto` would build, so a study starts at least
+# where auto ends; the sampler explores from there.
+SEEDS = (("openvino", "fp32"), ("ort", "int8"), ("openvino", "int8"))
+
+
+def seed_params(space: Space) -> list[dict[str, Any]]:
+    pairs = [("ort", "fp32"), *SEEDS]
+    return [
+        default_params(space, engine, precision)
+        for engine, precision in pairs
+        if engine in space.engines and precision in space.precisions
+    ]
+
+
+def choice_of(params: dict[str, Any], space: Space, model: ir.Model, base: CompileConfig) -> Choice:
+    """The Choice a set of parameters stands for (as in the trial that suggested them)."""
+    import optuna
+
+    return suggest(optuna.trial.FixedTrial(params), space, model, base)

@@ -22,17 +22,17 @@ from kiln.config import ENGINES, PRECISIONS, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.inputs import read_inputs
 from kiln.ir.load import LoadedModel, load_model
-from kiln.tune.bench import Built, Measured, Refused, Workbench
+from kiln.tune.bench import Measured, Refused, Workbench
+from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
-from kiln.tune.measure import duel, tails
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.signature import hardware, model_signature
-from kiln.tune.space import Space, project, suggest
+from kiln.tune.space import Space, choice_of, default_params, project, seed_params, suggest
 from kiln.tune.storage import GRACE_S, HEARTBEAT_S, default_url, optuna_storage
 
 Say = Callable[[str], None]
-CONFIRM_RUNS = 1000
 FINISHED = ("COMPLETE", "PRUNED")
+DEFAULTS_BEST = "the defaults measured best"
 
 
 @dataclass
@@ -75,51 +75,6 @@ class TuneResult:
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -> dict[str, Any]:
-    """The Optuna parameters of an engine's defaults at a precision (every pass, the engine's
-    own options); `default_params(space)` are Kiln's defaults: ORT, fp32."""
-    from kiln.tune.space import PASS_GROUPS
-
-    params: dict[str, Any] = {"engine": engine, f"{engine}.precision": precision}
-    params |= {f"{engine}.passes.{g}": True for g in PASS_GROUPS}
-    if engine == "ort":
-        params |= {
-            "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
-            "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
-            "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
-        }  # fmt: skip
-    else:
-        params |= {
-            "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
-            "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
-        }  # fmt: skip
-    if space.throughput:
-        params |= {"batch": 1, "concurrency": 1}
-    return params
-
-
-# The engines' defaults at the precisions that win most often, tried first after Kiln's own:
-# what `kiln optimize --backend auto --precision auto` would build, so a study starts at least
-# where auto ends; the sampler explores from there.
-SEEDS = (("openvino", "fp32"), ("ort", "int8"), ("openvino", "int8"))
-
-
-def seed_params(space: Space) -> list[dict[str, Any]]:
-    pairs = [("ort", "fp32"), *SEEDS]
-    return [
-        default_params(space, engine, precision)
-        for engine, precision in pairs
-        if engine in space.engines and precision in space.precisions
-    ]
-
-
-def choice_of(params: dict[str, Any], space: Space, loaded: LoadedModel, base: CompileConfig):
-    """The Choice a set of parameters stands for (as in the trial that suggested them)."""
-    import optuna
-
-    return suggest(optuna.trial.FixedTrial(params), space, loaded.model, base)
 
 
 def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Say = print,
@@ -209,6 +164,10 @@ def objective_function(plan: Plan, loaded: LoadedModel, bench: Workbench) -> Cal
             for key in ("measures", "violations", "config"):
                 trial.set_user_attr(key, same.user_attrs.get(key))
             return tuple(same.values)
+        twin = _measuring_now(trial)
+        if twin is not None:  # e.g. two workers both retried a dead worker's trial
+            trial.set_user_attr("duplicate_of", twin.number)
+            raise optuna.TrialPruned(f"trial {twin.number} measures this configuration")
         try:
             measured = bench.measure(bench.build(choice))
         except (Refused, KilnError) as exc:
@@ -230,6 +189,14 @@ def _measured_before(trial: Any) -> Any:
 
     done = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     return next((t for t in done if t.params == trial.params), None)
+
+
+def _measuring_now(trial: Any) -> Any:
+    """An earlier trial with the same parameters that another worker is running now."""
+    import optuna
+
+    running = trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    return next((t for t in running if t.number < trial.number and t.params == trial.params), None)
 
 
 def _remaining(study: Any, trials: int) -> int:
@@ -378,10 +345,14 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
             machine, warm, say) -> TuneResult:  # fmt: skip
     defaults = default_params(space)
     say(f"confirming trial {pick.number} against the defaults over {plan.confirm_runs}+ runs")
-    tuned = bench.build(choice_of(pick.params, space, loaded, plan.base))
-    base = bench.build(choice_of(defaults, space, loaded, plan.base))
-    gains = confirm(tuned, base, plan)
-    gains["verdict"] = verdict(plan.objectives[0], gains)
+    tuned = bench.build(choice_of(pick.params, space, loaded.model, plan.base))
+    base = bench.build(choice_of(defaults, space, loaded.model, plan.base))
+    throughput = any(o.measure == "throughput" for o in plan.objectives)
+    gains = confirm(tuned, base, runs=plan.confirm_runs, seconds=plan.confirm_seconds,
+                    throughput_s=plan.seconds_per_trial * 2 if throughput else None)  # fmt: skip
+    is_default = pick.params == project(defaults, space, loaded.model, plan.base)
+    # Two sessions of one configuration differ by ~1 % (layout, order): not a win to report.
+    gains["verdict"] = DEFAULTS_BEST if is_default else verdict(plan.objectives[0], gains)
     if gains["verdict"] != "better":
         say(f"the pick is {gains['verdict']} than the defaults on {plan.objectives[0].name}: "
             "the defaults are kept")  # fmt: skip
@@ -413,49 +384,6 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
                   "refused": t.user_attrs.get("refused")} for t in study.trials],
         importances=_importances(study),
     )  # fmt: skip
-
-
-def confirm(tuned: Built, base: Built, plan: Plan) -> dict[str, Any]:
-    """Tuned against the defaults, interleaved, ≥ CONFIRM_RUNS runs each: the ratio of P50s
-    with its interval, and each side's tails."""
-    gains: dict[str, Any] = {}
-    fight = duel(tuned.runners[0], base.runners[0], seconds=plan.confirm_seconds,
-                 runs=20, min_runs=plan.confirm_runs, tight=0.01)  # fmt: skip
-    mine, theirs = tails(fight.trial_s), tails(fight.incumbent_s)
-    speed = 1 / fight.ratio.value
-    gains["speedup"] = {
-        "value": speed,
-        "low": 1 / fight.ratio.high,
-        "high": 1 / fight.ratio.low,
-        "runs": len(fight.trial_s),
-        "rounds": fight.rounds,
-    }
-    gains["tuned"], gains["defaults"] = mine.to_json(), theirs.to_json()
-    gains["tuned"]["memory_mib"] = tuned.memory_mib
-    gains["defaults"]["memory_mib"] = base.memory_mib
-    if any(o.measure == "throughput" for o in plan.objectives):
-        from kiln.tune.bench import rate_duel
-
-        gains["throughput_ratio"] = rate_duel(tuned, base, plan.seconds_per_trial * 2).to_json()
-    return gains
-
-
-def verdict(objective: Objective, gains: dict[str, Any]) -> str:
-    """ "better" only where the confirmation says so beyond its interval; else "no better"
-    (within noise) or "worse"."""
-    if objective.measure == "throughput" and "throughput_ratio" in gains:
-        low, high = gains["throughput_ratio"]["low"], gains["throughput_ratio"]["high"]
-    elif objective.measure == "p50_ms":
-        low, high = gains["speedup"]["low"], gains["speedup"]["high"]
-    elif objective.measure in ("p99_ms", "jitter"):
-        mine, theirs = gains["tuned"][objective.measure], gains["defaults"][objective.measure]
-        if mine["high"] < theirs["low"]:
-            return "better"
-        return "worse" if mine["low"] > theirs["high"] else "no better"
-    else:  # memory: one measurement each; 5 % either way is noise
-        ratio = gains["defaults"]["memory_mib"] / max(gains["tuned"]["memory_mib"], 1.0)
-        return "better" if ratio > 1.05 else "worse" if ratio < 0.95 else "no better"
-    return "better" if low > 1 else "worse" if high < 1 else "no better"
 
 
 def _importances(study: Any) -> dict[str, float]:

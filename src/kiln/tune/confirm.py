@@ -1,0 +1,57 @@
+"""The last word on a study's pick: measured against the defaults, interleaved, over at least
+1,000 runs each, and a verdict that says "better" only beyond the interval — a pick that is
+not better is not written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.tune.bench import Built, rate_duel
+from kiln.tune.measure import duel, tails
+from kiln.tune.objectives import Objective
+
+CONFIRM_RUNS = 1000
+
+
+def confirm(
+    tuned: Built, base: Built, *, runs: int, seconds: float, throughput_s: float | None = None
+) -> dict[str, Any]:
+    """Tuned against the defaults, interleaved, ≥ `runs` runs each (then up to `seconds` to
+    tighten the interval): the ratio of P50s with its interval, each side's tails and memory,
+    and with `throughput_s` the throughput ratio over windows of that many seconds."""
+    gains: dict[str, Any] = {}
+    fight = duel(tuned.runners[0], base.runners[0], seconds=seconds, runs=20, min_runs=runs,
+                 tight=0.01)  # fmt: skip
+    mine, theirs = tails(fight.trial_s), tails(fight.incumbent_s)
+    speed = 1 / fight.ratio.value
+    gains["speedup"] = {
+        "value": speed,
+        "low": 1 / fight.ratio.high,
+        "high": 1 / fight.ratio.low,
+        "runs": len(fight.trial_s),
+        "rounds": fight.rounds,
+    }
+    gains["tuned"], gains["defaults"] = mine.to_json(), theirs.to_json()
+    gains["tuned"]["memory_mib"] = tuned.memory_mib
+    gains["defaults"]["memory_mib"] = base.memory_mib
+    if throughput_s is not None:
+        gains["throughput_ratio"] = rate_duel(tuned, base, throughput_s).to_json()
+    return gains
+
+
+def verdict(objective: Objective, gains: dict[str, Any]) -> str:
+    """ "better" only where the confirmation says so beyond its interval; else "no better"
+    (within noise) or "worse"."""
+    if objective.measure == "throughput" and "throughput_ratio" in gains:
+        low, high = gains["throughput_ratio"]["low"], gains["throughput_ratio"]["high"]
+    elif objective.measure == "p50_ms":
+        low, high = gains["speedup"]["low"], gains["speedup"]["high"]
+    elif objective.measure in ("p99_ms", "jitter"):
+        mine, theirs = gains["tuned"][objective.measure], gains["defaults"][objective.measure]
+        if mine["high"] < theirs["low"]:
+            return "better"
+        return "worse" if mine["low"] > theirs["high"] else "no better"
+    else:  # memory: one measurement each; 5 % either way is noise
+        ratio = gains["defaults"]["memory_mib"] / max(gains["tuned"]["memory_mib"], 1.0)
+        return "better" if ratio > 1.05 else "worse" if ratio < 0.95 else "no better"
+    return "better" if low > 1 else "worse" if high < 1 else "no better"
