@@ -1,0 +1,1 @@
+"""Compression under the accuracy guard: quantization-aware training, structured pruning, distillation (PyTorch), each ending in a verified Kiln artifact."""
