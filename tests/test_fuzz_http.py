@@ -30,9 +30,8 @@ from typing import Any
 import h11
 import httpx
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
+from string_models import strings_model
 
 from kiln.runtime import Session
 from kiln.serve.app import create_app
@@ -46,24 +45,6 @@ HEAD_TIMEOUT = 1  # seconds a request head may take (uvicorn's keep-alive timeou
 # What a fuzzed request may be answered with. 405: a wrong method on a known path; the
 # 400 of uvicorn itself (text, not JSON) only for bytes that are not HTTP at all.
 ALLOWED = {200, 400, 404, 405, 408, 413, 503}
-
-
-def build_strings_model(path: Path) -> Path:
-    """text: STRING [n] → upper: STRING [n] (StringNormalizer, C locale), count: INT64 [1]."""
-    text = helper.make_tensor_value_info("text", TensorProto.STRING, ["n"])
-    upper = helper.make_tensor_value_info("upper", TensorProto.STRING, ["n"])
-    count = helper.make_tensor_value_info("count", TensorProto.INT64, [1])
-    nodes = [
-        helper.make_node(
-            "StringNormalizer", ["text"], ["upper"], case_change_action="UPPER", locale="C"
-        ),
-        helper.make_node("Shape", ["text"], ["count"]),
-    ]
-    graph = helper.make_graph(nodes, STRINGS, [text], [upper, count])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, path)
-    return path
 
 
 # ---------------------------------------------------------------- the server under test
@@ -139,7 +120,7 @@ def bert(home) -> Iterator[Live]:
 
 @pytest.fixture(scope="module")
 def strings(home) -> Iterator[Live]:
-    with serving(Session(build_strings_model(home / "strings.onnx")), STRINGS) as live:
+    with serving(Session(strings_model(home / "strings.onnx")), STRINGS) as live:
         yield live
 
 

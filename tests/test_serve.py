@@ -20,11 +20,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
-from onnx import TensorProto, helper
+from string_models import strings_model
 
 from kiln import zoo
 from kiln.serve.batcher import Batcher, Overloaded
@@ -378,25 +377,8 @@ def test_port_0_json_prints_the_bound_port_when_ready(tmp_path) -> None:
     assert server.proc.returncode == 0 and out == ""  # stdout holds that one line only
 
 
-def _strings_model(path: Path) -> Path:
-    """text: STRING [n] → upper: STRING [n] (ASCII upper-cased), count: INT64 [1]."""
-    text = helper.make_tensor_value_info("text", TensorProto.STRING, ["n"])
-    upper = helper.make_tensor_value_info("upper", TensorProto.STRING, ["n"])
-    count = helper.make_tensor_value_info("count", TensorProto.INT64, [1])
-    nodes = [
-        helper.make_node(
-            "StringNormalizer", ["text"], ["upper"], case_change_action="UPPER", locale="C"
-        ),
-        helper.make_node("Shape", ["text"], ["count"]),
-    ]
-    graph = helper.make_graph(nodes, "strings", [text], [upper, count])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save(model, path)
-    return path
-
-
 def test_bytes_inputs_and_outputs_with_tritonclient(tmp_path) -> None:
-    server = _start(tmp_path, str(_strings_model(tmp_path / "strings.onnx")))
+    server = _start(tmp_path, str(strings_model(tmp_path / "strings.onnx")))
     try:
         client = triton.InferenceServerClient(server.url)
         meta = client.get_model_metadata("strings")
