@@ -40,8 +40,17 @@ def test_session_options_are_applied_and_outputs_do_not_depend_on_them():
     feeds = synthesize(model)
     ort = get_backend("ort")
     basic = ort.compile(model, OrtOptions(optimization="basic", intra_op_threads=1))
-    tuned = ort.compile(model, OrtOptions(optimization="all", spinning=False, memory_arena=False))
+    tuned = ort.compile(
+        model,
+        OrtOptions(
+            optimization="all", spinning=False, memory_arena=False,
+            execution_mode="parallel", inter_op_threads=2,
+        ),
+    )  # fmt: skip
     assert basic.session.get_session_options().intra_op_num_threads == 1
+    tuned_options = tuned.session.get_session_options()
+    assert tuned_options.execution_mode.name == "ORT_PARALLEL"
+    assert tuned_options.inter_op_num_threads == 2
     for a, b in zip(basic.run(feeds), tuned.run(feeds), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -49,6 +58,11 @@ def test_session_options_are_applied_and_outputs_do_not_depend_on_them():
 def test_unknown_optimization_level_is_named():
     with pytest.raises(KilnError, match="unknown ORT optimization level 'fast'"):
         OrtOptions(optimization="fast").session_options()
+
+
+def test_unknown_execution_mode_is_named():
+    with pytest.raises(KilnError, match="unknown ORT execution mode 'async'"):
+        OrtOptions(execution_mode="async").session_options()
 
 
 def test_unknown_backend_is_named():

@@ -30,6 +30,10 @@ LEVELS = {
 _INLINE_LIMIT = 1 << 30
 # ONNX Runtime's own log lines (its "[E:onnxruntime:...]" on a failed load) never reach the
 # user's terminal: every failure it has is raised, and Kiln says it once, as a KilnError.
+MODES = {
+    "sequential": ort.ExecutionMode.ORT_SEQUENTIAL,
+    "parallel": ort.ExecutionMode.ORT_PARALLEL,
+}
 _FATAL_ONLY = 4
 # ... nor do those of sessions Kiln does not open itself (the quantizers' calibration runs).
 ort.set_default_logger_severity(_FATAL_ONLY)
@@ -42,6 +46,8 @@ class OrtOptions:
     optimization: str = "all"
     intra_op_threads: int = 0
     inter_op_threads: int = 0
+    # "parallel" runs independent branches of the graph at once on the inter-op pool.
+    execution_mode: str = "sequential"
     spinning: bool = True
     memory_arena: bool = True
     memory_pattern: bool = True
@@ -66,7 +72,13 @@ class OrtOptions:
                 f"unknown ORT optimization level '{self.optimization}'; "
                 f"use one of {', '.join(LEVELS)}."
             )
+        if self.execution_mode not in MODES:
+            raise KilnError(
+                f"unknown ORT execution mode '{self.execution_mode}'; use one of "
+                f"{', '.join(MODES)}."
+            )
         so = ort.SessionOptions()
+        so.execution_mode = MODES[self.execution_mode]
         so.graph_optimization_level = LEVELS[self.optimization]
         so.intra_op_num_threads = self.intra_op_threads
         so.inter_op_num_threads = self.inter_op_threads

@@ -114,9 +114,14 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
         extra["session.intra_op_thread_affinities"] = ";".join(
             str(i + 2) for i in range(threads - 1)
         )
+    mode = trial.suggest_categorical("ort.execution_mode", ["sequential", "parallel"])
+    # Parallel mode runs independent branches on the inter-op pool; sequential ignores it.
+    inter = trial.suggest_int("ort.inter_threads", 1, space.cores) if mode == "parallel" else 0
     return {
         "optimization": trial.suggest_categorical("ort.optimization", ["basic", "extended", "all"]),
         "intra_op_threads": threads,
+        "inter_op_threads": inter,
+        "execution_mode": mode,
         "spinning": trial.suggest_categorical("ort.spinning", [True, False]),
         "memory_arena": trial.suggest_categorical("ort.memory_arena", [True, False]),
         "memory_pattern": trial.suggest_categorical("ort.memory_pattern", [True, False]),
@@ -181,6 +186,7 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
             "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
             "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
             "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
+            "ort.execution_mode": "sequential",
         }  # fmt: skip
     else:
         params |= {
