@@ -63,6 +63,7 @@ def main() -> None:
         say(f"cold study: {name}")
         cold = study(source, cold_url, f"cold-{name}", args.trials, False, say)
         results["models"][name] = {"cold": best_so_far(cold["history"])}
+        Path(args.output).write_text(json.dumps(results, indent=2))  # an interrupted run keeps it
     cold_records = Library(cold_url).records()
     for name, source in sources.items():
         url = f"sqlite:///{work / f'warm-{name}.db'}"

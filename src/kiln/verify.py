@@ -65,6 +65,9 @@ class Verification:
     score: float | None = None
     threshold: float | None = None
     note: str | None = None  # how the budget was read, where that is not the obvious way
+    # A PyTorch source: the artifact and the exported graph against PyTorch's own outputs
+    # (kiln.compiler.framework).
+    torch: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -21,7 +21,7 @@ from kiln.errors import KilnError, ModelError
 from kiln.hardware import cpu_info
 from kiln.home import output_problem
 from kiln.ir.load import read_checked
-from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins
+from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins, trace_of
 
 REBUILD = "Rebuild it with kiln optimize."
 MODEL_FILE = "model.onnx"
@@ -75,12 +75,14 @@ def _is_provenance(data: Any) -> bool:
 
 
 def provenance_map(model: ir.Model) -> dict[str, dict[str, Any]]:
-    """Compiled node name → its op, original nodes and the passes that made it."""
+    """Compiled node name → its op, original nodes and the passes that made it (and, from a
+    PyTorch source, `module` and `source`: the modules and file:line it came from)."""
     return {
         node.name or "": {
             "op_type": f"{node.domain}::{node.op_type}" if node.domain else node.op_type,
             "origin": sorted(split_origins(node.metadata_props.get(ORIGIN_KEY, ""))),
             "passes": sorted(split_origins(node.metadata_props.get(PASS_KEY, ""))),
+            **trace_of(node),  # a PyTorch source's modules and source lines
         }
         for node in all_nodes(model.graph)
     }

@@ -15,6 +15,7 @@ import typer
 from kiln.cli import (
     bench,
     compare,
+    debug,
     doctor,
     optimize,
     profile,
@@ -65,6 +66,7 @@ app.command()(serve.serve)
 app.command()(profile.profile)
 app.command()(tune.tune)
 app.command()(compare.compare)
+app.command()(debug.debug)
 app.add_typer(strategies.app, name="strategies")
 
 

@@ -13,7 +13,12 @@ from kiln.errors import KilnError
 
 def optimize(
     model: Annotated[
-        str | None, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")
+        str | None,
+        typer.Argument(
+            help="An .onnx file, a .pt2 saved by torch.export.save (needs PyTorch; verified "
+            "against the program's own outputs on its saved example inputs), or zoo:NAME (see "
+            "`kiln zoo list`)."
+        ),
     ] = None,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Artifact directory (NAME.kiln).")
@@ -129,9 +134,9 @@ def optimize(
         return
     from kiln.artifact.store import check_destination, replaces_existing
     from kiln.compiler import CompileConfig, build, candidates, save_result
+    from kiln.compiler.api import load_source
     from kiln.config import read_config
     from kiln.ir.inputs import parse_shapes
-    from kiln.ir.load import load_model
 
     given = {
         "backend": backend != "ort", "precision": precision != "fp32", "metric": metric != "cosine",
@@ -175,7 +180,7 @@ def optimize(
     with progress() as bar:
         task = bar.add_task(f"loading {model}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
-        loaded = load_model(model)
+        loaded = load_source(model)
         destination = output or Path(f"{loaded.name}.kiln")
         check_destination(destination, force)
         replaced = replaces_existing(destination)

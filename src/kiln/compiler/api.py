@@ -24,15 +24,18 @@ from kiln.artifact import (
     write_artifact,
 )
 from kiln.compiler.candidate import CompileResult, compile_candidate
+from kiln.compiler.framework import EXAMPLE, check_against_framework
 from kiln.compiler.select import candidates, fastest, time_candidates
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
+from kiln.frontend import is_torch_model, load_pt2, load_torch
 from kiln.ir.inputs import check_feeds, default_dims, read_inputs
-from kiln.ir.load import LoadedModel, load_any
+from kiln.ir.load import PT2_SUFFIX, LoadedModel, load_any
 from kiln.passes import PassSpec
 from kiln.passes.simplify import count_nodes
 
-ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
+# Any: a torch.nn.Module or torch.export.ExportedProgram (torch is not imported to name them)
+ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model | Any
 Progress = Callable[[str], None]
 AUTO_ROUNDS = 5
 
@@ -53,11 +56,19 @@ def compile(
     runs: int = 10,
     progress: Progress | None = None,
     force: bool = False,
+    example_inputs: Any = None,
+    dynamic_shapes: Any = None,
     **settings: Any,
 ) -> Artifact:
     """Compile a model into a verified artifact directory.
 
-    `model`: a path to an .onnx file, `zoo:NAME`, an onnx.ModelProto or an onnx_ir.Model.
+    `model`: a path to an .onnx file or to a .pt2 (torch.export.save), `zoo:NAME`, an
+    onnx.ModelProto, an onnx_ir.Model, or a torch.nn.Module traced on `example_inputs` (a
+    tuple of its positional arguments, one tensor, or a dict of keyword arguments) with
+    `dynamic_shapes` as torch.export takes them (`({0: "batch"},)` keeps dim 0 dynamic). A
+    PyTorch model is exported with torch.onnx (dynamo), and the artifact is verified against
+    PyTorch's own outputs on the example as well as against the exported graph
+    (`manifest.verification.torch`); its provenance names each node's module and source line.
     `output`: the artifact directory; None writes `NAME.kiln` into a new temporary directory
     (the returned `Artifact.path` says where). `config` holds every decision; the keyword
     arguments override its fields (`backend` is its `engine`; any other CompileConfig field,
@@ -71,7 +82,9 @@ def compile(
     if target != "cpu":
         raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
-    loaded = load_any(model)
+    if output is not None:
+        check_destination(Path(output), force)  # before an export that may take a while
+    loaded = load_source(model, example_inputs, dynamic_shapes)
     destination = _destination(loaded, output)
     check_destination(destination, force)
     try:
@@ -86,6 +99,24 @@ def compile(
         raise
 
 
+def load_source(
+    model: ModelLike, example_inputs: Any = None, dynamic_shapes: Any = None
+) -> LoadedModel:
+    """Any model `compile` takes, loaded and checked: a PyTorch module, program or .pt2 file
+    through `kiln.frontend` (exported to ONNX, with its example and PyTorch's outputs on it),
+    anything else through `kiln.ir`."""
+    if is_torch_model(model):
+        return load_torch(model, example_inputs, dynamic_shapes)
+    if example_inputs is not None or dynamic_shapes is not None:
+        raise KilnError(
+            "example_inputs and dynamic_shapes are for a PyTorch module; give an ONNX model's "
+            "reference inputs with inputs= (--inputs) and its dims with shapes= (--shape)."
+        )
+    if isinstance(model, str | os.PathLike) and str(model).endswith(PT2_SUFFIX):
+        return load_pt2(model)
+    return load_any(model)
+
+
 def build(
     loaded: LoadedModel,
     config: CompileConfig,
@@ -97,9 +128,12 @@ def build(
     progress: Progress | None = None,
 ) -> tuple[CompileResult, dict | None]:
     """Every candidate `config` stands for, built and verified; the fastest verified one (or
-    the only one) and the benchmark that chose it. Writes nothing."""
+    the only one) and the benchmark that chose it. A PyTorch source is verified on its example
+    inputs (unless others are given) and then against PyTorch's own outputs. Writes nothing."""
     say = progress or (lambda _msg: None)
     given, given_source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
+    if given is None and loaded.example is not None:
+        given, given_source = [loaded.example.feeds], EXAMPLE
     specs = pipeline if pipeline and isinstance(pipeline[0], PassSpec) else None
     rounds = (AUTO_ROUNDS if config.is_auto else 0) if rounds is None else rounds
     if config.is_auto and rounds <= 0:
@@ -119,9 +153,13 @@ def build(
     if not results:
         raise KilnError(f"{loaded.source}: no candidate could be built: {refused}.")
     if rounds <= 0 or not verified:
-        return (verified or results)[0], None
-    result, bench = fastest(verified, time_candidates(verified, rounds, runs, say))
-    bench["refused"] = refused
+        result, bench = (verified or results)[0], None
+    else:
+        result, bench = fastest(verified, time_candidates(verified, rounds, runs, say))
+        bench["refused"] = refused
+    if loaded.example is not None:
+        say(f"checking against {loaded.example.framework}'s own outputs")
+        check_against_framework(result)
     return result, bench
 
 

@@ -1,1 +1,2 @@
-"""Compression under the accuracy guard: quantization-aware training, structured pruning, distillation (PyTorch), each ending in a verified Kiln artifact."""
+"""Compression under the accuracy guard: quantization-aware training, structured pruning
+and distillation (PyTorch), each ending in a verified Kiln artifact."""

@@ -11,8 +11,10 @@ output; a QDQ Conv still computes its float output), so the comparison is of flo
 Each row is one original node's output, in the original's topological order, with the error of
 the second side against the first (max abs, max rel, worst per-sample cosine, as
 `kiln.verify` measures them) and, for each side, the node that computed it, the passes that
-made that node and the precision it runs in. The budget is Kiln's: fp32 against fp32 is held to
-the fp32 tolerance (max abs ≤ 1e-4 · the tensor's scale); anything lower to cosine ≥ 0.99.
+made that node and the precision it runs in; for a model PyTorch exported, also the module
+and the source line (`file:line`) the original node came from. The budget is Kiln's: fp32
+against fp32 is held to the fp32 tolerance (max abs ≤ 1e-4 · the tensor's scale); anything
+lower to cosine ≥ 0.99.
 
 The **first divergence** is the earliest row that breaks the budget while every compared tensor
 it is computed from still keeps it: the layer that broke, not one that inherited the damage.
@@ -36,6 +38,7 @@ import onnx_ir as ir
 
 from kiln.debug.sides import Side, load_side
 from kiln.errors import KilnError
+from kiln.ir.provenance import trace_of
 from kiln.verify import FP32_TOLERANCE, MIN_COSINE, _is_float, check_output, cosine
 
 Say = Callable[[str], None]
@@ -149,16 +152,34 @@ def compare(
     side_a = load_side(a, inputs=inputs, shapes=shapes, say=say)
     say(f"loading {b}")
     side_b = load_side(b, inputs=inputs, shapes=shapes, say=say)
+    return compare_sides(
+        side_a, side_b, inputs=inputs, shapes=shapes, metric=metric, max_drop=max_drop, say=say
+    )
+
+
+def compare_sides(
+    side_a: Side,
+    side_b: Side,
+    *,
+    inputs: str | None = None,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    feeds: Feeds | None = None,
+    metric: str = "auto",
+    max_drop: float | None = None,
+    say: Say = lambda _msg: None,
+) -> Comparison:
+    """`compare` of two sides already loaded (`kiln debug` keeps them); `feeds`, when given,
+    are the inputs instead of `inputs` or synthesized ones."""
     budget = layer_budget(side_a, side_b, metric, max_drop)
     original = _original(side_a, side_b)
     shapes = shapes or side_a.shapes or side_b.shapes  # an artifact's own, if none given
-    feeds, source = _feeds(original, (side_a, side_b), inputs, shapes)
+    feeds, source = _feeds(original, (side_a, side_b), inputs, shapes, feeds)
     pairs, shared = _pairs(original, side_a, side_b)
     notes = [*side_a.notes, *side_b.notes]
     if not shared:
         notes.append(
-            f"{a} and {b} share no intermediate tensors (no tensor name in common with the "
-            "original): only the outputs are compared"
+            f"{side_a.spec} and {side_b.spec} share no intermediate tensors (no tensor name in "
+            "common with the original): only the outputs are compared"
         )
     say(f"running {side_a.label}")
     ran_a = _run(side_a, [p[0] for p in pairs], feeds, source)
@@ -198,6 +219,7 @@ def _feeds(
     sides: tuple[Side, Side],
     inputs: str | None,
     shapes: dict[str, tuple[int, ...]] | None,
+    given: Feeds | None = None,
 ) -> tuple[Feeds, str]:
     """The user's inputs, or synthesized ones; checked against both sides before any run."""
     from kiln.ir.inputs import check_feeds, read_inputs, synthesize
@@ -208,7 +230,9 @@ def _feeds(
             f"{sides[0].spec} takes inputs {sorted(a)} and {sides[1].spec} {sorted(b)}: "
             "compare two versions of one model, which take the same inputs."
         )
-    if inputs is not None:
+    if given is not None:
+        feeds, source = given, "given"
+    elif inputs is not None:
         feeds, source = read_inputs(inputs, original), inputs
     else:
         feeds, source = synthesize(original, shapes=shapes), "synthesized"
@@ -343,6 +367,7 @@ def _rows(
 ) -> list[dict[str, Any]]:
     outputs = {v.name for v in original.graph.outputs}
     kinds = {n.name: n.op_type for n in original.graph}
+    traces = {n.name: trace_of(n) for n in original.graph}  # a PyTorch source's module, line
     rows = []
     for name_a, name_b, node in pairs:
         if name_a not in ran_a or name_b not in ran_b:
@@ -369,6 +394,8 @@ def _rows(
             "problem": check.problem,
             "a": _made_by(a, name_a),
             "b": _made_by(b, name_b),
+            "module": traces.get(node, {}).get("module", []),
+            "source": traces.get(node, {}).get("source", []),
         })  # fmt: skip
     return rows
 

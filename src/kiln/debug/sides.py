@@ -129,10 +129,11 @@ def split_spec(spec: str) -> tuple[str, str | None, str]:
 
 
 def _model_side(spec: str) -> Side:
+    from kiln.compiler.api import load_source
     from kiln.compiler.reference import REFERENCE_OPTIONS
-    from kiln.ir import load_model, stamp_origins
+    from kiln.ir import stamp_origins
 
-    model = load_model(spec).model
+    model = load_source(spec).model
     stamp_origins(model)  # unnamed nodes get names: rows and provenance need them
     return Side(spec, "model", model, "ort", REFERENCE_OPTIONS, DEFAULT_PRECISION, model)
 
@@ -164,15 +165,17 @@ def _artifact_side(spec: str) -> Side:
 
 def _artifact_original(spec: str, source: Any) -> tuple[ir.Model | None, str | None, list[str]]:
     """The model an artifact was compiled from, found again where the manifest says; None and
-    why when it is gone (moved, deleted, or an in-memory model that never had a file)."""
-    from kiln.ir import load_model, stamp_origins
+    why when it is gone (moved, deleted, or an in-memory model that never had a file). A
+    saved torch.export program (.pt2) is exported again, as it was when compiled."""
+    from kiln.compiler.api import load_source
+    from kiln.ir import stamp_origins
 
     where = str(source.path)
     if where.startswith("<"):
         return None, f"{spec} was compiled from an in-memory model, which has no file", []
     if not where.startswith("zoo:") and not Path(where).is_file():
         return None, f"{spec} was compiled from {where}, which is gone", []
-    loaded = load_model(where)
+    loaded = load_source(where)
     notes = []
     if loaded.fingerprint != source.fingerprint:
         notes.append(f"{where} has changed since {spec} was compiled from it")
@@ -191,7 +194,7 @@ def _built_side(
 ) -> Side:
     from kiln.artifact import provenance_map
     from kiln.compiler import CompileConfig, build
-    from kiln.ir import load_model
+    from kiln.compiler.api import load_source
 
     if Path(source).is_dir():
         raise KilnError(
@@ -199,7 +202,7 @@ def _built_side(
             f"artifact; compare the artifact itself: kiln compare ... {source}"
         )
     _check_target(spec, engine, precision)
-    loaded = load_model(source)
+    loaded = load_source(source)
     config = CompileConfig(engine=engine, precision=precision, inputs=inputs, shapes=shapes or {})
     say(f"compiling {source} for {engine}/{precision}")
     result, _ = build(loaded, config, progress=say)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -36,6 +37,17 @@ FOUR_BIT = {
 REEXPORT = "Re-export the model."
 STANDARD_OPS = "Re-export the model with standard ONNX operators."
 REDOWNLOAD = "Re-export or re-download it."
+PT2_SUFFIX = ".pt2"  # torch.export.save; kiln.compiler reads it through kiln.frontend
+
+
+@dataclass
+class Example:
+    """Inputs a model came with and the outputs its own framework computed on them (a PyTorch
+    module's, before export): what the artifact is checked against besides the exported graph."""
+
+    framework: str  # "torch"
+    feeds: dict[str, np.ndarray]  # by the model's input names
+    outputs: list[np.ndarray]  # in the order of the model's outputs
 
 
 @dataclass
@@ -46,6 +58,7 @@ class LoadedModel:
     source: str  # what the user typed: a path or zoo:NAME
     name: str  # a short name for the artifact and reports
     fingerprint: str  # sha256 of the serialized graph, weights included
+    example: Example | None = None  # a framework's own inputs and outputs (kiln.frontend)
 
 
 def resolve_source(source: str) -> tuple[onnx.ModelProto, str, Path | None]:
@@ -60,6 +73,11 @@ def resolve_source(source: str) -> tuple[onnx.ModelProto, str, Path | None]:
         raise KilnError(f"{source}: no such file. Give a path to an .onnx file or zoo:NAME.")
     if path.is_dir():
         raise KilnError(f"{source}: is a directory, not an ONNX model file. Give the .onnx file.")
+    if path.suffix == PT2_SUFFIX:
+        raise KilnError(
+            f"{source}: is a saved torch.export program, not an ONNX model. Compile it first "
+            f"(`kiln optimize {source}`), then use the artifact."
+        )
     try:
         with path.open("rb") as file:
             head = file.read(4096)
@@ -150,9 +168,14 @@ def _root_cause(exc: BaseException) -> str:
 IN_MEMORY = "<in-memory model>"
 
 
-def load_any(model: str | os.PathLike | onnx.ModelProto | ir.Model) -> LoadedModel:
+def load_any(
+    model: str | os.PathLike | onnx.ModelProto | ir.Model,
+    source: str = IN_MEMORY,
+    name: str | None = None,
+) -> LoadedModel:
     """`load_model` for a path or `zoo:NAME`; an in-memory onnx.ModelProto or onnx_ir.Model
-    gets the same checks and is copied, so the caller's object is never modified."""
+    gets the same checks and is copied, so the caller's object is never modified. `source` and
+    `name` say what an in-memory model is called in messages and in the artifact."""
     if isinstance(model, str | os.PathLike):
         return load_model(str(model))
     if isinstance(model, ir.Model):
@@ -165,11 +188,11 @@ def load_any(model: str | os.PathLike | onnx.ModelProto | ir.Model) -> LoadedMod
             "an onnx.ModelProto or an onnx_ir.Model."
         )
     if not proto.HasField("graph"):
-        raise KilnError(f"{IN_MEMORY}: the ModelProto has no graph.")
-    check_proto(proto, IN_MEMORY, None)
-    copy, print_ = _read_ir(IN_MEMORY, lambda: ir.serde.deserialize_model(proto))
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in proto.graph.name) or "model"
-    return LoadedModel(model=copy, source=IN_MEMORY, name=name, fingerprint=print_)
+        raise KilnError(f"{source}: the ModelProto has no graph.")
+    check_proto(proto, source, None)
+    copy, print_ = _read_ir(source, lambda: ir.serde.deserialize_model(proto))
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name or proto.graph.name)
+    return LoadedModel(model=copy, source=source, name=name or "model", fingerprint=print_)
 
 
 def _external_bytes(proto: onnx.ModelProto) -> int:

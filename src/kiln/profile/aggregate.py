@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from kiln.backends.base import KernelRecord
+from kiln.ir.provenance import all_nodes, trace_of
 from kiln.profile.mapping import (
     LAYOUT_OPS,
     NodeMatcher,
@@ -71,6 +72,7 @@ def per_node(
     position = _positions(records)
     keys = sorted(per_run, key=position.__getitem__)
     groups = [_graph_nodes(first[key], matcher) for key in keys]
+    traces = _traces(matcher, provenance)
     absorb_unnamed(groups, matcher.model)
     claim_unowned(groups, matcher.model, [first[k].op_type in LAYOUT_OPS for k in keys])
     nodes = []
@@ -96,6 +98,9 @@ def per_node(
             "graph_nodes": graph_nodes,
             "original": original,
             "passes": passes,
+            # a PyTorch source's modules and file:line behind the kernel
+            "module": sorted({m for n in graph_nodes for m in traces.get(n, {}).get("module", [])}),
+            "source": sorted({s for n in graph_nodes for s in traces.get(n, {}).get("source", [])}),
         }
         engine_bytes = getattr(record, "bytes", None)
         if engine_bytes is not None:  # at the element types the kernel ran with
@@ -108,6 +113,14 @@ def per_node(
         node["share"] = node["median_ms"] / total if total > 0 else 0.0
     nodes.sort(key=lambda n: n["median_ms"], reverse=True)
     return nodes
+
+
+def _traces(matcher: NodeMatcher, provenance: dict[str, dict] | None) -> dict[str, dict]:
+    """Graph node → its modules and source lines: an artifact's provenance, or an original's
+    own node metadata."""
+    if provenance is not None:
+        return provenance
+    return {node.name or "": trace_of(node) for node in all_nodes(matcher.model.graph)}
 
 
 def _positions(records: list[KernelRecord]) -> dict[str, int]:
@@ -164,6 +177,7 @@ def _attribute_unmapped(nodes: list[dict[str, Any]]) -> None:
         target = later[0] if later else mapped[-1]
         node["attributed_to"] = target["node"]
         node["original"], node["passes"] = list(target["original"]), list(target["passes"])
+        node["module"], node["source"] = list(target["module"]), list(target["source"])
 
 
 def per_op_type(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:

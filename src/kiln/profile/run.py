@@ -190,6 +190,8 @@ def _provenance_view(nodes: list[dict]) -> list[dict]:
             "compiled_nodes": n["graph_nodes"],
             "original": n["original"],
             "passes": n["passes"],
+            "module": n["module"],
+            "source": n["source"],
         }
         for n in nodes
     ]

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.home import atomic_write_text
+from kiln.report.terminal import module_and_source
 
 _CONFIG = {"displaylogo": False, "responsive": True}
 _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
@@ -86,17 +87,19 @@ def print_compare(result: dict[str, Any], console: Console) -> None:
     a, b = result["a"], result["b"]
     with_a = a["kind"] != "model"  # an original as-is: nothing to say about its nodes
     table = Table(title=f"kiln compare: {escape(a['spec'])} → {escape(b['spec'])}")
-    columns = ["#", "node (original)", "op", "max abs", "cosine"]
+    rows = shown_rows(result)
+    traced = any(row.get("module") or row.get("source") for row in rows)  # a PyTorch source
+    columns = ["#", "node (original)", "op"] + ["module · source"] * traced + ["max abs", "cosine"]
     columns += ["A: precision passes"] * with_a + ["B: precision passes", ""]
     for column in columns:
         table.add_column(column, overflow="fold")
     first = _first_index(result)
-    rows = shown_rows(result)
     for row in rows:
         mark = "FIRST" if row["index"] == first else "" if row["ok"] else "over"
         style = "bold red" if mark == "FIRST" else "red" if mark else None
-        cells = [str(row["index"]), escape(row["node"]), escape(row["op_type"]),
-                 _number(row["max_abs"]), _cosine(row["cosine"])]  # fmt: skip
+        cells = [str(row["index"]), escape(row["node"]), escape(row["op_type"])]
+        cells += [escape(module_and_source(row))] * traced
+        cells += [_number(row["max_abs"]), _cosine(row["cosine"])]
         cells += [escape(_side(row["a"]))] * with_a + [escape(_side(row["b"])), mark]
         table.add_row(*cells, style=style)
     console.print(table)
@@ -153,7 +156,8 @@ def compare_html(result: dict[str, Any]) -> str:
     rows = "".join(
         f'<tr class="{"first" if r["index"] == first else "" if r["ok"] else "over"}">'
         f"<td>{r['index']}</td><td>{html.escape(r['node'])}</td>"
-        f"<td>{html.escape(r['op_type'])}</td><td>{_number(r['max_abs'])}</td>"
+        f"<td>{html.escape(r['op_type'])}</td><td>{html.escape(module_and_source(r))}</td>"
+        f"<td>{_number(r['max_abs'])}</td>"
         f"<td>{_number(r['max_rel'])}</td><td>{_cosine(r['cosine'])}</td>"
         f"<td>{html.escape(_side(r['a']))}</td><td>{html.escape(_side(r['b']))}</td></tr>"
         for r in result["layers"]
@@ -175,7 +179,8 @@ inputs: {html.escape(result["inputs"])}; budget: {html.escape(result["budget"]["
 <p><b>{html.escape(headline(result))}</b></p>
 <ul>{notes}</ul>
 {figure}
-<table><tr><th>#</th><th>node (original)</th><th>op</th><th>max abs</th><th>max rel</th>
+<table><tr><th>#</th><th>node (original)</th><th>op</th><th>module · source</th><th>max abs</th>
+<th>max rel</th>
 <th>cosine</th><th>A: precision, passes</th><th>B: precision, passes</th></tr>{rows}</table>
 </body></html>"""
 

@@ -5,6 +5,7 @@ The data is what the verb prints with `--json`, so the table and the JSON never 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -48,17 +49,33 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
         )
     console.print(table)
     nodes = Table(title="slowest kernels")
-    for column in ("kernel", "op", "ms/run", "share", "original nodes"):
+    shown = result["nodes"][:TOP_NODES]
+    traced = any(node.get("module") or node.get("source") for node in shown)
+    columns = ("kernel", "op", "ms/run", "share", "original nodes") + ("module · source",) * traced
+    for column in columns:
         nodes.add_column(column, overflow="fold")
-    for node in result["nodes"][:TOP_NODES]:
-        nodes.add_row(
+    for node in shown:
+        cells = [
             escape(node["node"]),
             escape(node["op_type"]),
             f"{node['median_ms']:.3f}",
             f"{node['share']:.1%}",
             escape(", ".join(node["original"][:6]) + (" …" if len(node["original"]) > 6 else "")),
-        )
+        ]
+        nodes.add_row(*cells, *[escape(module_and_source(node))] * traced)
     console.print(nodes)
+
+
+def module_and_source(row: dict[str, Any], most: int = 3) -> str:
+    """`encoder.layer.0.attention.self · modeling_bert.py:338`: the PyTorch modules and source
+    lines behind a row (a file's name only; --json has the whole path)."""
+    lines = list(dict.fromkeys(Path(s).name for s in row.get("source") or []))
+    parts = [_first(row.get("module") or [], most), _first(lines, most)]
+    return " · ".join(part for part in parts if part)
+
+
+def _first(items: list[str], most: int) -> str:
+    return ", ".join(items[:most]) + (" …" if len(items) > most else "")
 
 
 def _profiled(node_time: dict) -> str:
