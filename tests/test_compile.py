@@ -60,9 +60,9 @@ def test_tiny_zoo_compiles_verified_traced_and_runs(name, tmp_path):
     ("name", "fused"),
     [
         # per layer: one attention; a residual+LayerNorm after attention and after the FFN
-        # (GPT-2 is pre-norm: only one of them fuses); one GELU after its bias
+        # (GPT-2 is pre-norm: the second is the next layer's ln_1 or ln_f); one GELU
         ("bert-tiny", {"Attention": 1, "SkipLayerNormalization": 2, "BiasGelu": 1}),
-        ("gpt2-tiny", {"Attention": 1, "SkipLayerNormalization": 1}),
+        ("gpt2-tiny", {"Attention": 1, "SkipLayerNormalization": 2, "FastGelu": 1}),
         ("vit-tiny", {"Attention": 1, "SkipLayerNormalization": 1, "BiasGelu": 1}),
     ],
 )

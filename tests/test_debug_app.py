@@ -76,7 +76,7 @@ def test_both_graphs_are_drawn_with_provenance(client, files):
 def test_a_fused_node_names_its_original_nodes_and_they_name_it(client):
     node = attention(client.get("/api/graphs").json())
     details = client.get("/api/node", params={"pane": "compiled", "name": node["id"]}).json()
-    assert details["origin"] == node["origin"] and "fuse-mha" in details["passes"]
+    assert details["origin"] == node["origin"] and "fuse-attention" in details["passes"]
     softmax = next(o for o in details["origin"] if o.endswith("Softmax"))
     back = client.get("/api/node", params={"pane": "original", "name": softmax}).json()
     assert node["id"] in [c["name"] for c in back["compiled"]]

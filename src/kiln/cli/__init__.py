@@ -15,6 +15,7 @@ import typer
 from kiln.cli import (
     bench,
     compare,
+    compress,
     debug,
     doctor,
     optimize,
@@ -66,6 +67,7 @@ app.command()(serve.serve)
 app.command()(profile.profile)
 app.command()(tune.tune)
 app.command()(compare.compare)
+app.command()(compress.compress)
 app.command()(debug.debug)
 app.add_typer(strategies.app, name="strategies")
 

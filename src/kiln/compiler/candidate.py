@@ -129,15 +129,16 @@ def compile_candidate(
     if quantized and not config.verify:
         raise KilnError(f"{precision} is only written verified: the accuracy guard measures it.")
     specs = pipeline if pipeline is not None else resolve_pipeline(config.pipeline, engine)
-    static = quantized and is_static(original, precision, engine)
-    if static:  # the quantizers know standard ops only; the engines fuse QDQ graphs themselves
-        specs = [s for s in specs if s.engines is None]
+    given_qdq = is_prequantized(original)  # QDQ from quantization-aware training: kept as is
+    static = quantized and (given_qdq or is_static(original, precision, engine))
+    if static or given_qdq:  # the quantizers know standard ops only; the engines fuse QDQ
+        specs = [s for s in specs if s.engines is None]  # graphs themselves
     reference = reference_executable(original) if config.verify else None
     fit = Guess(dict(config.shapes))
     if reference is not None and not given:
         fit = fit_inputs(reference, original, dict(config.shapes), say)
     calibration = Calibration()
-    if quantized:
+    if quantized and not given_qdq:
         first = given[0] if given else None
         calibration = calibration_for(
             original, static, config.calib, config.calib_method, first, given_source, fit,
@@ -156,7 +157,8 @@ def compile_candidate(
         nodes_before=nodes_before,
         feeds=target.feeds,
         reference=target.reference,
-        notes=unused_options(config, static) + _fit_notes(fit) + _calibration_notes(calibration),
+        notes=unused_options(config, static) + _fit_notes(fit) + _calibration_notes(calibration)
+        + built.notes,
     )
     if precision == "bf16" and result.ok:
         executable = built.executable or _compile(result)
@@ -167,9 +169,17 @@ def compile_candidate(
                 f"{loaded.source}: no bf16 artifact: {refusal}. Nothing was written; use "
                 "--precision fp32 or int8."
             )
-    if quantized and result.ok:
+    if quantized and given_qdq and result.ok:
+        result.plan = {"default": precision, "nodes": {}, "scheme": "QDQ given in the model"}
+    elif quantized and result.ok:
         _quantize(result, calibration, target, say)
     return result
+
+
+def is_prequantized(model: ir.Model) -> bool:
+    """The model already holds QuantizeLinear/DequantizeLinear pairs (quantization-aware
+    training): int8 keeps them rather than quantizing again."""
+    return any(node.op_type == "QuantizeLinear" for node in model.graph)
 
 
 def _fit_notes(fit: Guess) -> list[str]:

@@ -18,6 +18,7 @@ from kiln.backends import get_backend
 from kiln.compiler.reference import Feeds, copy_model
 from kiln.errors import KilnError
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
+from kiln.passes.unfused import unfused_notes
 from kiln.verify import Budget, Verification, compare
 
 Say = Callable[[str], None]
@@ -45,6 +46,7 @@ class Built:
     verification: Verification | None
     dropped: list[str]
     executable: Any = None  # the verified executable, when verification ran
+    notes: list[str] = field(default_factory=list)  # blocks the fusions left, and why
 
 
 def verify_on(model: ir.Model, target: Target) -> tuple[Verification, Any]:
@@ -106,6 +108,9 @@ def run_passes(original: ir.Model, pipeline: list[PassSpec], target: Target, say
             dropped.append(active[guilty].name)
             del active[guilty]
     built.dropped = dropped
+    if any(s.stage == "fuse" and s.engines is not None for s in active):
+        # Only where the engine-specific fusions ran is a leftover block news.
+        built.notes = unfused_notes(built.model)
     return built
 
 

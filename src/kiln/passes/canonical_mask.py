@@ -7,7 +7,9 @@ graph is hopeless, so Kiln *probes* it instead: the subgraph that computes the b
 mask input is extracted and run on random 0/1 masks of several shapes, and the rewrite happens
 only if every probe gives exactly 0 where the mask is 1 and one constant c where it is 0.
 A −inf c becomes float32's lowest value, and the NaN guard exporters put after Softmax for
-fully masked rows (no longer reachable with a finite c) is dropped.
+fully masked rows (no longer reachable with a finite c) is dropped. A decoder's bias, which
+also hides later positions (0 only where the mask is 1 and j ≤ i), becomes
+Where(mask & j ≤ i, 0, c), built so shape inference names its dims [batch, 1, seq, seq].
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ def _mask_inputs(model: ir.Model) -> list[ir.Value]:
     ]
 
 
-def _sources(value: ir.Value, masks: set[str]) -> tuple[set[str], set[str]] | None:
+def _sources(
+    value: ir.Value, masks: set[str], memo: dict[int, bool] | None = None
+) -> tuple[set[str], set[str]] | None:
     """(graph inputs read, values whose shape only is read) behind `value`; None if the
     subgraph reads data it cannot be probed without (anything but masks, shapes, constants).
     A Shape of something computed from the masks alone is followed, not cut: cutting there
-    would feed zeros where the probe needs the real values."""
+    would feed zeros where the probe needs the real values. `memo` remembers, per value, the
+    answer for Shape reads (without it, Shapes of Shapes make the walk exponential)."""
+    memo = {} if memo is None else memo
     inputs, shaped, seen, stack = set(), set(), set(), [value]
     while stack:
         current = stack.pop()
@@ -53,11 +59,9 @@ def _sources(value: ir.Value, masks: set[str]) -> tuple[set[str], set[str]] | No
             elif current.const_value is not None and current.const_value.size > 1 << 16:
                 return None
             continue
-        if node.op_type == "Shape":
-            inner = _sources(node.inputs[0], masks)
-            if inner is None or not inner[0] <= masks:
-                shaped.add(node.inputs[0].name)
-                continue
+        if node.op_type == "Shape" and not _masks_only(node.inputs[0], masks, memo):
+            shaped.add(node.inputs[0].name)
+            continue
         if node.domain not in ("", "ai.onnx") or any(
             a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
             for a in node.attributes.values()
@@ -67,10 +71,19 @@ def _sources(value: ir.Value, masks: set[str]) -> tuple[set[str], set[str]] | No
     return inputs, shaped
 
 
+def _masks_only(value: ir.Value, masks: set[str], memo: dict[int, bool]) -> bool:
+    """Whether `value` is computed from the masks and constants alone."""
+    if id(value) not in memo:
+        found = _sources(value, masks, memo)
+        memo[id(value)] = found is not None and found[0] <= masks
+    return memo[id(value)]
+
+
 def _probe_fill(
     proto: onnx.ModelProto, bias: str, mask: ir.Value, shaped: dict[str, ir.Value]
-) -> float | None:
-    """c if the bias equals where(mask, 0, c) at every probe shape, else None."""
+) -> tuple[float, bool] | None:
+    """(c, causal) if the bias equals where(mask, 0, c) at every probe shape, or, causal,
+    where(mask & j ≤ i, 0, c) (a decoder's padding and causal masks in one); else None."""
     from kiln.backends import get_backend
     from kiln.backends.ort import OrtOptions
 
@@ -79,8 +92,18 @@ def _probe_fill(
         exe = get_backend("ort").compile(ir.serde.deserialize_model(sub), OrtOptions("basic"))
     except Exception:  # noqa: BLE001 - an unextractable subgraph is simply not probed
         return None
+    outputs = _run_probes(exe, mask, shaped)
+    for causal in (False, True):
+        fill = _fill(outputs, causal)
+        if fill is not None:
+            return fill, causal
+    return None
+
+
+def _run_probes(exe, mask: ir.Value, shaped: dict[str, ir.Value]) -> list | None:
+    """[(keep, bias)] at every probe shape; None when a probe cannot run."""
     rng = np.random.default_rng(0)
-    fills: set[float] = set()
+    outputs = []
     batch_dim, seq_dim = (str(d) for d in mask.shape)
     for batch, seq in PROBES:
         dims = {batch_dim: batch, seq_dim: seq}
@@ -98,22 +121,36 @@ def _probe_fill(
             return None
         if got.ndim != 4 or got.shape[-1] != seq:
             return None
-        kept, masked = np.broadcast_arrays(got, keep[:, None, None, :].astype(bool))
-        if not np.all(kept[masked] == 0) or kept[~masked].size == 0:
+        outputs.append((keep, got))
+    return outputs
+
+
+def _fill(outputs: list | None, causal: bool) -> float | None:
+    """The one fill c of every probe's bias when it is where(keep, 0, c), else None."""
+    fills: set[float] = set()
+    for keep, got in outputs or []:
+        kept = keep[:, None, None, :].astype(bool)
+        if causal:
+            seq = keep.shape[1]
+            kept = kept & np.tril(np.ones((seq, seq), bool))
+        bias, kept = np.broadcast_arrays(got, kept)
+        if not np.all(bias[kept] == 0) or bias[~kept].size == 0:
             return None
-        fills.update(np.unique(kept[~masked]).tolist())
+        fills.update(np.unique(bias[~kept]).tolist())
     if len(fills) != 1:
         return None
     fill = fills.pop()
     return fill if fill <= -1e4 else None
 
 
-def _canonical(model: ir.Model, mask: ir.Value, fill: float) -> ir.Value:
+def _canonical(model: ir.Model, mask: ir.Value, fill: float, causal: bool) -> ir.Value:
     def const(name: str, array: np.ndarray) -> ir.Value:
         value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
         model.graph.register_initializer(value)
         return value
 
+    if causal:
+        return _canonical_causal(model, mask, fill, const)
     prefix = f"kiln.canonical_mask.{mask.name}"
     axes = const(f"{prefix}.axes", np.array([1, 2], np.int64))
     one = const(f"{prefix}.one", np.array(1.0, np.float32))
@@ -130,6 +167,35 @@ def _canonical(model: ir.Model, mask: ir.Value, fill: float) -> ir.Value:
     # First in the graph: they read only a graph input, and shape inference walks in order.
     model.graph.insert_before(next(iter(model.graph)), nodes)
     return nodes[-1].outputs[0]
+
+
+def _canonical_causal(model: ir.Model, mask: ir.Value, fill: float, const) -> ir.Value:
+    """Where(mask & (j ≤ i), 0, c) over [batch, 1, seq, seq], built so that shape
+    inference names every dim (the attention fusion probes it; no rule matches its form)."""
+    prefix = f"kiln.canonical_causal.{mask.name}"
+    nodes: list[ir.Node] = []
+
+    def add(op: str, inputs: list, name: str, **attributes) -> ir.Value:
+        nodes.append(ir.node(op, inputs, attributes, name=f"{prefix}.{name}"))
+        nodes[-1].outputs[0].name = nodes[-1].name
+        return nodes[-1].outputs[0]
+
+    seq = add("Shape", [mask], "seq", start=1, end=2)
+    seq = add("Squeeze", [seq, const(f"{prefix}.axis0", np.array([0]))], "seq_scalar")
+    start = const(f"{prefix}.zero", np.array(0, np.int64))
+    step = const(f"{prefix}.step", np.array(1, np.int64))
+    positions = add("Range", [start, seq, step], "positions")
+    keys = add("Unsqueeze", [positions, const(f"{prefix}.axes_row", np.array([0]))], "keys")
+    queries = add("Unsqueeze", [positions, const(f"{prefix}.axes_col", np.array([1]))], "queries")
+    causal = add("LessOrEqual", [keys, queries], "causal")
+    padding = add("Unsqueeze", [mask, const(f"{prefix}.axes", np.array([1, 2]))], "padding")
+    padding = add("Cast", [padding], "padding_bool", to=ir.DataType.BOOL)
+    keep = add("And", [causal, padding], "keep")
+    zero = const(f"{prefix}.zero_bias", np.array(0.0, np.float32))
+    fill_value = const(f"{prefix}.fill", np.array(max(fill, LOWEST), np.float32))
+    bias = add("Where", [keep, zero, fill_value], "bias")
+    model.graph.insert_before(next(iter(model.graph)), nodes)
+    return bias
 
 
 def _drop_nan_guard(softmax: ir.Node) -> None:
@@ -152,18 +218,19 @@ class CanonicalMaskPass(KilnPass):
 
     name = "canonical-mask"
     stage = "simplify"
-    summary = "Probe exported attention-mask subgraphs; rewrite them to (1 − mask)·c."
+    summary = "Probe exported attention-mask subgraphs; rewrite to (1 − mask)·c, causal ones too."
 
     def apply(self, model: ir.Model) -> int:
         common.ShapeInferencePass()(model)  # both passes decide from shapes
         masks = {v.name: v for v in _mask_inputs(model)}
+        memo: dict[int, bool] = {}  # shared by every walk below: one model, one answer
         sites: dict[str, list[tuple[ir.Node, ir.Node, int, set[str]]]] = {}
         for softmax in [n for n in model.graph if n.op_type == "Softmax"]:
             add = softmax.inputs[0].producer()
             if add is None or add.op_type != "Add":
                 continue
             for index, operand in enumerate(add.inputs):
-                found = _sources(operand, set(masks)) if operand is not None else None
+                found = _sources(operand, set(masks), memo) if operand is not None else None
                 if found and len(found[0]) == 1 and next(iter(found[0])) in masks:
                     sites.setdefault(operand.name, []).append((softmax, add, index, found[1]))
         if not sites:
@@ -174,15 +241,15 @@ class CanonicalMaskPass(KilnPass):
         }
         count, canonical = 0, {}
         for bias, uses in sites.items():
-            mask_name = next(iter(_sources(values[bias], set(masks))[0]))
+            mask_name = next(iter(_sources(values[bias], set(masks), memo)[0]))
             shaped = {name: values[name] for name in uses[0][3]}
-            fill = _probe_fill(proto, bias, masks[mask_name], shaped)
-            if fill is None:
+            probed = _probe_fill(proto, bias, masks[mask_name], shaped)
+            if probed is None:
                 continue
-            if mask_name not in canonical:
-                canonical[mask_name] = _canonical(model, masks[mask_name], fill)
+            if (mask_name, probed) not in canonical:
+                canonical[mask_name, probed] = _canonical(model, masks[mask_name], *probed)
             for softmax, add, index, _ in uses:
-                add.replace_input_with(index, canonical[mask_name])
+                add.replace_input_with(index, canonical[mask_name, probed])
                 _drop_nan_guard(softmax)
                 count += 1
         return count

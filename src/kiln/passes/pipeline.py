@@ -75,6 +75,8 @@ def default_pipeline(engine: str = "ort") -> list[PassSpec]:
     specs = [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(CanonicalMaskPass)]
     specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(ShapeReadsPass)]
     specs += [_spec(SimplifyPass), _spec(RefineShapesPass), _spec(NoopReshapesPass)]
+    # Dims named only in the last round (a canonical causal mask) free the last shape reads.
+    specs.append(_spec(ShapeReadsPass))
     specs.append(_spec(PruneRowsPass))
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
     specs.append(_spec(CleanupPass))

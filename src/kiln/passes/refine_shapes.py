@@ -47,7 +47,50 @@ def _dims(value: ir.Value | None) -> list[Dim] | None:
             return None
     if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Reshape", "Identity"):
         return _dims(node.inputs[0])
+    if node.op_type == "Where":
+        return _ones_for_minus_one(node)
     return None
+
+
+def _ones_for_minus_one(node: ir.Node) -> list[Dim] | None:
+    """Where(Equal(t, -1), 1, t): TorchScript's way to turn a view's -1 into Expand's 1."""
+    condition, ones, dims = node.inputs[0].producer(), node.inputs[1], _dims(node.inputs[2])
+    if condition is None or condition.op_type != "Equal" or dims is None:
+        return None
+    if condition.inputs[0] is not node.inputs[2] or _filled(condition.inputs[1]) != -1:
+        return None
+    if _filled(ones) != 1:
+        return None
+    return [1 if d == -1 else d for d in dims]
+
+
+def _filled(value: ir.Value | None) -> int | None:
+    """The one number every element of `value` holds, through ConstantOfShape and Mul."""
+    array = get_numpy_value(value) if value is not None else None
+    if array is not None:
+        return int(array.reshape(-1)[0]) if array.size and np.all(array == array.flat[0]) else None
+    node = value.producer() if value is not None else None
+    if node is not None and node.op_type == "ConstantOfShape":
+        attribute = node.attributes.get("value")
+        return int(attribute.value.numpy().reshape(-1)[0]) if attribute is not None else 0
+    if node is not None and node.op_type == "Mul":
+        factors = [_filled(v) for v in node.inputs]
+        return None if None in factors else factors[0] * factors[1]
+    return None
+
+
+def _expanded(node: ir.Node) -> ir.Shape | None:
+    """Expand's output: the input broadcast against the target dims, right-aligned."""
+    data, dims = node.inputs[0], _dims(node.inputs[1])
+    if data is None or data.shape is None or dims is None:
+        return None
+    source = list(data.shape)
+    rank = max(len(source), len(dims))
+    source = [1] * (rank - len(source)) + source
+    dims = [1] * (rank - len(dims)) + dims
+    if any(isinstance(d, int) and d < 1 for d in dims):
+        return None
+    return ir.Shape([s if t == 1 else t for s, t in zip(source, dims, strict=True)])
 
 
 def _dim_of(value: ir.Value | None) -> Dim | None:
@@ -72,19 +115,57 @@ def _reshape_target(node: ir.Node) -> ir.Shape | None:
     if any(isinstance(d, int) and d == 0 for d in dims) or dims.count(-1) > 1:
         return None
     if -1 in dims:
-        symbolic_in = sorted(str(d) for d in data.shape if not isinstance(d, int))
-        symbolic_out = sorted(str(d) for d in dims if not isinstance(d, int))
-        if symbolic_in != symbolic_out:
+        solved = _solve(list(data.shape), dims)
+        if solved is None:
             return None
-        size_in = int(np.prod([d for d in data.shape if isinstance(d, int)]))
-        size_out = -int(np.prod([d for d in dims if isinstance(d, int)]))
-        if size_out <= 0 or size_in % size_out:
-            return None
-        dims[dims.index(-1)] = size_in // size_out
+        dims[dims.index(-1)] = solved
     return ir.Shape(dims)
 
 
+def _solve(source: list[Dim], dims: list[Dim]) -> Dim | None:
+    """The dim a Reshape's one -1 stands for: a whole number when both sides hold the same
+    named dims, or the one named dim of `source` that `dims` lacks when the numbers match
+    (`Reshape(ids[batch, seq], [-1, seq])` keeps `batch`)."""
+    symbolic_in = [str(d) for d in source if not isinstance(d, int)]
+    symbolic_out = [str(d) for d in dims if not isinstance(d, int)]
+    size_in = int(np.prod([d for d in source if isinstance(d, int)]))
+    size_out = -int(np.prod([d for d in dims if isinstance(d, int)]))
+    if size_out <= 0:
+        return None
+    if sorted(symbolic_in) == sorted(symbolic_out):
+        return size_in // size_out if size_in % size_out == 0 else None
+    missing = list(symbolic_in)
+    for name in symbolic_out:
+        if name not in missing:
+            return None
+        missing.remove(name)
+    if len(missing) != 1 or size_in != size_out:
+        return None
+    return next(d for d in source if str(d) == missing[0])
+
+
+# ONNX Runtime's fused ops whose outputs (these indices) have their first input's shape;
+# ONNX inference does not know them, and every dim after a fused block would be lost.
+_SAME_SHAPE_OUTPUTS = {"FastGelu": (0,), "Gelu": (0,), "BiasGelu": (0,),
+                       "SkipLayerNormalization": (0, 3), "Attention": (0,)}  # fmt: skip
+
+
+def _fused_shape(node: ir.Node) -> ir.Shape | None:
+    data = node.inputs[0] if node.inputs else None
+    if node.op_type not in _SAME_SHAPE_OUTPUTS or data is None or data.shape is None:
+        return None
+    if node.op_type == "Attention":  # self-attention keeps the width when Q|K|V are square
+        weight = get_numpy_value(node.inputs[1])
+        if weight is None or weight.shape != (data.shape[-1], 3 * data.shape[-1]):
+            return None
+    return data.shape
+
+
 def _known_shape(node: ir.Node) -> ir.Shape | None:
+    if node.domain == "com.microsoft":
+        return _fused_shape(node)
+    if node.op_type == "Expand" and len(node.inputs) == 2:
+        return _expanded(node)
     if node.op_type == "Reshape" and len(node.inputs) == 2:
         return _reshape_target(node)
     if node.op_type == "Range" and _is(node.inputs[0], 0) and _is(node.inputs[2], 1):
@@ -133,7 +214,11 @@ class RefineShapesPass(KilnPass):
                         if id(value) not in outputs:
                             value.shape = None
                 if id(node) in known:
-                    node.outputs[0].shape = known[id(node)]
+                    for index in _SAME_SHAPE_OUTPUTS.get(node.op_type, (0,)):
+                        if index < len(node.outputs) and node.outputs[index] is not None:
+                            node.outputs[index].shape = known[id(node)]
+                            if node.outputs[index].dtype is None:  # fused ops: same type
+                                node.outputs[index].dtype = node.inputs[0].dtype
             common.ShapeInferencePass()(model)
         return sum(before.get(value) != shape for value, shape in _shapes(model).items())
 

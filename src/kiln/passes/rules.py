@@ -28,8 +28,16 @@ from onnxscript.rewriter.ort_fusions import (
 from kiln.ir import onnxscript_internals as internals
 from kiln.passes import kiln_rules
 from kiln.passes.base import KilnPass
+from kiln.passes.gemm_as_matmul import gemm_as_matmul_rules
+from kiln.passes.probed_attention import probed_attention_rules
+from kiln.passes.refine_shapes import RefineShapesPass
+from kiln.passes.shape_reads import ShapeReadsPass
+from kiln.passes.tanh_gelu import tanh_gelu_rules
 
 RuleSource = Callable[[], list[pattern.RewriteRule]]
+# A fused block states shapes its exported form lost, which can free the next block (the
+# next layer): rules that need shapes run again while they rewrite, up to this many times.
+MAX_ROUNDS = 64
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ def _rules(*sets: pattern.RewriteRuleSet | list) -> RuleSource:
     return collect
 
 
-FUSIONS: list[FusionSpec] = [
+_EARLY: list[FusionSpec] = [
     FusionSpec(
         "fold-batchnorm",
         "BatchNormalization after Conv/ConvTranspose/Gemm folded into its weights; "
@@ -67,6 +75,14 @@ FUSIONS: list[FusionSpec] = [
         _rules(kiln_rules.conv_activation_rules),
     ),
     FusionSpec(
+        "gemm-as-matmul",
+        "A Linear exported as Reshape → Gemm → Reshape becomes MatMul + Add on the 3-D "
+        "activations (Kiln rule).",
+        _rules(gemm_as_matmul_rules),
+        infer_shapes=True,
+        portable=True,
+    ),
+    FusionSpec(
         "fuse-layernorm",
         "A LayerNorm written out (ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add) becomes one "
         "LayerNormalization.",
@@ -77,7 +93,7 @@ FUSIONS: list[FusionSpec] = [
     FusionSpec(
         "fuse-gelu",
         "Erf and tanh GELU formulas become one com.microsoft Gelu/FastGelu node.",
-        _rules(erfgelu.rules, gelu.gelu_rules),
+        _rules(erfgelu.rules, gelu.gelu_rules, tanh_gelu_rules),
     ),
     FusionSpec(
         "fuse-skip-layernorm",
@@ -92,6 +108,21 @@ FUSIONS: list[FusionSpec] = [
         _rules(kiln_rules.causal_attention_rules),
         infer_shapes=True,
     ),
+    FusionSpec(
+        "fuse-attention",
+        "Any self-attention block (Softmax(Q·Kᵀ·scale + mask)·V over projections of one input) "
+        "becomes com.microsoft Attention, once running the block beside it agrees, causal or "
+        "not (Kiln rule).",
+        _rules(probed_attention_rules),
+        infer_shapes=True,
+    ),
+]
+
+FUSIONS: list[FusionSpec] = [
+    *_EARLY,
+    # Fused attention states its output shape, where the exported merge of heads lost it:
+    # the Linear after it and the residual LayerNorm can now be fused too.
+    *(spec for spec in _EARLY if spec.name in ("gemm-as-matmul", "fuse-skip-layernorm")),
     FusionSpec(
         "fuse-sdpa",
         "Scaled dot-product attention (Q·Kᵀ, scale, mask, softmax, ·V) is recognised as one "
@@ -176,10 +207,18 @@ class FusionPass(KilnPass):
         rules = self.spec.rules()
         if not rules:
             return 0
-        if self.spec.infer_shapes:
-            common.ShapeInferencePass()(model)
-        count = pattern.RewriteRuleSet(rules).apply_to_model(model)
-        # Dead leftovers (e.g. a Shape feeding a replaced Expand) would block later rules,
-        # which refuse to replace nodes whose values have other users.
-        common.RemoveUnusedNodesPass()(model)
-        return count
+        total = 0
+        for _ in range(MAX_ROUNDS if self.spec.infer_shapes else 1):
+            if self.spec.infer_shapes:
+                # Re-inferred with the dims RefineShapes names (plain inference would forget
+                # them); a dim named only now frees the shape reads that block a replacement.
+                RefineShapesPass().apply(model)
+                ShapeReadsPass().apply(model)
+            count = pattern.RewriteRuleSet(rules).apply_to_model(model)
+            # Dead leftovers (e.g. a Shape feeding a replaced Expand) would block later rules,
+            # which refuse to replace nodes whose values have other users.
+            common.RemoveUnusedNodesPass()(model)
+            total += count
+            if not count:
+                break
+        return total

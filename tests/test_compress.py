@@ -1,0 +1,155 @@
+"""kiln.compress: every method ends in a verified artifact whose costs moved the right way;
+bad input is one clear line with nothing written. Tiny models and few images: these check
+behaviour, benchmarks/compress.py measures the real figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kiln.artifact import read_artifact  # noqa: E402
+from kiln.compress import compress  # noqa: E402
+from kiln.compress.data import Dataset, Split, digits  # noqa: E402
+from kiln.compress.models import DigitsCNN, PatchTransformer  # noqa: E402
+from kiln.compress.train import Recipe  # noqa: E402
+from kiln.errors import KilnError  # noqa: E402
+
+QUICK = {"recipe": Recipe(epochs=1), "rounds": 1, "runs": 1}
+TINY_MODELS = textwrap.dedent(
+    """
+    from kiln.compress.data import digits as full
+    from kiln.compress.models import DigitsCNN, PatchTransformer
+
+    def cnn():
+        return DigitsCNN((4, 8, 8), convs=1)
+
+    def data():
+        return full().subset(128, 64, 64)
+
+    def small_images():
+        d = data()
+        shrink = lambda s: type(s)(s.x[:, :, ::4, ::4].contiguous(), s.y)
+        return type(d)(d.name, shrink(d.train), shrink(d.val), shrink(d.test), d.classes)
+
+    def transformer():
+        return PatchTransformer(dim=16, depth=1, heads=2)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def data() -> Dataset:
+    return digits().subset(128, 64, 64)
+
+
+def tiny_cnn() -> DigitsCNN:
+    return DigitsCNN((4, 8, 8), convs=1)
+
+
+@pytest.mark.slow  # ≈ 80 s on a loaded 2-core host: six trainings and compiles
+def test_every_method_yields_a_verified_artifact_with_the_right_costs(tmp_path, data):
+    result = compress(tiny_cnn, data, method="all", amount=0.5, max_drop=0.99,
+                      workdir=tmp_path, **QUICK)  # fmt: skip
+    rows = {r.method: r for r in result.rows}
+    assert set(rows) == {"fp32", "int8-ptq", "qat", "prune", "distill", "combined"}
+    for row in rows.values():
+        manifest = read_artifact(row.artifact).manifest
+        assert manifest.verification.ok, row.method
+        assert manifest.precision["default"] == row.precision
+        assert 0.0 <= row.accuracy <= 1.0 and row.p50_ms > 0
+    base = rows["fp32"]
+    for smaller in ("prune", "distill", "combined"):
+        assert rows[smaller].params < base.params and rows[smaller].flops < base.flops, smaller
+    qat_plan = read_artifact(rows["qat"].artifact).manifest.precision
+    assert qat_plan["scheme"] == "QDQ given in the model"  # kept, not quantized again
+    assert rows["prune"].detail["amount"] == 0.5
+
+
+@pytest.mark.slow
+def test_pruning_a_transformer_removes_heads_and_neurons(tmp_path, data):
+    def make():
+        return PatchTransformer(dim=16, depth=1, heads=2)
+
+    result = compress(make, data, method="prune", amount=0.5, max_drop=0.99, workdir=tmp_path,
+                      **QUICK)  # fmt: skip
+    base, pruned = result.row("fp32"), result.row("prune")
+    assert pruned.params < base.params and pruned.flops < base.flops
+    assert read_artifact(pruned.artifact).manifest.verification.ok
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent control flow: torch.export refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32 * 32, 10)
+
+    def forward(self, x):
+        flat = x.flatten(1)
+        if flat.sum() > 0:
+            return self.linear(flat)
+        return -self.linear(flat)
+
+
+def test_a_module_that_does_not_export_is_named_before_training(tmp_path, data):
+    out = tmp_path / "out.kiln"
+    with pytest.raises(KilnError, match=r"Branchy: .*data-dependent") as error:
+        compress(Branchy(), data, out, method="distill", **QUICK)
+    assert "\n" not in str(error.value)
+    assert not out.exists()
+
+
+def test_data_of_the_wrong_shape_names_expected_and_got(tmp_path, data):
+    def shrink(s: Split) -> Split:
+        return Split(s.x[:, :, ::4, ::4].contiguous(), s.y)
+
+    small = Dataset("small", shrink(data.train), shrink(data.val), shrink(data.test), 10)
+    out = tmp_path / "out.kiln"
+    with pytest.raises(KilnError, match=r"\(N, 1, 8, 8\).*expects \(N, 1, 32, 32\)"):
+        compress(PatchTransformer(dim=16, depth=1, heads=2), small, out, **QUICK)
+    bad_labels = Dataset("labels", Split(data.train.x, data.train.y.float()), data.val,
+                         data.test, 10)  # fmt: skip
+    with pytest.raises(KilnError, match=r"expected labels of shape \(N,\) int64.*got"):
+        compress(tiny_cnn(), bad_labels, out, **QUICK)
+    assert not out.exists()
+
+
+def test_a_budget_no_pruning_level_meets_is_refused(tmp_path, data, monkeypatch):
+    import kiln.compress.api as api
+
+    scores = iter([1.0])  # the fp32 model is perfect; every pruned level then loses 50 pt
+    monkeypatch.setattr(api, "accuracy", lambda _model, _split: next(scores, 0.5))
+    out = tmp_path / "out.kiln"
+    with pytest.raises(KilnError, match="no pruning level meets --max-drop 0.01") as error:
+        compress(tiny_cnn, data, out, method="prune", train=False, **QUICK)
+    assert str(error.value).count("loses 50.0 pt") == len(api.LEVELS)
+    assert not out.exists()
+
+
+def kiln(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_cli_json_and_bad_data(tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY_MODELS)
+    args = ["--method", "distill", "--epochs", "1", "--max-drop", "0.99", "-o", "out.kiln"]
+    done = kiln("compress", "tiny:cnn", "--data", "tiny:data", *args, "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result["methods"]) == {"fp32", "distill"}
+    assert result["chosen"] == "distill" and read_artifact(tmp_path / "out.kiln").manifest
+    for row in result["methods"].values():
+        assert {"accuracy", "p50_ms", "params", "flops", "artifact"} <= set(row)
+    bad = kiln("compress", "tiny:transformer", "--data", "tiny:small_images", "-o", "bad.kiln",
+               cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "(N, 1, 8, 8)" in bad.stderr
+    assert not (tmp_path / "bad.kiln").exists()
