@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, check_output, console, emit_json, err, progress
+from kiln.cli.console import (
+    InputsOpt,
+    JsonOpt,
+    ShapeOpt,
+    check_output,
+    console,
+    emit_json,
+    err,
+    progress,
+)
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
@@ -23,14 +32,8 @@ SIDE_HELP = (
 def compare(
     a: Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")],
     b: Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")],
-    inputs: Annotated[
-        Path | None,
-        typer.Option("--inputs", help=".npz with one array per input (default: synthesized)."),
-    ] = None,
-    shape: Annotated[
-        list[str],
-        typer.Option("--shape", help="INPUT=D0xD1x... or DIM=N for synthesized inputs."),
-    ] = [],  # noqa: B006
+    inputs: InputsOpt = None,
+    shape: ShapeOpt = [],  # noqa: B006
     metric: Annotated[
         str,
         typer.Option(

@@ -91,3 +91,14 @@ def speed_advice(verdict: str | None, what: str, baseline: str, source: str, aut
         f"{found}. For every engine and precision within the accuracy budget, try: "
         f"kiln optimize {shlex.quote(source)} {AUTO_FLAGS}"
     )
+
+
+# Options shared by the verbs that run two sides of one model (compare, debug).
+InputsOpt = Annotated[
+    Path | None,
+    typer.Option("--inputs", help=".npz with one array per input (default: synthesized)."),
+]
+ShapeOpt = Annotated[
+    list[str],
+    typer.Option("--shape", help="INPUT=D0xD1x... or DIM=N for synthesized inputs."),
+]

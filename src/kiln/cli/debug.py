@@ -7,12 +7,11 @@ import contextlib
 import json
 import sys
 import threading
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, err, progress
+from kiln.cli.console import InputsOpt, JsonOpt, ShapeOpt, err, progress
 
 SIDE_HELP = "an .onnx file, zoo:NAME, a NAME.kiln artifact, or MODEL@ENGINE:PRECISION"
 
@@ -26,14 +25,8 @@ def debug(
             help=f"Measure errors against this side ({SIDE_HELP}); default: the original.",
         ),
     ] = None,
-    inputs: Annotated[
-        Path | None,
-        typer.Option("--inputs", help=".npz with one array per input (default: synthesized)."),
-    ] = None,
-    shape: Annotated[
-        list[str],
-        typer.Option("--shape", help="INPUT=D0xD1x... or DIM=N for synthesized inputs."),
-    ] = [],  # noqa: B006
+    inputs: InputsOpt = None,
+    shape: ShapeOpt = [],  # noqa: B006
     port: Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")] = 8888,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
         "127.0.0.1"
