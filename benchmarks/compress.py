@@ -3,7 +3,7 @@ offline data (scikit-learn's digits, upscaled to 32×32), for the digits CNN and
 transformer. Every method ends in a compiled, verified Kiln artifact.
 
     python benchmarks/compress.py --json results/compress.json [--models cnn,transformer]
-        [--cnn-epochs 6] [--transformer-epochs 15] [--rounds 7]
+        [--cnn-epochs 6] [--transformer-epochs 20] [--rounds 7]
 
 Per model and method: `accuracy` (test split, by the artifact), `p50_ms` (batch 64, every
 artifact of a model timed interleaved in the same rounds), `params`, `flops` (kiln.cost, on the
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("results/compress.json"))
     parser.add_argument("--models", default="cnn,transformer")
     parser.add_argument("--cnn-epochs", type=int, default=6)
-    parser.add_argument("--transformer-epochs", type=int, default=15)
+    parser.add_argument("--transformer-epochs", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     warnings.simplefilter("ignore")

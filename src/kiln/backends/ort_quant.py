@@ -66,7 +66,10 @@ def _excluded(exclude: Sequence[str]) -> list[str]:
 
 
 def quantize_dynamic_int8(
-    model: ir.Model, exclude: Sequence[str] = (), per_channel: bool = True
+    model: ir.Model,
+    exclude: Sequence[str] = (),
+    per_channel: bool = True,
+    reduce_range: bool = False,
 ) -> ir.Model:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -76,6 +79,7 @@ def quantize_dynamic_int8(
             target,
             op_types_to_quantize=QUANTIZED_OPS,
             per_channel=per_channel,
+            reduce_range=reduce_range,
             weight_type=QuantType.QInt8,
             nodes_to_exclude=_excluded(exclude),
             use_external_data_format=True,
@@ -92,9 +96,11 @@ def quantize_static_int8(
     exclude: Sequence[str] = (),
     method: str = "minmax",
     per_channel: bool = True,
+    reduce_range: bool = False,
 ) -> ir.Model:
-    """Static int8 in QDQ form: per-channel int8 weights, uint8 activations with ranges
-    calibrated on `calibration` by `method` (minmax, entropy or percentile)."""
+    """Static int8 in QDQ form: per-channel int8 weights (7-bit with `reduce_range`), uint8
+    activations with ranges calibrated on `calibration` by `method` (minmax, entropy or
+    percentile)."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -124,6 +130,7 @@ def quantize_static_int8(
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=STATIC_OPS,
             per_channel=per_channel,
+            reduce_range=reduce_range,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
             calibrate_method={

@@ -34,6 +34,9 @@ METHODS = ("qat", "prune", "distill", "all")
 METRICS = ("accuracy",)
 LEVELS = (0.75, 0.5, 0.25)  # pruning levels tried, most aggressive first, when none is given
 FINE_TUNE = 0.5  # pruned models are fine-tuned for this fraction of the training recipe
+# A student starts from scratch, so it trains for longer than the teacher did (it is several
+# times cheaper per epoch); at 1× the digits CNN's student reached 86.7 %, at 5× 99.4 %.
+DISTILL_EPOCHS = 4.0
 Say = Callable[[str], None]
 
 
@@ -190,7 +193,8 @@ def _compress(
             rows.append(_row(run, "prune", pruned, "fp32", detail))
         elif step == "distill":
             small = _student(module, student)
-            distill(module, small, data, run.recipe, run.tick("distilling"), run.deadline)
+            longer = run.recipe.scaled(DISTILL_EPOCHS)
+            distill(module, small, data, longer, run.tick("distilling"), run.deadline)
             rows.append(_row(run, "distill", small, "fp32"))
         else:
             rows.append(_row(run, "combined", _combined(module, run, amount, importance), "int8"))

@@ -28,6 +28,10 @@ INTERESTING_FLAGS = [
 ]
 
 
+# Dot-product instructions that accumulate uint8 × int8 in int32 without int16 saturation.
+WIDE_INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
 @dataclass(frozen=True)
 class CpuInfo:
     model: str
@@ -41,6 +45,13 @@ class CpuInfo:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @property
+    def int8_dot_saturates(self) -> bool:
+        """True on x86 without VNNI: engines multiply uint8 by int8 with VPMADDUBSW, whose
+        pairwise int16 sums saturate for full-range int8 weights (255·128·2 > 32767), so
+        weights are quantized to 7 bits there (ONNX Runtime's `reduce_range`)."""
+        return "avx2" in self.features and not any(f in self.features for f in WIDE_INT8_DOT)
 
     @property
     def fingerprint(self) -> str:

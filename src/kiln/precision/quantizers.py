@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from kiln.hardware import cpu_info
 from kiln.precision.sensitivity import (
     activation_matmuls,
     conv_heavy,
@@ -66,10 +67,16 @@ def quantizer_for(
             lambda m, kept: quantize_nncf_int8(m, samples or [], kept, transformer=not conv),
             sensitivity,
         )
+    # 7-bit weights where the host's int8 kernels would saturate on full-range ones.
+    narrow = cpu_info().int8_dot_saturates
     if samples is not None:
         return Quantizer(
-            f"static QDQ ({method})",
-            lambda m, kept: quantize_static_int8(m, samples, kept, method),
+            f"static QDQ ({method}{', 7-bit weights' if narrow else ''})",
+            lambda m, kept: quantize_static_int8(m, samples, kept, method, reduce_range=narrow),
             sensitivity,
         )
-    return Quantizer("dynamic", quantize_dynamic_int8, sensitivity)
+    return Quantizer(
+        f"dynamic{' (7-bit weights)' if narrow else ''}",
+        lambda m, kept: quantize_dynamic_int8(m, kept, reduce_range=narrow),
+        sensitivity,
+    )
