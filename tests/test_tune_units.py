@@ -80,3 +80,21 @@ def test_a_study_starts_where_auto_ends_the_engines_defaults_first():
     model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
     for params in seed_params(space):  # each lies wholly in the space
         assert project(params, space, model, CompileConfig()).keys() >= {"engine"}
+
+
+def test_a_throughput_study_starts_at_the_large_batch_on_one_and_on_every_core():
+    from kiln.tune.space import BATCHES, seed_params
+
+    space = Space(("ort", "openvino"), ("fp32", "int8"), cores=2, throughput=True)
+    seeds = seed_params(space)
+    assert seeds[0]["batch"] == 1 and seeds[0]["concurrency"] == 1  # the defaults come first
+    large = [(p["batch"], p["concurrency"]) for p in seeds[1:]]
+    assert set(large) == {(max(BATCHES), 1), (max(BATCHES), 2)}
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    for params in seeds:  # the batch, streams and threads survive the projection
+        kept = project(params, space, model, CompileConfig())
+        assert {k: kept.get(k) for k in ("batch", "concurrency")} == {
+            k: params[k] for k in ("batch", "concurrency")
+        }
+        threads = "ort.threads" if params["engine"] == "ort" else "openvino.threads"
+        assert kept[threads] == params[threads]

@@ -205,12 +205,26 @@ SEEDS = (("openvino", "fp32"), ("ort", "int8"), ("openvino", "int8"))
 
 
 def seed_params(space: Space) -> list[dict[str, Any]]:
+    """The first trials: Kiln's defaults, then each engine's defaults at the precisions that
+    win most often. For throughput those run at the largest batch, on one session and on one
+    single-threaded session per core — where a server by hand would start."""
     pairs = [("ort", "fp32"), *SEEDS]
-    return [
+    seeds = [
         default_params(space, engine, precision)
         for engine, precision in pairs
         if engine in space.engines and precision in space.precisions
     ]
+    if not space.throughput:
+        return seeds
+    large = [p | {"batch": max(BATCHES)} for p in seeds]
+    per_core = [p | {"concurrency": space.cores} | _one_thread(p) for p in large]
+    return seeds[:1] + large + (per_core if space.cores > 1 else [])
+
+
+def _one_thread(params: dict[str, Any]) -> dict[str, Any]:
+    if params["engine"] == "ort":
+        return {"ort.threads": 1}
+    return {"openvino.threads": 1, "openvino.streams": 1}
 
 
 def choice_of(params: dict[str, Any], space: Space, model: ir.Model, base: CompileConfig) -> Choice:
