@@ -288,6 +288,9 @@ def test_swap_refuses_malformed_bodies_with_400(bert: Server) -> None:
         response = httpx.post(url, content=body)
         assert response.status_code == 400, (body[:40], response.text)
         assert response.json()["error"]
+    # A bucket no request could fill (and whose warm-up would take gigabytes) is refused.
+    response = httpx.post(url, json={"buckets": "batch=100000000 seq=16"}, timeout=30)
+    assert response.status_code == 400 and "MiB" in response.json()["error"], response.text
 
 
 def _resnet_request(batch: int = 1) -> bytes:

@@ -60,6 +60,19 @@ def input_shape(
     return tuple(out)
 
 
+def input_bytes(model: ir.Model, dims: dict[str, int]) -> int:
+    """Bytes of the model's inputs at `dims` (other dims as `synthesize` would guess them),
+    computed from shapes alone: nothing is allocated."""
+    total = 0
+    for value in model_inputs(model).values():
+        try:
+            itemsize = value.dtype.itemsize if value.dtype is not None else 4
+        except TypeError:  # strings: no fixed width; count a pointer each
+            itemsize = 8
+        total += int(np.prod(input_shape(value, dims), dtype=object)) * max(int(itemsize), 1)
+    return total
+
+
 def _guess_dim(value: ir.Value, axis: int) -> int:
     """Batch 1; image height/width 224 (volumes 64); sequence length 128; otherwise 1."""
     rank = value.shape.rank() if value.shape is not None else 0

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from kiln.backends import Executable, get_backend, options_from_json
 from kiln.errors import KilnError
-from kiln.ir.inputs import synthesize
+from kiln.ir.inputs import input_bytes, synthesize
 from kiln.runtime import batching
 from kiln.runtime import buckets as bk
 from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind
@@ -357,11 +357,26 @@ class Session:
         self._state = state  # the swap: one reference assignment
 
     def swap(
-        self, buckets: dict[str, list[int]] | str | None = None, *, wait: bool = False
+        self,
+        buckets: dict[str, list[int]] | str | None = None,
+        *,
+        wait: bool = False,
+        max_bytes: int | None = None,
     ) -> None:
         """Compile `buckets` (None: the current set again, forced) in the background, verify it
-        and swap it in atomically. `wait` blocks until done (for tests and scripts)."""
+        and swap it in atomically. `wait` blocks until done (for tests and scripts);
+        `max_bytes` refuses a set whose largest bucket's inputs would take more (a server's
+        bound: no request could fill it, and warming it could exhaust memory)."""
         target = self._checked_buckets(buckets) if buckets is not None else self.buckets
+        if max_bytes is not None:
+            largest = {dim: max(sizes) for dim, sizes in target.items()}
+            size = input_bytes(self.interface, largest)
+            if size > max_bytes:
+                raise KilnError(
+                    f"buckets {bk.format_buckets(target)}: the largest bucket's inputs take "
+                    f"{size / 2**20:.1f} MiB, more than the {max_bytes / 2**20:.1f} MiB this "
+                    "server accepts in one batch; give smaller sizes."
+                )
         done = self._rebuilder.submit(target, Trigger(TriggerKind.MANUAL, "swap() called"))
         if wait:
             done.wait()

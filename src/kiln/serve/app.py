@@ -224,7 +224,11 @@ def create_app(
         swaps = session.stats()["swaps"]
         try:
             await run_in_threadpool(
-                lambda: session.swap(args.get("buckets"), wait=bool(args.get("wait", True)))
+                lambda: session.swap(
+                    args.get("buckets"),
+                    wait=bool(args.get("wait", True)),
+                    max_bytes=max_request_bytes * max_batch,
+                )
             )
         except (KilnError, TypeError, ValueError) as exc:  # TypeError: {"batch": 4}, not [4]
             raise ApiError(400, str(exc)) from None
