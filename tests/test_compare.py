@@ -93,9 +93,10 @@ def test_a_perturbed_weight_is_found_at_the_node_that_consumes_it(zoo_files, tmp
 
 
 def test_a_hostile_layer_forced_into_int8_is_named(tmp_path):
-    hostile_model(tmp_path / "m.onnx")
+    # An outlier mild enough that int8 mm2 keeps some signal (cosine ~0.8, where ×1000
+    # leaves none), so a budget this loose keeps every layer in int8, mm2 included.
+    hostile_model(tmp_path / "m.onnx", outlier=300.0)
     shapes = {"x": (16, 64)}
-    # A budget so loose that the guard keeps everything in int8, mm2 included.
     artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
                             shapes=shapes, max_drop=0.99)  # fmt: skip
     assert set(artifact.manifest.precision["nodes"].values()) == {"int8"}
