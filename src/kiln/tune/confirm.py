@@ -18,8 +18,13 @@ def confirm(
 ) -> dict[str, Any]:
     """Tuned against the defaults, interleaved, ≥ `runs` runs each (then up to `seconds` to
     tighten the interval): the ratio of P50s with its interval, each side's tails and memory,
-    and with `throughput_s` the throughput ratio over windows of that many seconds."""
+    and with `throughput_s` the throughput ratio over windows of that many seconds.
+
+    For throughput a run is one batch: ≥ `runs` inferences, not runs, are what is counted
+    (1,000 runs of batch 32 would take an hour where each takes a second)."""
     gains: dict[str, Any] = {}
+    if throughput_s is not None:
+        runs = -(-runs // max(tuned.choice.batch, base.choice.batch))
     fight = duel(tuned.runners[0], base.runners[0], seconds=seconds, runs=20, min_runs=runs,
                  tight=0.01)  # fmt: skip
     mine, theirs = tails(fight.trial_s), tails(fight.incumbent_s)
