@@ -26,7 +26,7 @@ import tritonclient.http as triton
 from string_models import strings_model
 
 from kiln import zoo
-from kiln.serve.batcher import Batcher, Overloaded
+from kiln.runtime.batcher import Batcher, Overloaded
 from kiln.serve.protocol import ProtocolError, encode_response, header_length, parse_request
 
 BERT = "bert-tiny"

@@ -74,7 +74,7 @@ def test_a_new_model_is_warm_started_from_the_nearest_winner_on_this_hardware_on
     result = tune(plan(trials=2, study="warm"), None, say=lambda _m: None)
     assert [w.split(" ")[0] for w in result.warm_start] == ["conv-net"]
     params = [t.params for t in finished("warm")]
-    assert any(p.get("ort.threads") == 1 for p in params), params
+    assert params[0].get("ort.threads") == 1, params  # the winner goes before the seeds
 
 
 @pytest.mark.parametrize(
@@ -86,6 +86,7 @@ def test_a_new_model_is_warm_started_from_the_nearest_winner_on_this_hardware_on
         (["--max-p50", "fast"], "--max-p50 fast: expected a number"),
         (["--storage", "postgresql+psycopg://kiln@127.0.0.1:1/none"], "cannot connect"),
         (["--storage", "nonsense://"], "not a database URL"),
+        (["--clients", "4"], "--clients measures served throughput: add --objective throughput"),
     ],
 )
 def test_bad_input_is_one_line_before_any_work(args, message):
@@ -104,3 +105,21 @@ def test_a_budget_no_configuration_meets_is_one_line_and_the_study_stays(tmp_pat
             metric="cosine", max_drop=0.0)), tmp_path / "x.kiln", say=lambda _m: None)  # fmt: skip
     assert not (tmp_path / "x.kiln").exists()
     assert {t.state.name for t in finished("impossible")} == {"PRUNED"}
+
+
+def test_a_served_study_hands_its_batcher_settings_to_kiln_serve(tmp_path):
+    from kiln.cli.serve import batcher_settings
+    from kiln.tune.serving import DELAYS_MS
+    from kiln.tune.space import BATCHES
+
+    made = plan(objectives=parse_objectives(["throughput"]), clients=4, trials=2)
+    assert made.study.startswith("resnet-tiny-throughput-served4")
+    result = tune(made, tmp_path / "served.kiln", say=lambda _m: None)
+    serving = result.gains["serving"]
+    assert serving["clients"] == 4 and serving["max_batch"] in BATCHES
+    assert serving["max_delay_ms"] in DELAYS_MS
+    assert "throughput_ratio" in result.gains
+    out = str(tmp_path / "served.kiln")
+    assert batcher_settings(out, None, None) == (serving["max_batch"], serving["max_delay_ms"])
+    assert batcher_settings(out, 3, None)[0] == 3  # a flag wins over the tuned value
+    assert batcher_settings("zoo:resnet-tiny", None, None) == (16, 5.0)

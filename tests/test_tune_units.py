@@ -98,3 +98,44 @@ def test_a_throughput_study_starts_at_the_large_batch_on_one_and_on_every_core()
         }
         threads = "ort.threads" if params["engine"] == "ort" else "openvino.threads"
         assert kept[threads] == params[threads]
+
+
+def test_served_requests_are_batched_and_each_answer_is_its_own():
+    from kiln.tune.serving import serve
+
+    runs: list[int] = []
+
+    def run(feeds):  # the row sums: an answer that says which request it was
+        runs.append(len(feeds["x"]))
+        return [feeds["x"].sum(axis=1)]
+
+    served = serve(run, {"x": np.ones((1, 4), np.float32)}, clients=8, max_batch=8,
+                   max_delay_ms=20.0, seconds=0.5)  # fmt: skip
+    assert served.rate > 0 and served.latencies_s and served.p99_ms > 0
+    assert served.batches == len(runs) < len(served.latencies_s)  # requests shared runs
+    assert max(runs) > 1 and max(runs) <= 8
+
+
+def test_a_failing_engine_fails_the_served_window():
+    from kiln.tune.serving import serve
+
+    def broken(_feeds):
+        raise RuntimeError("engine gone")
+
+    with pytest.raises(RuntimeError, match="engine gone"):
+        serve(broken, {"x": np.ones((1, 4), np.float32)}, clients=2, max_batch=4,
+              max_delay_ms=1.0, seconds=0.2)  # fmt: skip
+
+
+def test_a_served_study_searches_the_batchers_knobs_from_kiln_serves_defaults():
+    from kiln.tune.space import SERVE_DEFAULTS, choice_of, seed_params
+
+    space = Space(("ort",), ("fp32",), cores=2, throughput=True, clients=8)
+    seeds = seed_params(space)
+    assert {k: seeds[0][k] for k in SERVE_DEFAULTS} == SERVE_DEFAULTS  # kiln serve's own first
+    assert {(p["serve.max_batch"], p["serve.max_delay_ms"]) for p in seeds[1:]} == {(8, 0.0)}
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    choice = choice_of(seeds[-1], space, model, CompileConfig())
+    assert choice.serving() == {"max_batch": 8, "max_delay_ms": 0.0, "clients": 8}
+    assert choice.concurrency == 1 and "batch" not in project(seeds[-1], space, model,
+                                                              CompileConfig())  # fmt: skip

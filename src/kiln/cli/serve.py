@@ -34,11 +34,19 @@ def serve(
         typer.Option(help='Shape buckets per dynamic dim, e.g. "batch=1,4,8 seq=32,64".'),
     ] = None,
     max_batch: Annotated[
-        int, typer.Option(help="Most samples batched together (a bigger request runs alone).")
-    ] = 16,
+        int | None,
+        typer.Option(
+            help="Most samples batched together (a bigger request runs alone). Default: what "
+            "kiln tune --clients picked for this artifact, else 16."
+        ),
+    ] = None,
     max_delay_ms: Annotated[
-        float, typer.Option(help="Longest a request waits for others to batch with (ms).")
-    ] = 5.0,
+        float | None,
+        typer.Option(
+            help="Longest a request waits for others to batch with (ms). Default: what kiln "
+            "tune --clients picked for this artifact, else 5."
+        ),
+    ] = None,
     max_queue: Annotated[
         int, typer.Option(help="Requests allowed to wait; beyond this the server answers 503.")
     ] = 256,
@@ -81,6 +89,7 @@ def serve(
 
     from kiln.serve.server import bind, http_server, url
 
+    max_batch, max_delay_ms = batcher_settings(model, max_batch, max_delay_ms)
     for flag, value in [("--max-batch", max_batch), ("--max-queue", max_queue)]:
         if value < 1:
             raise KilnError(f"{flag} must be at least 1, got {value}.")
@@ -129,7 +138,8 @@ def serve(
                 sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
             else:
                 err.print(
-                    f"serving '{served}' on {where} (Ctrl-C to stop)",
+                    f"serving '{served}' on {where}, batches of up to {max_batch} within "
+                    f"{max_delay_ms:g} ms (Ctrl-C to stop)",
                     highlight=False,
                     markup=False,
                     soft_wrap=True,
@@ -146,3 +156,22 @@ def serve(
             if loop is not None:
                 loop.stop()
     err.print("stopped; every queued request was answered.", highlight=False)
+
+
+def batcher_settings(
+    model: str, max_batch: int | None, max_delay_ms: float | None
+) -> tuple[int, float]:
+    """The flags where given; else what `kiln tune --clients` measured best for this artifact
+    (its manifest's tune → serving); else 16 samples and 5 ms."""
+    tuned: dict = {}
+    if (max_batch is None or max_delay_ms is None) and Path(model, "manifest.json").is_file():
+        from kiln.artifact import read_artifact
+
+        try:
+            benchmark = read_artifact(model).manifest.benchmark or {}
+            tuned = (benchmark.get("tune") or {}).get("serving") or {}
+        except KilnError:
+            tuned = {}  # the load that follows names what is wrong with it
+    batch = max_batch if max_batch is not None else int(tuned.get("max_batch", 16))
+    delay = max_delay_ms if max_delay_ms is not None else float(tuned.get("max_delay_ms", 5.0))
+    return batch, delay

@@ -44,6 +44,15 @@ def tune(
     max_jitter: Annotated[str | None, typer.Option(help="Constraint, e.g. 0.2.")] = None,
     max_memory: Annotated[str | None, typer.Option(help="Constraint, e.g. 2GB.")] = None,
     min_throughput: Annotated[str | None, typer.Option(help="Constraint (samples/s).")] = None,
+    clients: Annotated[
+        int,
+        typer.Option(
+            help="With --objective throughput: measure it served to this many concurrent "
+            "clients, each sending one-sample requests through the dynamic batcher, and search "
+            "the batcher's max batch and delay (kiln serve --max-batch/--max-delay-ms, which "
+            "serve then takes from the artifact) instead of batch and streams."
+        ),
+    ] = 0,
     trials: Annotated[int, typer.Option(help="Finished trials the study should hold.")] = 30,
     time: Annotated[
         str | None, typer.Option("--time", help="Stop after this long, e.g. 15m.")
@@ -126,7 +135,7 @@ def tune(
         model, objectives=objectives, constraints=constraints, base=base, trials=trials,
         timeout_s=timeout, url=storage, study=study, seconds_per_trial=seconds_per_trial,
         engines=_list(backend), precisions=_list(precision), seed=seed,
-        confirm_runs=confirm_runs, stale_after_s=stale_after,
+        confirm_runs=confirm_runs, stale_after_s=stale_after, clients=clients,
     )  # fmt: skip
     if output is not None:
         from kiln.artifact import check_destination

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.serve.batcher import Batcher, Closed, Overloaded
+from kiln.runtime.batcher import Batcher, Closed, Overloaded
 from kiln.serve.metrics import ServeMetrics
 from kiln.serve.protocol import (
     ProtocolError,

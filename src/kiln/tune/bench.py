@@ -23,6 +23,7 @@ from kiln.ir.inputs import named_dims, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.tune.measure import Interval, bootstrap, duel, tails
 from kiln.tune.objectives import Constraint, Objective
+from kiln.tune.serving import Served, serve
 from kiln.tune.space import Choice
 
 Say = Callable[[str], None]
@@ -39,6 +40,7 @@ class Built:
     result: CompileResult  # its model, config and options are the choice's
     runners: list[Callable[[], object]]  # one per concurrent stream
     memory_mib: float
+    served: Callable[..., Served] | None = None  # served(seconds=...): a window served
 
 
 @dataclass
@@ -99,7 +101,12 @@ class Workbench:
         for run in runners:
             run()
         built = replace(result, config=config, options=options)
-        return Built(choice, built, runners, max(0.0, _rss_mib() - before))
+        served = None
+        if choice.clients:
+            one = self._feeds(result, 1)
+            served = partial(serve, exe.run, one, clients=choice.clients, max_batch=choice.batch,
+                             max_delay_ms=choice.max_delay_ms)  # fmt: skip
+        return Built(choice, built, runners, max(0.0, _rss_mib() - before), served)
 
     def _compile(self, choice: Choice) -> CompileResult:
         key = choice.compile_key
@@ -145,6 +152,8 @@ class Workbench:
             ratio = rate_duel(built, incumbent.built, self.seconds)
             measures["throughput"] = incumbent.measures["throughput"] * ratio.value
             evidence["throughput_vs_incumbent"] = ratio.to_json()
+            if built.served is not None:
+                evidence["served"] = _served_evidence(built)
         measured = Measured(built, measures, evidence)
         first = self.objectives[0]
         if self._feasible(measured) and first.better(
@@ -167,7 +176,7 @@ class Workbench:
             }
             evidence["tails"] = alone.to_json()
         if self.needs_throughput:
-            measures["throughput"] = rate(built.runners, built.choice.batch, _window(built))
+            measures["throughput"] = throughput(built, _window(built))
         return Measured(built, measures, evidence)
 
     def _feasible(self, measured: Measured) -> bool:
@@ -223,12 +232,28 @@ def rate(runners: list[Callable[[], object]], batch: int, seconds: float) -> flo
     return sum(done) * batch / (time.perf_counter() - start)
 
 
+def throughput(built: Built, seconds: float) -> float:
+    """Samples per second: served to the choice's clients, else on its streams."""
+    if built.served is not None:
+        return built.served(seconds=seconds).rate
+    return rate(built.runners, built.choice.batch, seconds)
+
+
+def _served_evidence(built: Built) -> dict[str, float]:
+    """One short served window's shape: how full the batches ran, the requests' P99."""
+    assert built.served is not None
+    served = built.served(seconds=_window(built))
+    requests = len(served.latencies_s)
+    return {"rate": served.rate, "p99_ms": served.p99_ms,
+            "requests_per_batch": requests / max(served.batches, 1)}  # fmt: skip
+
+
 def rate_duel(trial: Built, incumbent: Built, seconds: float) -> Interval:
     """Throughput ratio trial / incumbent over alternating windows, with its interval."""
     window, ratios, start = max(_window(trial), _window(incumbent)), [], time.perf_counter()
     while len(ratios) < 3 or time.perf_counter() - start < seconds:
-        mine = rate(trial.runners, trial.choice.batch, window)
-        theirs = rate(incumbent.runners, incumbent.choice.batch, window)
+        mine = throughput(trial, window)
+        theirs = throughput(incumbent, window)
         ratios.append(mine / theirs if theirs else float("inf"))
         if len(ratios) >= 3 and bootstrap(ratios).halfwidth <= 0.02:
             break

@@ -1,6 +1,7 @@
 """The search space: every decision of a `CompileConfig` (engine, precision, calibration,
 passes, the engine's runtime options) and, for throughput, the batch and concurrency a server
-would run — as Optuna parameters, suggested define-by-run.
+would run — or, served to clients, the dynamic batcher's max batch and max delay — as Optuna
+parameters, suggested define-by-run.
 
 Parameter names carry their engine (`ort.threads`, `openvino.streams`): a parameter keeps one
 set of choices across trials, which Optuna's samplers require.
@@ -17,6 +18,7 @@ import onnx_ir as ir
 from kiln.config import CALIBRATION_METHODS, CompileConfig
 from kiln.passes import default_pipeline
 from kiln.precision import ENGINES_FOR, is_static
+from kiln.tune.serving import DELAYS_MS
 
 # Passes toggled together: one switch per kind of rewrite, not one per rule (27 switches would
 # spend the trials on combinations that make no difference).
@@ -41,9 +43,18 @@ class Choice:
     """One trial's decisions: the config that builds the artifact, and how it is driven."""
 
     config: CompileConfig
-    batch: int = 1
+    batch: int = 1  # served: the batcher's max batch
     concurrency: int = 1
     runtime: dict[str, Any] = field(default_factory=dict)  # engine options beyond compile's
+    clients: int = 0  # > 0: throughput is served to this many clients through the batcher
+    max_delay_ms: float = 0.0
+
+    def serving(self) -> dict[str, Any] | None:
+        """What `kiln serve` takes from this choice (None when not served)."""
+        if not self.clients:
+            return None
+        return {"max_batch": self.batch, "max_delay_ms": self.max_delay_ms,
+                "clients": self.clients}  # fmt: skip
 
     @property
     def compile_key(self) -> tuple:
@@ -60,12 +71,13 @@ class Space:
     precisions: tuple[str, ...]
     cores: int
     throughput: bool = False  # search batch and concurrency too
+    clients: int = 0  # > 0: served throughput; search the batcher's max batch and delay
 
     @classmethod
     def for_model(
-        cls, engines: list[str], precisions: list[str], throughput: bool = False
+        cls, engines: list[str], precisions: list[str], throughput: bool = False, clients: int = 0
     ) -> Space:
-        return cls(tuple(engines), tuple(precisions), os.cpu_count() or 1, throughput)
+        return cls(tuple(engines), tuple(precisions), os.cpu_count() or 1, throughput, clients)
 
 
 def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> Choice:
@@ -85,6 +97,10 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
         pipeline=_pipeline(trial, engine),
         engine_options=options,
     )
+    if space.throughput and space.clients:  # the batcher has one engine stream
+        batch = trial.suggest_categorical("serve.max_batch", list(BATCHES))
+        delay = trial.suggest_categorical("serve.max_delay_ms", list(DELAYS_MS))
+        return Choice(config, batch, 1, options, space.clients, delay)
     batch = trial.suggest_categorical("batch", list(BATCHES)) if space.throughput else 1
     concurrency = (
         trial.suggest_int("concurrency", 1, max(1, space.cores)) if space.throughput else 1
@@ -193,9 +209,14 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
             "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
             "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
         }  # fmt: skip
-    if space.throughput:
+    if space.throughput and space.clients:
+        params |= dict(SERVE_DEFAULTS)
+    elif space.throughput:
         params |= {"batch": 1, "concurrency": 1}
     return params
+
+
+SERVE_DEFAULTS = {"serve.max_batch": 16, "serve.max_delay_ms": 5.0}  # kiln serve's own
 
 
 # The engines' defaults at the precisions that win most often, tried first after Kiln's own:
@@ -216,6 +237,9 @@ def seed_params(space: Space) -> list[dict[str, Any]]:
     ]
     if not space.throughput:
         return seeds
+    if space.clients:  # also: batches as large as the clients can fill, sent at once
+        full = max(b for b in BATCHES if b <= max(space.clients, 1))
+        return seeds + [p | {"serve.max_batch": full, "serve.max_delay_ms": 0.0} for p in seeds]
     large = [p | {"batch": max(BATCHES)} for p in seeds]
     per_core = [p | {"concurrency": space.cores} | _one_thread(p) for p in large]
     return seeds[:1] + large + (per_core if space.cores > 1 else [])

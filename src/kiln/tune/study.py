@@ -55,6 +55,7 @@ class Plan:
     grace_s: int = GRACE_S
     confirm_seconds: float = 30.0  # to tighten the interval, once confirm_runs are done
     confirm_runs: int = CONFIRM_RUNS
+    clients: int = 0  # throughput served to this many clients through the batcher
 
 
 @dataclass
@@ -91,14 +92,16 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     objective_name = "+".join(o.name for o in plan.objectives)
     warm = []
     if not study.trials:
-        for params in seed_params(space):
-            study.enqueue_trial(project(params, space, loaded.model, plan.base),
-                                skip_if_exists=True)  # fmt: skip
+        # The nearest models' winners go first: what was learnt is tried before what is
+        # merely likely (the engines' defaults), which only a cold study starts from.
         if warm_start:
             for d, record in library.nearest(signature, machine["class"], objective_name):
                 params = project(record.params, space, loaded.model, plan.base)
                 study.enqueue_trial(params, skip_if_exists=True)
                 warm.append(f"{record.model} (distance {d:.2f})")
+        for params in seed_params(space):
+            study.enqueue_trial(project(params, space, loaded.model, plan.base),
+                                skip_if_exists=True)  # fmt: skip
     if warm:
         say(f"warm start from the winners of {', '.join(warm)}")
     bench = _workbench(plan, loaded, say)
@@ -113,7 +116,7 @@ def _space(plan: Plan) -> Space:
     throughput = any(o.measure == "throughput" for o in plan.objectives) or any(
         c.measure == "throughput" for c in plan.constraints
     )
-    return Space.for_model(plan.engines, plan.precisions, throughput)
+    return Space.for_model(plan.engines, plan.precisions, throughput, plan.clients)
 
 
 def _study(plan: Plan, storage: Any) -> Any:
@@ -353,10 +356,15 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
     is_default = pick.params == project(defaults, space, loaded.model, plan.base)
     # Two sessions of one configuration differ by ~1 % (layout, order): not a win to report.
     gains["verdict"] = DEFAULTS_BEST if is_default else verdict(plan.objectives[0], gains)
-    if gains["verdict"] != "better":
+    if gains["verdict"] == DEFAULTS_BEST:
+        say("the defaults measured best: they are kept")
+    elif gains["verdict"] != "better":
         say(f"the pick is {gains['verdict']} than the defaults on {plan.objectives[0].name}: "
             "the defaults are kept")  # fmt: skip
         tuned, pick = base, None
+    serving = tuned.choice.serving()
+    if serving is not None:  # what `kiln serve` runs this artifact with
+        gains["serving"] = serving
     artifact = None
     if output is not None:
         artifact = str(save_result(tuned.result, output, {"tune": gains}).path)
@@ -381,7 +389,8 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
         defaults={"params": defaults}, gains=gains, changed=changed, pareto=front,
         warm_start=warm, artifact=artifact, library_id=record_id,
         history=[{"trial": t.number, "state": t.state.name, "values": t.values,
-                  "refused": t.user_attrs.get("refused")} for t in study.trials],
+                  "params": t.params, "refused": t.user_attrs.get("refused")}
+                 for t in study.trials],
         importances=_importances(study),
     )  # fmt: skip
 
@@ -416,7 +425,7 @@ def plan_for(
     base: CompileConfig, trials: int, timeout_s: float | None, url: str | None,
     study: str | None, engines: list[str] | None = None, precisions: list[str] | None = None,
     seconds_per_trial: float = 3.0, seed: int | None = None, confirm_runs: int = CONFIRM_RUNS,
-    stale_after_s: int = GRACE_S,
+    stale_after_s: int = GRACE_S, clients: int = 0,
 ) -> Plan:  # fmt: skip
     """A Plan with Kiln's defaults filled in; bad values are refused here, before any work."""
     if trials < 1:
@@ -425,6 +434,10 @@ def plan_for(
         raise KilnError(f"--stale-after {stale_after_s}: give 2 seconds or more.")
     if confirm_runs < 1:
         raise KilnError(f"--confirm-runs {confirm_runs}: give 1 or more.")
+    if clients < 0:
+        raise KilnError(f"--clients {clients}: give 0 (offline throughput) or more.")
+    if clients and not any(o.measure == "throughput" for o in objectives):
+        raise KilnError("--clients measures served throughput: add --objective throughput.")
     if timeout_s is not None and timeout_s <= 0:
         raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")
     installed = [e for e in available_backends() if e in ENGINES]
@@ -436,14 +449,14 @@ def plan_for(
     if unknown:
         raise KilnError(f"unknown precision '{unknown[0]}'; use {', '.join(PRECISIONS)}.")
     name = Path(source).stem if not source.startswith("zoo:") else source[4:]
-    objective = "+".join(o.name for o in objectives)
+    objective = "+".join(o.name for o in objectives) + (f"-served{clients}" if clients else "")
     return Plan(
         source=source, base=base, objectives=objectives, constraints=constraints,
         engines=engines, precisions=list(precisions or PRECISIONS), trials=trials,
         seconds_per_trial=seconds_per_trial, url=url or default_url(),
         study=study or f"{name}-{objective}-{hardware()['class'][:8]}", timeout_s=timeout_s,
         seed=seed, confirm_runs=confirm_runs, grace_s=stale_after_s,
-        heartbeat_s=max(1, min(HEARTBEAT_S, stale_after_s // 4)),
+        heartbeat_s=max(1, min(HEARTBEAT_S, stale_after_s // 4)), clients=clients,
     )  # fmt: skip
 
 
