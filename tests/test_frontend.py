@@ -151,6 +151,10 @@ def test_profile_and_compare_rows_name_module_and_source(cnn, tmp_path):
     result = profile_model(str(artifact.path), runs=3, rounds=1, peaks=peaks)
     conv = next(n for n in result["nodes"] if "features.2.conv" in n["module"])
     assert BLOCK_LINE in conv["source"]
+    from kiln.report.html import render_html
+
+    page = render_html(result)  # the HTML report names them too
+    assert "PyTorch module · source" in page and "features.0.conv" in page
     exported = tmp_path / "cnn.onnx"
     proto = to_onnx(model, (example,), dynamic_shapes=({0: "batch"},))
     keys = {p.key for node in proto.graph.node for p in node.metadata_props}

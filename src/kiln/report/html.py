@@ -9,6 +9,7 @@ import jinja2
 import plotly.offline
 
 from kiln.report.charts import memory_figure, roofline_figure, timeline_figure
+from kiln.report.terminal import module_and_source
 
 # No links to plotly's site and no mode bar buttons that would reach the network.
 _CONFIG = {"displaylogo": False, "responsive": True}
@@ -20,6 +21,7 @@ def render_html(result: dict[str, Any]) -> str:
         autoescape=True,
         undefined=jinja2.StrictUndefined,
     )
+    environment.filters["module_and_source"] = module_and_source
     template = environment.get_template("template.html.j2")
     return template.render(
         r=result,
