@@ -91,3 +91,17 @@ def test_kiln_serve_feedback_stores_windows_of_live_traffic(tmp_path):
         assert window["queue_depth"] is not None and window["cpu_percent"] >= 0
     finally:
         _stop(server)
+
+
+def test_the_loop_keeps_seeing_traffic_once_the_monitors_window_is_full():
+    from kiln.runtime.monitor import LoadMonitor, Observation
+
+    monitor = LoadMonitor(window=10)
+    for _ in range(30):  # the bounded window has stayed at its length for 20 of these
+        monitor.record(Observation({"batch": 1}, "dynamic", 1e-3, 1, 1), 1)
+    seen, cursor = monitor.since(0)
+    assert len(seen) == 10 and cursor == 30
+    assert monitor.since(cursor)[0] == []
+    monitor.record(Observation({"batch": 16}, "dynamic", 2e-3, 16, 16), 1)
+    fresh, cursor = monitor.since(cursor)
+    assert [o.dims for o in fresh] == [{"batch": 16}] and cursor == 31

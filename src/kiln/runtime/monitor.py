@@ -48,6 +48,7 @@ class LoadMonitor:
         self.missed_shapes: Counter[str] = Counter()
         # Recent traffic only: the adaptive policy judges the current bucket set on it.
         self._window: deque[Observation] = deque(maxlen=window)
+        self.observed = 0  # observations ever recorded: a cursor that outlives the window
         self.compiles = 0  # bucket executables built (lazily, at warm-up or for a swap)
         self.evictions = 0  # least recently used executables dropped (memory cap)
         self.recompiles = self.swaps = 0  # bucket-set rebuilds started; swaps completed
@@ -68,6 +69,7 @@ class LoadMonitor:
             else:
                 self.hits += requests
             self._window.append(obs)
+            self.observed += 1
 
     def decide(self, trigger: object, action: str) -> None:
         """Record a decision; `trigger` is a Trigger or plain text, kept as text."""
@@ -95,6 +97,15 @@ class LoadMonitor:
     def window(self) -> list[Observation]:
         with self._lock:
             return list(self._window)
+
+    def since(self, cursor: int) -> tuple[list[Observation], int]:
+        """The observations recorded after `cursor` (a past `observed`) that the bounded
+        window still holds, and the cursor to pass next time. A reader that compared window
+        lengths would go blind once the window is full and stays the same length."""
+        with self._lock:
+            fresh = min(max(self.observed - cursor, 0), len(self._window))
+            recent = list(self._window)
+            return recent[len(recent) - fresh :], self.observed
 
     def reset_window(self) -> None:
         with self._lock:

@@ -63,10 +63,9 @@ class Window:
 
 def window_of(session: RuntimeSession, since: int, start: float, cpu: float,
               queue_depth: int | None) -> tuple[Window | None, int]:  # fmt: skip
-    """The observations the session's monitor made after the first `since`: a Window (None
-    when too few) and the new count."""
-    seen = session.monitor.window()
-    new = seen[since:] if since <= len(seen) else seen
+    """The observations the session's monitor made after the cursor `since`: a Window (None
+    when too few, which then count towards the next) and the new cursor."""
+    new, cursor = session.monitor.since(since)
     if len(new) < MIN_REQUESTS:
         return None, since
     ms = sorted(o.seconds * 1e3 for o in new)
@@ -87,7 +86,7 @@ def window_of(session: RuntimeSession, since: int, start: float, cpu: float,
         dims={d: dict(c.most_common(16)) for d, c in dims.items()},
         padding_waste=1 - real / executed if executed else 0.0,
         queue_depth=queue_depth, cpu_percent=cpu,
-    ), len(seen)  # fmt: skip
+    ), cursor  # fmt: skip
 
 
 def _percentile(sorted_ms: list[float], q: float) -> float:
