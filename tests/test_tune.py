@@ -87,6 +87,7 @@ def test_a_new_model_is_warm_started_from_the_nearest_winner_on_this_hardware_on
         (["--storage", "postgresql+psycopg://kiln@127.0.0.1:1/none"], "cannot connect"),
         (["--storage", "nonsense://"], "not a database URL"),
         (["--clients", "4"], "--clients measures served throughput: add --objective throughput"),
+        (["--traffic", "t.json"], "--traffic is replayed by served clients: add --clients N"),
     ],
 )
 def test_bad_input_is_one_line_before_any_work(args, message):
@@ -123,3 +124,64 @@ def test_a_served_study_hands_its_batcher_settings_to_kiln_serve(tmp_path):
     assert batcher_settings(out, None, None) == (serving["max_batch"], serving["max_delay_ms"])
     assert batcher_settings(out, 3, None)[0] == 3  # a flag wins over the tuned value
     assert batcher_settings("zoo:resnet-tiny", None, None) == (16, 5.0)
+
+
+TRAFFIC = [{"seq": s} for s in (3, 5, 6, 8, 9, 11, 12, 14, 15, 16) * 3]
+
+
+def test_a_served_study_searches_bucket_sets_for_the_recorded_traffic(tmp_path):
+    (tmp_path / "traffic.json").write_text(json.dumps(TRAFFIC))
+    made = plan("zoo:bert-tiny", objectives=parse_objectives(["throughput"]), clients=4,
+                trials=3, traffic=tmp_path / "traffic.json")  # fmt: skip
+    assert "-served4-traffic" in made.study
+    result = tune(made, tmp_path / "served.kiln", say=lambda _m: None)
+    bucketed = [h for h in result.history if h["params"].get("serve.buckets_per_dim")]
+    assert bucketed and bucketed[0]["state"] == "COMPLETE"  # the quartiles seed was measured
+    buckets = result.gains["serving"]["buckets"]
+    manifest = json.loads((tmp_path / "served.kiln" / "manifest.json").read_text())
+    assert manifest["buckets"] == buckets  # where kiln serve's Session finds them
+    session = kiln.Session(tmp_path / "served.kiln")
+    assert session.buckets == buckets
+    feeds = {n: np.ones((1, 7), np.int64) for n in ("input_ids", "attention_mask",
+                                                    "token_type_ids")}  # fmt: skip
+    assert session.run(None, feeds)[0].shape[:2] == (1, 7)  # padded to a bucket, sliced back
+
+
+def test_a_bucketed_trial_serves_the_traffic_through_a_session_with_its_buckets():
+    from kiln.ir.load import load_model
+    from kiln.tune.bench import Workbench
+    from kiln.tune.space import Space, choice_of, default_params
+
+    model = load_model("zoo:bert-tiny")
+    objectives = parse_objectives(["throughput"])
+    bench = Workbench(model, CompileConfig(), objectives, [], 0.3, traffic=[
+        {"batch": 1, **t} for t in TRAFFIC])  # fmt: skip
+    space = Space(("ort",), ("fp32",), cores=2, throughput=True, clients=4, buckets=True)
+    params = default_params(space) | {"serve.buckets_per_dim": 2, "serve.max_delay_ms": 2.0}
+    built = bench.build(choice_of(params, space, model.model, CompileConfig()))
+    assert built.buckets == {"seq": [11, 16]}  # the traffic's median (higher) and largest
+    served = built.served(seconds=0.5)
+    assert served.rate > 0 and served.batches < len(served.latencies_s)  # requests merged
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "not a JSON file"),
+        ("[]", "expected a non-empty JSON list of requests"),
+        ('[{"seq": 0}]', "request 0 is"),
+        ('[{"seq": 8}, {"width": 3}]', "request 1 sizes 'width', which the model has no dim"),
+        ('[{"batch": 2}]', "request 0 gives no size for dim 'seq'"),
+    ],
+)
+def test_bad_traffic_is_one_line_and_no_study_is_made(tmp_path, content, message):
+    (tmp_path / "t.json").write_text(content)
+    outcome = subprocess.run(
+        [sys.executable, "-m", "kiln", "tune", "zoo:bert-tiny", "--objective", "throughput",
+         "--clients", "2", "--traffic", str(tmp_path / "t.json"), "--study", "bad-traffic"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert outcome.returncode == 2, outcome.stderr
+    lines = outcome.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], outcome.stderr
+    assert "bad-traffic" not in optuna.get_all_study_names(default_url())

@@ -101,7 +101,7 @@ def test_a_throughput_study_starts_at_the_large_batch_on_one_and_on_every_core()
 
 
 def test_served_requests_are_batched_and_each_answer_is_its_own():
-    from kiln.tune.serving import serve
+    from kiln.tune.serving import merged_runner, serve
 
     runs: list[int] = []
 
@@ -109,7 +109,7 @@ def test_served_requests_are_batched_and_each_answer_is_its_own():
         runs.append(len(feeds["x"]))
         return [feeds["x"].sum(axis=1)]
 
-    served = serve(run, {"x": np.ones((1, 4), np.float32)}, clients=8, max_batch=8,
+    served = serve(merged_runner(run), [{"x": np.ones((1, 4), np.float32)}], clients=8, max_batch=8,
                    max_delay_ms=20.0, seconds=0.5)  # fmt: skip
     assert served.rate > 0 and served.latencies_s and served.p99_ms > 0
     assert served.batches == len(runs) < len(served.latencies_s)  # requests shared runs
@@ -117,13 +117,13 @@ def test_served_requests_are_batched_and_each_answer_is_its_own():
 
 
 def test_a_failing_engine_fails_the_served_window():
-    from kiln.tune.serving import serve
+    from kiln.tune.serving import merged_runner, serve
 
     def broken(_feeds):
         raise RuntimeError("engine gone")
 
     with pytest.raises(RuntimeError, match="engine gone"):
-        serve(broken, {"x": np.ones((1, 4), np.float32)}, clients=2, max_batch=4,
+        serve(merged_runner(broken), [{"x": np.ones((1, 4), np.float32)}], clients=2, max_batch=4,
               max_delay_ms=1.0, seconds=0.2)  # fmt: skip
 
 

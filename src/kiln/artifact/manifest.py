@@ -165,6 +165,7 @@ def new_manifest(
     verification: Verification | None,
     benchmark: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    buckets: dict[str, list[int]] | None = None,
 ) -> Manifest:
     """A manifest for `model` as compiled now, on this machine."""
     cpu = cpu_info()
@@ -185,6 +186,7 @@ def new_manifest(
         verification=verification,
         benchmark=benchmark,
         notes=list(notes or []),
+        buckets=dict(buckets or {}),
     )
 
 

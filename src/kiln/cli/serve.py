@@ -105,6 +105,7 @@ def serve(
     sock = bind(host, port)
     with sock:
         from kiln.runtime import Session  # seconds of engine imports: after the quick checks
+        from kiln.runtime.buckets import format_buckets
         from kiln.serve.app import create_app
 
         session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive,
@@ -137,9 +138,12 @@ def serve(
                 sys.stdout.write(json.dumps(line) + "\n")
                 sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
             else:
+                sizes = session.buckets
                 err.print(
                     f"serving '{served}' on {where}, batches of up to {max_batch} within "
-                    f"{max_delay_ms:g} ms (Ctrl-C to stop)",
+                    f"{max_delay_ms:g} ms"
+                    + (f", buckets {format_buckets(sizes)}" if sizes else "")
+                    + " (Ctrl-C to stop)",
                     highlight=False,
                     markup=False,
                     soft_wrap=True,

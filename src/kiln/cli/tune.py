@@ -53,6 +53,16 @@ def tune(
             "serve then takes from the artifact) instead of batch and streams."
         ),
     ] = 0,
+    traffic: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --clients: the request shapes production sends, as JSON — a list of "
+            'requests giving each dynamic dim a size, e.g. [{"seq": 12}, {"batch": 4, "seq": '
+            "128}] (batch defaults to 1). The clients replay them through a kiln.Session, and "
+            "the bucket sets proposed from them (0–8 sizes per dim) are searched too; the "
+            "pick's set is written into the artifact, where kiln serve takes it."
+        ),
+    ] = None,
     trials: Annotated[int, typer.Option(help="Finished trials the study should hold.")] = 30,
     time: Annotated[
         str | None, typer.Option("--time", help="Stop after this long, e.g. 15m.")
@@ -135,7 +145,7 @@ def tune(
         model, objectives=objectives, constraints=constraints, base=base, trials=trials,
         timeout_s=timeout, url=storage, study=study, seconds_per_trial=seconds_per_trial,
         engines=_list(backend), precisions=_list(precision), seed=seed,
-        confirm_runs=confirm_runs, stale_after_s=stale_after, clients=clients,
+        confirm_runs=confirm_runs, stale_after_s=stale_after, clients=clients, traffic=traffic,
     )  # fmt: skip
     if output is not None:
         from kiln.artifact import check_destination

@@ -168,9 +168,11 @@ def save_result(
     output: str | os.PathLike | None,
     benchmark: dict | None = None,
     force: bool = False,
+    buckets: dict[str, list[int]] | None = None,
 ) -> Artifact:
     """Write the artifact, or refuse (nothing written) when verification failed. `force`
-    replaces whatever is at `output`, not only an artifact of Kiln's own files."""
+    replaces whatever is at `output`, not only an artifact of Kiln's own files; `buckets`
+    is the shape-bucket set every `kiln.Session` of it starts with."""
     if not result.ok:
         summary = result.verification.summary()
         if result.precision != "fp32":
@@ -196,6 +198,7 @@ def save_result(
         verification=result.verification,
         benchmark=benchmark,
         notes=result.notes,
+        buckets=buckets,
     )
     return write_artifact(_destination(loaded, output), model, manifest, force=force)
 

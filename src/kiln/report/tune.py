@@ -43,6 +43,8 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
     )  # fmt: skip
     if "throughput_ratio" in gains:
         table.add_row("throughput", "1×", _interval(gains["throughput_ratio"], "×"))
+    if "serving" in gains:  # what kiln serve takes from the artifact
+        table.add_row("kiln serve", "", escape(_serving(gains["serving"])))
     kept = (
         f"tuned (trial {result['pick']['trial']})" if gains["verdict"] == "better"
         else "the defaults" if gains["verdict"].startswith("the defaults")
@@ -61,6 +63,14 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
             else ""
         )  # fmt: skip
     )
+
+
+def _serving(serving: dict[str, Any]) -> str:
+    text = f"batches of up to {serving['max_batch']} within {serving['max_delay_ms']:g} ms"
+    if "buckets" in serving:
+        sizes = " ".join(f"{d}={','.join(map(str, v))}" for d, v in serving["buckets"].items())
+        text += f"; buckets {sizes or 'none (the dynamic executable)'}"
+    return text
 
 
 def _trials_figure(result: dict[str, Any], objectives: list[str]) -> go.Figure:

@@ -4,27 +4,34 @@ incumbent — the best choice this worker has measured, the defaults to begin wi
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 
 from kiln.backends import get_backend
+from kiln.compiler.api import save_result
 from kiln.compiler.candidate import CompileResult, compile_candidate, engine_options
 from kiln.compiler.passes_stage import Target, verify_on
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.inputs import named_dims, synthesize
 from kiln.ir.load import LoadedModel
+from kiln.runtime.buckets import propose
 from kiln.tune.measure import Interval, bootstrap, duel, tails
 from kiln.tune.objectives import Constraint, Objective
-from kiln.tune.serving import Served, serve
+from kiln.tune.serving import Served, merged_runner, serve
 from kiln.tune.space import Choice
+from kiln.tune.traffic import Shape, dynamic_dims, traffic_feeds
 
 Say = Callable[[str], None]
 Feeds = dict[str, np.ndarray]
@@ -41,6 +48,7 @@ class Built:
     runners: list[Callable[[], object]]  # one per concurrent stream
     memory_mib: float
     served: Callable[..., Served] | None = None  # served(seconds=...): a window served
+    buckets: dict[str, list[int]] = field(default_factory=dict)  # the served bucket set
 
 
 @dataclass
@@ -60,6 +68,7 @@ class Workbench:
     given: list[Feeds] | None = None
     given_source: str = "given inputs"
     say: Say = lambda _m: None
+    traffic: list[Shape] | None = None  # served: the recorded request shapes to replay
     _compiled: dict[tuple, CompileResult | str] = field(default_factory=dict)
     incumbent: Measured | None = None
 
@@ -101,12 +110,43 @@ class Workbench:
         for run in runners:
             run()
         built = replace(result, config=config, options=options)
-        served = None
-        if choice.clients:
-            one = self._feeds(result, 1)
-            served = partial(serve, exe.run, one, clients=choice.clients, max_batch=choice.batch,
-                             max_delay_ms=choice.max_delay_ms)  # fmt: skip
-        return Built(choice, built, runners, max(0.0, _rss_mib() - before), served)
+        out = Built(choice, built, runners, max(0.0, _rss_mib() - before))
+        if choice.clients and self.traffic:
+            out.served, out.buckets = self._session_server(out)
+        elif choice.clients:
+            out.served = partial(serve, merged_runner(exe.run), [self._feeds(result, 1)],
+                                 clients=choice.clients, max_batch=choice.batch,
+                                 max_delay_ms=choice.max_delay_ms)  # fmt: skip
+        return out
+
+    def _session_server(self, built: Built) -> tuple[Callable[..., Served], dict[str, list[int]]]:
+        """Serving as `kiln serve` runs the artifact: a `kiln.Session` (its buckets proposed
+        from the traffic, `buckets_per_dim` sizes per dim, verified) under the batcher, the
+        traffic's requests replayed. The trial's artifact lives as long as `built`."""
+        from kiln.runtime import Session
+
+        assert self.traffic is not None
+        choice, model = built.choice, built.result.model
+        where = Path(tempfile.mkdtemp(prefix="kiln-tune-served-"))
+        try:
+            session = Session(save_result(built.result, where / "trial.kiln").path, buckets={})
+        except BaseException:
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        weakref.finalize(built, _discard, session, where)
+        buckets: dict[str, list[int]] = {}
+        if choice.buckets_per_dim:
+            dims = [d for d in dynamic_dims(model) if d not in session.batch_dims]
+            paddable = {d: session.verdict(d).allowed for d in dims}
+            buckets = propose(self.traffic, dims, paddable, choice.buckets_per_dim)
+            session.swap(buckets, wait=True)
+            if session.buckets != buckets:
+                raise Refused(f"the bucket set {buckets} did not build and verify")
+        requests = traffic_feeds(model, self.traffic)
+        session.run_batch(requests[: choice.batch])  # warm: first runs are not the measure
+        served = partial(serve, session.run_batch, requests, clients=choice.clients,
+                         max_batch=choice.batch, max_delay_ms=choice.max_delay_ms)  # fmt: skip
+        return served, buckets
 
     def _compile(self, choice: Choice) -> CompileResult:
         key = choice.compile_key
@@ -181,6 +221,11 @@ class Workbench:
 
     def _feasible(self, measured: Measured) -> bool:
         return all(c.violation(measured.measures) <= 0 for c in self.constraints)
+
+
+def _discard(session: Any, where: Path) -> None:
+    session.close()
+    shutil.rmtree(where, ignore_errors=True)
 
 
 def batch_dim(model: Any) -> str | None:

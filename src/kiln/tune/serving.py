@@ -1,6 +1,7 @@
-"""Throughput as a server delivers it: `clients` closed-loop clients, each sending one-sample
-requests and waiting for the answer, through the dynamic batcher `kiln serve` runs (its max
-batch and max delay) — samples served per second, and the requests' latencies.
+"""Throughput as a server delivers it: `clients` closed-loop clients, each sending requests
+(one sample each, or the shapes of recorded traffic) and waiting for the answer, through the
+dynamic batcher `kiln serve` runs (its max batch and max delay; with traffic, the session's
+bucket set) — samples served per second, and the requests' latencies.
 
 Offline throughput (fixed batches on every stream) is the ceiling; served throughput is what
 the batcher's knobs and the traffic make of it: a long delay fills batches but holds answers,
@@ -50,25 +51,36 @@ def merged_runner(run: Run) -> Callable[[list[Feeds]], list[list[np.ndarray]]]:
 
 
 def serve(
-    run: Run, feeds: Feeds, *, clients: int, max_batch: int, max_delay_ms: float, seconds: float
+    run_batch: Callable[[list[Feeds]], list[list[np.ndarray]]],
+    requests: list[Feeds],
+    *,
+    clients: int,
+    max_batch: int,
+    max_delay_ms: float,
+    seconds: float,
 ) -> Served:
-    """`clients` threads sending `feeds` (one request each, back to back) for `seconds`."""
+    """`clients` threads sending `requests` (each client cycles through them from its own
+    offset, one at a time, back to back) for `seconds`; `run_batch` runs what the batcher
+    merged: `merged_runner(engine.run)`, or a `kiln.Session`'s `run_batch` (buckets, padding)."""
     batches = [0]
-    runner = merged_runner(run)
 
-    def counted(requests: list[Feeds]) -> list[list[np.ndarray]]:
+    def counted(merged: list[Feeds]) -> list[list[np.ndarray]]:
         batches[0] += 1
-        return runner(requests)
+        return run_batch(merged)
 
     batcher = Batcher(counted, max_batch, max_delay_ms / 1000, max_queue=max(clients, 1) * 2)
     batcher.start()
     latencies: list[float] = []
+    done = [0]  # samples answered
     errors: list[Exception] = []
     lock = threading.Lock()
     deadline = time.perf_counter() + seconds
 
-    def client() -> None:
+    def client(offset: int) -> None:
+        turn = offset
         while time.perf_counter() < deadline and not errors:
+            feeds = requests[turn % len(requests)]
+            turn += 1
             begin = time.perf_counter()
             try:
                 batcher.submit(feeds).result()
@@ -77,9 +89,11 @@ def serve(
                 return
             with lock:
                 latencies.append(time.perf_counter() - begin)
+                done[0] += samples_of(feeds)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    step = max(1, len(requests) // max(clients, 1))
+    threads = [threading.Thread(target=client, args=(i * step,)) for i in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -88,4 +102,4 @@ def serve(
     batcher.close()
     if errors:
         raise errors[0]
-    return Served(len(latencies) * samples_of(feeds) / elapsed, latencies, batches[0])
+    return Served(done[0] / elapsed, latencies, batches[0])

@@ -1,6 +1,7 @@
 """The search space: every decision of a `CompileConfig` (engine, precision, calibration,
 passes, the engine's runtime options) and, for throughput, the batch and concurrency a server
-would run — or, served to clients, the dynamic batcher's max batch and max delay — as Optuna
+would run — or, served to clients, the dynamic batcher's max batch and max delay, and with
+recorded traffic the bucket set (sizes per dim proposed from the traffic's shapes) — as Optuna
 parameters, suggested define-by-run.
 
 Parameter names carry their engine (`ort.threads`, `openvino.streams`): a parameter keeps one
@@ -19,6 +20,7 @@ from kiln.config import CALIBRATION_METHODS, CompileConfig
 from kiln.passes import default_pipeline
 from kiln.precision import ENGINES_FOR, is_static
 from kiln.tune.serving import DELAYS_MS
+from kiln.tune.traffic import PER_DIM
 
 # Passes toggled together: one switch per kind of rewrite, not one per rule (27 switches would
 # spend the trials on combinations that make no difference).
@@ -48,6 +50,7 @@ class Choice:
     runtime: dict[str, Any] = field(default_factory=dict)  # engine options beyond compile's
     clients: int = 0  # > 0: throughput is served to this many clients through the batcher
     max_delay_ms: float = 0.0
+    buckets_per_dim: int = 0  # served traffic: a bucket set of this many sizes per dim
 
     def serving(self) -> dict[str, Any] | None:
         """What `kiln serve` takes from this choice (None when not served)."""
@@ -72,12 +75,15 @@ class Space:
     cores: int
     throughput: bool = False  # search batch and concurrency too
     clients: int = 0  # > 0: served throughput; search the batcher's max batch and delay
+    buckets: bool = False  # served recorded traffic of several shapes: search bucket sets
 
     @classmethod
     def for_model(
-        cls, engines: list[str], precisions: list[str], throughput: bool = False, clients: int = 0
-    ) -> Space:
-        return cls(tuple(engines), tuple(precisions), os.cpu_count() or 1, throughput, clients)
+        cls, engines: list[str], precisions: list[str], throughput: bool = False, clients: int = 0,
+        buckets: bool = False,
+    ) -> Space:  # fmt: skip
+        cores = os.cpu_count() or 1
+        return cls(tuple(engines), tuple(precisions), cores, throughput, clients, buckets)
 
 
 def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> Choice:
@@ -100,7 +106,10 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
     if space.throughput and space.clients:  # the batcher has one engine stream
         batch = trial.suggest_categorical("serve.max_batch", list(BATCHES))
         delay = trial.suggest_categorical("serve.max_delay_ms", list(DELAYS_MS))
-        return Choice(config, batch, 1, options, space.clients, delay)
+        per_dim = 0
+        if space.buckets:
+            per_dim = trial.suggest_categorical("serve.buckets_per_dim", list(PER_DIM))
+        return Choice(config, batch, 1, options, space.clients, delay, per_dim)
     batch = trial.suggest_categorical("batch", list(BATCHES)) if space.throughput else 1
     concurrency = (
         trial.suggest_int("concurrency", 1, max(1, space.cores)) if space.throughput else 1
@@ -210,13 +219,14 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
             "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
         }  # fmt: skip
     if space.throughput and space.clients:
-        params |= dict(SERVE_DEFAULTS)
+        params |= dict(SERVE_DEFAULTS) | ({"serve.buckets_per_dim": 0} if space.buckets else {})
     elif space.throughput:
         params |= {"batch": 1, "concurrency": 1}
     return params
 
 
 SERVE_DEFAULTS = {"serve.max_batch": 16, "serve.max_delay_ms": 5.0}  # kiln serve's own
+BUCKETED = 4  # sizes per dim of the bucketed seeds: the traffic's quartiles
 
 
 # The engines' defaults at the precisions that win most often, tried first after Kiln's own:
@@ -239,7 +249,9 @@ def seed_params(space: Space) -> list[dict[str, Any]]:
         return seeds
     if space.clients:  # also: batches as large as the clients can fill, sent at once
         full = max(b for b in BATCHES if b <= max(space.clients, 1))
-        return seeds + [p | {"serve.max_batch": full, "serve.max_delay_ms": 0.0} for p in seeds]
+        filled = [p | {"serve.max_batch": full, "serve.max_delay_ms": 0.0} for p in seeds]
+        bucketed = [p | {"serve.buckets_per_dim": BUCKETED} for p in filled[:1]]
+        return seeds + filled + (bucketed if space.buckets else [])
     large = [p | {"batch": max(BATCHES)} for p in seeds]
     per_core = [p | {"concurrency": space.cores} | _one_thread(p) for p in large]
     return seeds[:1] + large + (per_core if space.cores > 1 else [])

@@ -8,6 +8,8 @@ resumes it and several workers — processes here, or machines on one PostgreSQL
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 import time
@@ -22,13 +24,14 @@ from kiln.config import ENGINES, PRECISIONS, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.inputs import read_inputs
 from kiln.ir.load import LoadedModel, load_model
-from kiln.tune.bench import Measured, Refused, Workbench
+from kiln.tune.bench import Measured, Refused, Workbench, batch_dim
 from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.signature import hardware, model_signature
 from kiln.tune.space import Space, choice_of, default_params, project, seed_params, suggest
 from kiln.tune.storage import GRACE_S, HEARTBEAT_S, default_url, optuna_storage
+from kiln.tune.traffic import Shape, check_traffic, read_traffic
 
 Say = Callable[[str], None]
 FINISHED = ("COMPLETE", "PRUNED")
@@ -56,6 +59,7 @@ class Plan:
     confirm_seconds: float = 30.0  # to tighten the interval, once confirm_runs are done
     confirm_runs: int = CONFIRM_RUNS
     clients: int = 0  # throughput served to this many clients through the batcher
+    traffic: list[Shape] | None = None  # served: request shapes to replay; bucket sets searched
 
 
 @dataclass
@@ -84,6 +88,7 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     import optuna
 
     loaded = load_model(plan.source)
+    _traffic(plan, loaded)  # refused before the study exists
     space = _space(plan)
     storage = optuna_storage(plan.url, plan.heartbeat_s, plan.grace_s)
     library = Library(plan.url)
@@ -116,7 +121,15 @@ def _space(plan: Plan) -> Space:
     throughput = any(o.measure == "throughput" for o in plan.objectives) or any(
         c.measure == "throughput" for c in plan.constraints
     )
-    return Space.for_model(plan.engines, plan.precisions, throughput, plan.clients)
+    return Space.for_model(plan.engines, plan.precisions, throughput, plan.clients,
+                           buckets=bool(plan.traffic))  # fmt: skip
+
+
+def _traffic(plan: Plan, loaded: LoadedModel) -> list[Shape] | None:
+    """The plan's traffic checked against the model (every request sized on its dims)."""
+    if not plan.traffic:
+        return None
+    return check_traffic(plan.traffic, loaded.model, batch_dim(loaded.model))
 
 
 def _study(plan: Plan, storage: Any) -> Any:
@@ -151,7 +164,8 @@ def _workbench(plan: Plan, loaded: LoadedModel, say: Say = lambda _m: None) -> W
     if plan.base.inputs:
         given, source = [read_inputs(plan.base.inputs, loaded.model)], plan.base.inputs
     return Workbench(loaded, plan.base, plan.objectives, plan.constraints,
-                     plan.seconds_per_trial, given, source, say)  # fmt: skip
+                     plan.seconds_per_trial, given, source, say,
+                     traffic=_traffic(plan, loaded))  # fmt: skip
 
 
 def objective_function(plan: Plan, loaded: LoadedModel, bench: Workbench) -> Callable:
@@ -364,10 +378,11 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
         tuned, pick = base, None
     serving = tuned.choice.serving()
     if serving is not None:  # what `kiln serve` runs this artifact with
-        gains["serving"] = serving
+        gains["serving"] = serving | ({"buckets": tuned.buckets} if plan.traffic else {})
     artifact = None
-    if output is not None:
-        artifact = str(save_result(tuned.result, output, {"tune": gains}).path)
+    if output is not None:  # the bucket set goes where every kiln.Session reads it
+        artifact = str(save_result(tuned.result, output, {"tune": gains},
+                                   buckets=tuned.buckets).path)  # fmt: skip
     params = pick.params if pick is not None else defaults
     changed = {k: (defaults.get(k), v) for k, v in params.items() if defaults.get(k) != v}
     front = [{"trial": t.number, "values": list(t.values), "params": t.params} for t in pareto]
@@ -425,7 +440,7 @@ def plan_for(
     base: CompileConfig, trials: int, timeout_s: float | None, url: str | None,
     study: str | None, engines: list[str] | None = None, precisions: list[str] | None = None,
     seconds_per_trial: float = 3.0, seed: int | None = None, confirm_runs: int = CONFIRM_RUNS,
-    stale_after_s: int = GRACE_S, clients: int = 0,
+    stale_after_s: int = GRACE_S, clients: int = 0, traffic: str | os.PathLike | None = None,
 ) -> Plan:  # fmt: skip
     """A Plan with Kiln's defaults filled in; bad values are refused here, before any work."""
     if trials < 1:
@@ -438,6 +453,9 @@ def plan_for(
         raise KilnError(f"--clients {clients}: give 0 (offline throughput) or more.")
     if clients and not any(o.measure == "throughput" for o in objectives):
         raise KilnError("--clients measures served throughput: add --objective throughput.")
+    if traffic is not None and not clients:
+        raise KilnError("--traffic is replayed by served clients: add --clients N.")
+    shapes = read_traffic(traffic) if traffic is not None else None
     if timeout_s is not None and timeout_s <= 0:
         raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")
     installed = [e for e in available_backends() if e in ENGINES]
@@ -450,6 +468,9 @@ def plan_for(
         raise KilnError(f"unknown precision '{unknown[0]}'; use {', '.join(PRECISIONS)}.")
     name = Path(source).stem if not source.startswith("zoo:") else source[4:]
     objective = "+".join(o.name for o in objectives) + (f"-served{clients}" if clients else "")
+    if shapes:  # another traffic is another study: its bucket sets answer other shapes
+        digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()
+        objective += f"-traffic{digest[:8]}"
     return Plan(
         source=source, base=base, objectives=objectives, constraints=constraints,
         engines=engines, precisions=list(precisions or PRECISIONS), trials=trials,
@@ -457,6 +478,7 @@ def plan_for(
         study=study or f"{name}-{objective}-{hardware()['class'][:8]}", timeout_s=timeout_s,
         seed=seed, confirm_runs=confirm_runs, grace_s=stale_after_s,
         heartbeat_s=max(1, min(HEARTBEAT_S, stale_after_s // 4)), clients=clients,
+        traffic=shapes,
     )  # fmt: skip
 
 

@@ -1,0 +1,88 @@
+"""Traffic a served study replays: the request shapes production sends (`kiln tune --clients N
+--traffic FILE`), so that bucket sets are searched against the shapes that will really come.
+
+The file is JSON: a list of requests, each an object giving a size to every dynamic dim of the
+model's inputs but the batch dim, and optionally the batch dim (samples in the request,
+default 1), e.g. `[{"seq": 12}, {"seq": 40}, {"batch": 4, "seq": 128}]`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+from kiln.ir.inputs import named_dims, synthesize
+
+Shape = dict[str, int]
+Feeds = dict[str, np.ndarray]
+PER_DIM = (0, 1, 2, 4, 8)  # buckets per dim a study tries; 0: none, the dynamic executable
+
+
+def read_traffic(path: str | Path) -> list[Shape]:
+    """The requests' dims as the file lists them (well-formed; the model is not checked yet)."""
+    where = f"--traffic {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{where}: no such file.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{where}: not a JSON file ({exc}).") from None
+    if not isinstance(data, list) or not data:
+        raise KilnError(
+            f'{where}: expected a non-empty JSON list of requests, e.g. [{{"seq": 12}}].'
+        )
+    for i, request in enumerate(data):
+        good = isinstance(request, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in request.values()
+        )
+        if not good:
+            raise KilnError(
+                f"{where}: request {i} is {json.dumps(request)[:80]}; each request is an object "
+                'of dim sizes ≥ 1, e.g. {"seq": 12}.'
+            )
+    return data
+
+
+def dynamic_dims(model: ir.Model) -> list[str]:
+    """The named dims of the model's inputs, in order of first appearance."""
+    out: list[str] = []
+    for value in model.graph.inputs:
+        if value.name not in model.graph.initializers:
+            out += [name for _, name in named_dims(value) if name not in out]
+    return out
+
+
+def check_traffic(traffic: list[Shape], model: ir.Model, batch: str | None) -> list[Shape]:
+    """Every request with a size for each dynamic dim (the batch dim 1 unless given), or a
+    clear refusal naming the dim the model does not have or the request does not give."""
+    dims = dynamic_dims(model)
+    need = [d for d in dims if d != batch]
+    out = []
+    for i, request in enumerate(traffic):
+        unknown = sorted(set(request) - set(dims))
+        if unknown:
+            raise KilnError(
+                f"--traffic: request {i} sizes '{unknown[0]}', which the model has no dim of; "
+                f"its dynamic dims are {', '.join(dims) or 'none'}."
+            )
+        missing = [d for d in need if d not in request]
+        if missing:
+            raise KilnError(f"--traffic: request {i} gives no size for dim '{missing[0]}'.")
+        out.append({**({batch: 1} if batch else {}), **request})
+    return out
+
+
+def traffic_feeds(model: ir.Model, traffic: list[Shape]) -> list[Feeds]:
+    """One request's inputs per traffic entry (synthesized once per distinct shape), in order."""
+    made: dict[tuple, Feeds] = {}
+    out = []
+    for request in traffic:
+        key = tuple(sorted(request.items()))
+        if key not in made:
+            made[key] = synthesize(model, dims=dict(request))
+        out.append(made[key])
+    return out
