@@ -139,3 +139,20 @@ def test_a_served_study_searches_the_batchers_knobs_from_kiln_serves_defaults():
     assert choice.serving() == {"max_batch": 8, "max_delay_ms": 0.0, "clients": 8}
     assert choice.concurrency == 1 and "batch" not in project(seeds[-1], space, model,
                                                               CompileConfig())  # fmt: skip
+
+
+def test_traffic_recorded_by_the_feedback_loop_is_replayed_in_its_proportions():
+    from kiln.tune.library import Library
+    from kiln.tune.storage import default_url
+    from kiln.tune.traffic import load_traffic
+
+    library = Library(default_url())
+    library.add_window("bert-tiny", {"shapes": {"batch=4,seq=8": 30, "batch=1,seq=16": 10}})
+    library.add_window("bert-tiny", {"shapes": {"batch=2,seq=8": 30}})
+    traffic = load_traffic("served:bert-tiny", default_url())
+    seqs = [t["seq"] for t in traffic]
+    assert all(set(t) == {"seq"} for t in traffic)  # merged batches are not requests
+    assert seqs.count(8) / seqs.count(16) == pytest.approx(6, rel=0.05)
+    assert set(seqs[:20]) == {8, 16}  # interleaved, not one shape after the other
+    with pytest.raises(kiln.KilnError, match="no windows with dynamic dims for 'gpt2-tiny'"):
+        load_traffic("served:gpt2-tiny", default_url())

@@ -54,11 +54,12 @@ def tune(
         ),
     ] = 0,
     traffic: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             help="With --clients: the request shapes production sends, as JSON — a list of "
             'requests giving each dynamic dim a size, e.g. [{"seq": 12}, {"batch": 4, "seq": '
-            "128}] (batch defaults to 1). The clients replay them through a kiln.Session, and "
+            "128}] (batch defaults to 1) — or served:NAME, the shapes kiln serve --feedback "
+            "recorded for NAME. The clients replay them through a kiln.Session, and "
             "the bucket sets proposed from them (0–8 sizes per dim) are searched too; the "
             "pick's set is written into the artifact, where kiln serve takes it."
         ),

@@ -31,7 +31,7 @@ from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.signature import hardware, model_signature
 from kiln.tune.space import Space, choice_of, default_params, project, seed_params, suggest
 from kiln.tune.storage import GRACE_S, HEARTBEAT_S, default_url, optuna_storage
-from kiln.tune.traffic import Shape, check_traffic, read_traffic
+from kiln.tune.traffic import Shape, check_traffic, load_traffic
 
 Say = Callable[[str], None]
 FINISHED = ("COMPLETE", "PRUNED")
@@ -455,7 +455,8 @@ def plan_for(
         raise KilnError("--clients measures served throughput: add --objective throughput.")
     if traffic is not None and not clients:
         raise KilnError("--traffic is replayed by served clients: add --clients N.")
-    shapes = read_traffic(traffic) if traffic is not None else None
+    url = url or default_url()
+    shapes = load_traffic(traffic, url) if traffic is not None else None
     if timeout_s is not None and timeout_s <= 0:
         raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")
     installed = [e for e in available_backends() if e in ENGINES]
@@ -474,7 +475,7 @@ def plan_for(
     return Plan(
         source=source, base=base, objectives=objectives, constraints=constraints,
         engines=engines, precisions=list(precisions or PRECISIONS), trials=trials,
-        seconds_per_trial=seconds_per_trial, url=url or default_url(),
+        seconds_per_trial=seconds_per_trial, url=url,
         study=study or f"{name}-{objective}-{hardware()['class'][:8]}", timeout_s=timeout_s,
         seed=seed, confirm_runs=confirm_runs, grace_s=stale_after_s,
         heartbeat_s=max(1, min(HEARTBEAT_S, stale_after_s // 4)), clients=clients,

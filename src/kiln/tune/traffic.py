@@ -3,12 +3,16 @@
 
 The file is JSON: a list of requests, each an object giving a size to every dynamic dim of the
 model's inputs but the batch dim, and optionally the batch dim (samples in the request,
-default 1), e.g. `[{"seq": 12}, {"seq": 40}, {"batch": 4, "seq": 128}]`.
+default 1), e.g. `[{"seq": 12}, {"seq": 40}, {"batch": 4, "seq": 128}]`. Or `served:NAME`: the
+shapes `kiln serve --feedback` recorded for model NAME in the strategy library's windows —
+production traffic tuning the next build. (Windows count executed runs, whose batch dim is the
+batcher's merged batch, not a request's: only the other dims are taken, one sample each.)
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +24,40 @@ from kiln.ir.inputs import named_dims, synthesize
 Shape = dict[str, int]
 Feeds = dict[str, np.ndarray]
 PER_DIM = (0, 1, 2, 4, 8)  # buckets per dim a study tries; 0: none, the dynamic executable
+
+
+SERVED = "served:"
+REPLAYED = 256  # requests a window's histogram is scaled to
+
+
+def load_traffic(spec: str | Path, url: str) -> list[Shape]:
+    """`--traffic FILE` or `--traffic served:NAME` (windows in the library at `url`)."""
+    if str(spec).startswith(SERVED):
+        return recorded_traffic(str(spec)[len(SERVED) :], url)
+    return read_traffic(spec)
+
+
+def recorded_traffic(model: str, url: str) -> list[Shape]:
+    """Requests in the proportions of the shapes the feedback loop saw for `model`, batch dims
+    dropped (see the module docstring), interleaved."""
+    from kiln.tune.library import Library
+
+    counts: Counter[tuple] = Counter()
+    for window in Library(url).windows(model):
+        for key, n in window.get("shapes", {}).items():
+            dims = dict(part.split("=") for part in key.split(",") if "=" in part)
+            counts[tuple((d, int(v)) for d, v in sorted(dims.items()) if d != "batch")] += n
+    counts.pop((), None)
+    if not counts:
+        raise KilnError(
+            f"--traffic {SERVED}{model}: the strategy library holds no windows with dynamic dims "
+            f"for '{model}'; serve it with kiln serve --feedback first, or give a JSON file."
+        )
+    total = sum(counts.values())
+    share = [(dict(k), max(1, round(REPLAYED * n / total))) for k, n in counts.most_common()]
+    pool = [dims for dims, n in share for _ in range(n)]
+    order = np.random.default_rng(0).permutation(len(pool))
+    return [pool[i] for i in order]
 
 
 def read_traffic(path: str | Path) -> list[Shape]:
