@@ -1,7 +1,8 @@
 """Issue-11 benchmark: does the strategy library warm-start a new model's study?
 
     python benchmarks/warm_start.py [--models resnet50,mobilenetv2,bert-base,gpt2,vit-b16,unet3d]
-        [--extra minilm=/path/minilm.onnx ...] [--trials 16] [-o warm_start.json]
+        [--extra minilm=/path/minilm.onnx ...] [--trials 16] [--cold sqlite:///cold.db]
+        [--full-warm] [-o warm_start.json]
 
 Leave-one-out: every model is tuned cold (no library); then, for each model, a warm study
 starts from a library holding the cold winners of all the *other* models (same hardware
@@ -10,6 +11,10 @@ best-so-far first comes within 3 % of it (each study's own measurements), and â€
 the warm study's best configuration within its first 25 % of trials timed *interleaved*
 against the cold study's best (two studies run minutes apart on a shared machine cannot be
 compared by their own numbers): within 3 % when that P50 ratio is â‰¤ 1.03.
+
+A warm study runs only its first 25 % of trials unless `--full-warm` (the verdict needs no
+more: the trials after them cannot change what the first ones found). `--cold URL` reuses the
+cold studies of an earlier run (their storage, printed at its start) instead of tuning again.
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ def study(source: str, url: str, name: str, trials: int, warm: bool, say) -> dic
     return tune(plan_of(source, url, name, trials), None, say=say, warm_start=warm).to_json()
 
 
+def earlier(url: str, name: str) -> list[dict]:
+    """A finished study's history, as `tune` reports it."""
+    import optuna
+
+    trials = optuna.load_study(study_name=name, storage=url).trials
+    return [{"trial": t.number, "values": t.values, "params": t.params} for t in trials]
+
+
 def best_params(history: list[dict], first: int | None = None) -> dict | None:
     done = [h for h in sorted(history, key=lambda h: h["trial"])[:first] if h["values"]]
     return min(done, key=lambda h: h["values"][0])["params"] if done else None
@@ -77,6 +90,8 @@ def main() -> None:
     parser.add_argument("--models", default="resnet50,mobilenetv2,bert-base,gpt2,vit-b16,unet3d")
     parser.add_argument("--extra", action="append", default=[], help="NAME=path.onnx")
     parser.add_argument("--trials", type=int, default=16)
+    parser.add_argument("--cold", help="storage URL of an earlier run's cold studies")
+    parser.add_argument("--full-warm", action="store_true", help="run every warm trial")
     parser.add_argument("-o", "--output", default="warm_start.json")
     args = parser.parse_args()
     console = Console(stderr=True)
@@ -84,14 +99,18 @@ def main() -> None:
     sources = {m: f"zoo:{m}" for m in args.models.split(",") if m}
     sources |= dict(e.split("=", 1) for e in args.extra)
     work = Path(tempfile.mkdtemp(prefix="warm-start-"))
-    cold_url = f"sqlite:///{work / 'cold.db'}"
+    cold_url = args.cold or f"sqlite:///{work / 'cold.db'}"
+    say(f"cold studies in {cold_url}")
     results: dict = {"trials": args.trials, "models": {}}
     colds: dict[str, dict] = {}
     for name, source in sources.items():
         say(f"cold study: {name}")
-        cold = study(source, cold_url, f"cold-{name}", args.trials, False, say)
-        results["models"][name] = {"cold": best_so_far(cold["history"])}
-        colds[name] = best_params(cold["history"]) or {}
+        history = (
+            earlier(cold_url, f"cold-{name}") if args.cold
+            else study(source, cold_url, f"cold-{name}", args.trials, False, say)["history"]
+        )  # fmt: skip
+        results["models"][name] = {"cold": best_so_far(history)}
+        colds[name] = best_params(history) or {}
         Path(args.output).write_text(json.dumps(results, indent=2))  # an interrupted run keeps it
     cold_records = Library(cold_url).records()
     for name, source in sources.items():
@@ -101,12 +120,13 @@ def main() -> None:
             if record.model != name.split(":")[-1] and record.model != Path(source).stem:
                 library.add(record)
         say(f"warm study: {name} (from {len(library.records())} other models)")
-        warm = study(source, url, f"warm-{name}", args.trials, True, say)
+        quarter = max(1, int(0.25 * args.trials))
+        warm_trials = args.trials if args.full_warm else quarter
+        warm = study(source, url, f"warm-{name}", warm_trials, True, say)
         curve, cold_curve = best_so_far(warm["history"]), results["models"][name]["cold"]
         target = min(v for v in cold_curve if v is not None) * (1 + WITHIN)
         reached = next((i + 1 for i, v in enumerate(curve) if v is not None and v <= target),
                        None)  # fmt: skip
-        quarter = max(1, int(0.25 * args.trials))
         early = best_params(warm["history"], quarter)
         ratio = interleaved(source, early, colds[name]) if early else None
         results["models"][name] |= {
