@@ -212,7 +212,7 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_refused(tmp_path):
     pytest.importorskip("openvino")
     if openvino_bf16():
         pytest.skip("this CPU has bf16 kernels")
-    with pytest.raises(kiln.KilnError, match="no bf16 artifact: openvino computes in f32"):
+    with pytest.raises(kiln.KilnError, match="no bf16 artifact: openvino has no bf16 kernels"):
         kiln.compile("zoo:resnet-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16")
     assert not (tmp_path / "b.kiln").exists()
 
