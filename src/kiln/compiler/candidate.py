@@ -39,6 +39,7 @@ from kiln.precision import (
     calibration_for,
     check_precision,
     is_static,
+    no_bf16_kernels,
     pass_name,
     quantize_under_budget,
 )
@@ -163,7 +164,7 @@ def compile_candidate(
     if precision == "bf16" and result.ok:
         executable = built.executable or _compile(result)
         result.plan = bf16_plan(result.model, engine, executable)
-        refusal = _no_bf16_kernels(engine) or bf16_refusal(engine, executable)
+        refusal = no_bf16_kernels(engine) or bf16_refusal(engine, executable)
         if refusal:
             raise KilnError(
                 f"{loaded.source}: no bf16 artifact: {refusal}. Nothing was written; use "
@@ -174,18 +175,6 @@ def compile_candidate(
     elif quantized and result.ok:
         _quantize(result, calibration, target, say)
     return result
-
-
-def _no_bf16_kernels(engine: str) -> str | None:
-    """Why an engine's bf16 is no bf16 artifact here: OpenVINO on AVX-512 without AVX512_BF16
-    or AMX accepts the bf16 hint and emulates it — bf16's rounding at more than fp32's cost."""
-    if engine != "openvino":
-        return None
-    from kiln.backends.openvino import cpu_runs_bf16
-
-    if cpu_runs_bf16():
-        return None
-    return "openvino has no bf16 kernels on this CPU (they need AMX or AVX512_BF16)"
 
 
 def is_prequantized(model: ir.Model) -> bool:

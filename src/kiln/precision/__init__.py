@@ -4,7 +4,7 @@ that break the budget out of the lower precision. A stage of the compiler that n
 """
 
 from kiln.errors import KilnError
-from kiln.precision.bf16 import bf16_plan, bf16_refusal
+from kiln.precision.bf16 import bf16_plan, bf16_refusal, no_bf16_kernels
 from kiln.precision.calibration import Calibration, calibration_for
 from kiln.precision.guard import PrecisionPlan, pass_name, quantize_guarded
 from kiln.precision.quantizers import is_static
@@ -40,6 +40,7 @@ __all__ = [
     "Quantized",
     "bf16_plan",
     "bf16_refusal",
+    "no_bf16_kernels",
     "calibration_for",
     "check_precision",
     "conv_heavy",

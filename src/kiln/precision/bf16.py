@@ -20,6 +20,19 @@ def bf16_refusal(engine: str, executable: Any) -> str | None:
     )
 
 
+def no_bf16_kernels(engine: str) -> str | None:
+    """Why an engine's bf16 is no bf16 artifact on this CPU, before any build: OpenVINO on
+    AVX-512 without AVX512_BF16 or AMX accepts the bf16 hint and emulates it — bf16's rounding
+    at more than fp32's cost."""
+    if engine != "openvino":
+        return None
+    from kiln.backends.openvino import cpu_runs_bf16
+
+    if cpu_runs_bf16():
+        return None
+    return "openvino has no bf16 kernels on this CPU (they need AMX or AVX512_BF16)"
+
+
 def bf16_plan(model: ir.Model, engine: str, executable: Any) -> dict[str, Any]:
     nodes = {n.name for n in model.graph}  # the engine also names layers it made itself
     kept = {
