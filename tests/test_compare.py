@@ -148,6 +148,18 @@ def test_graphs_that_share_nothing_compare_their_outputs_only(zoo_files, tmp_pat
     assert data["first_divergence"] is None and data["layers"][0]["exact"]
 
 
+def test_unrelated_models_sharing_node_names_compare_their_outputs_only():
+    # both name their pooling node `avgpool`; its tensors are [1, 64, 1, 1] and [1, 256, 1, 1]
+    data = compare("zoo:resnet-tiny", "zoo:mobilenetv2-tiny").to_json()
+    assert not data["related"] and data["first_divergence"] is None
+    assert all(row["output"] for row in data["layers"]) and data["shared_tensors"] == 0
+    note = next(n for n in data["notes"] if "not two versions of one model" in n)
+    assert "avgpool: shape" in note and "only the outputs are compared" in note
+    from kiln.report.compare import headline
+
+    assert "while its inputs agree" not in headline(data)
+
+
 def test_cli_json_html_and_model_explorer(zoo_files, tmp_path):
     bad = tmp_path / "bad.onnx"
     planted = perturbed_copy(zoo_files / "resnet-tiny.onnx", bad)

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kiln.artifact import read_artifact  # noqa: E402
-from kiln.compress import compress  # noqa: E402
+from kiln.compress import Result, Row, compress  # noqa: E402
+from kiln.compress.api import fastest_within_budget  # noqa: E402
 from kiln.compress.data import Dataset, Split, digits  # noqa: E402
 from kiln.compress.models import DigitsCNN, PatchTransformer  # noqa: E402
 from kiln.compress.train import Recipe  # noqa: E402
@@ -39,6 +40,9 @@ TINY_MODELS = textwrap.dedent(
 
     def transformer():
         return PatchTransformer(dim=16, depth=1, heads=2)
+
+    def cnn_of(width):
+        return DigitsCNN((width, 8, 8), convs=1)
     """
 )
 
@@ -145,14 +149,119 @@ def test_cli_json_and_bad_data(tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result["methods"]) == {"fp32", "distill"}
-    assert result["chosen"] == "distill" and read_artifact(tmp_path / "out.kiln").manifest
-    for row in result["methods"].values():
+    rows = result["methods"]
+    fastest = min(rows, key=lambda name: rows[name]["p50_ms"])  # both within --max-drop 0.99
+    assert result["chosen"] == fastest and read_artifact(tmp_path / "out.kiln").manifest
+    for row in rows.values():
         assert {"accuracy", "p50_ms", "params", "flops", "artifact"} <= set(row)
+    # every path the JSON names is there after the command (the temporary ones are not named)
+    assert rows[fastest]["artifact"] == result["output"] == "out.kiln"  # as given, in cwd
+    assert [row["artifact"] for name, row in rows.items() if name != fastest] == [None]
     bad = kiln("compress", "tiny:transformer", "--data", "tiny:small_images", "-o", "bad.kiln",
                cwd=tmp_path)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "(N, 1, 8, 8)" in bad.stderr
     assert not (tmp_path / "bad.kiln").exists()
+    needy = kiln("compress", "tiny:cnn_of", "--data", "tiny:data", "-o", "bad.kiln",
+                 cwd=tmp_path)  # fmt: skip
+    assert needy.returncode == 2, needy.stderr  # the user's factory, not a bug in Kiln
+    assert needy.stderr.strip().count("\n") == 0
+    assert "model factory tiny:cnn_of(width) needs arguments" in needy.stderr
+    assert not (tmp_path / "bad.kiln").exists()
+
+
+class NotBuiltIn(torch.nn.Module):
+    """A user's own CNN: Kiln has no built-in student for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, stride=4)
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(dim=(2, 3)))
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Training (or distilling, or QAT) fails the test: errors must come before any."""
+    import kiln.compress.api as api
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("trained before the error")
+
+    for name in ("fit", "distill", "qat"):
+        monkeypatch.setattr(api, name, refuse)
+
+
+def needs_width(width: int) -> DigitsCNN:
+    return DigitsCNN((width, 8, 8), convs=1)
+
+
+def not_a_module() -> dict:
+    return {"conv": 1}
+
+
+def needs_a_path(path: str) -> Dataset:
+    raise AssertionError("never called")
+
+
+def wrong_classes() -> DigitsCNN:
+    return DigitsCNN((2, 4, 4), convs=1, classes=3)
+
+
+@pytest.mark.parametrize(
+    ("model", "loader", "student", "message"),
+    [
+        (needs_width, None, None, r"model factory .*:needs_width\(width\) needs arguments"),
+        (not_a_module, None, None, r"model factory .*:not_a_module returned a dict; expected a "
+         r"torch.nn.Module"),
+        (tiny_cnn, needs_a_path, None, r"data loader .*:needs_a_path\(path\) needs "
+         r"arguments"),
+        (tiny_cnn, None, needs_width, r"student factory .*:needs_width\(width\) needs"),
+        (tiny_cnn, None, not_a_module, r"student factory .*:not_a_module returned a dict"),
+        (tiny_cnn, None, wrong_classes, r"the student: DigitsCNN returns \(2, 3\).*10 classes"),
+    ],
+)  # fmt: skip
+def test_the_users_own_functions_are_named_before_training(
+    tmp_path, data, no_training, model, loader, student, message
+):
+    out = tmp_path / "out.kiln"
+    with pytest.raises(KilnError, match=message) as error:
+        compress(model, loader or data, out, method="distill", student=student, **QUICK)
+    assert "\n" not in str(error.value)
+    assert not out.exists()
+
+
+def test_distill_without_a_student_is_refused_before_training(tmp_path, data, no_training):
+    out = tmp_path / "out.kiln"
+    with pytest.raises(KilnError, match="no built-in student for NotBuiltIn: give one with"):
+        compress(NotBuiltIn(), data, out, method="distill", **QUICK)
+    assert not out.exists()
+
+
+def test_all_without_a_student_skips_distillation_saying_why(data):
+    import kiln.compress.api as api
+
+    student, why = api._student(NotBuiltIn(), None, "all", data)  # decided before training
+    assert student is None and "no built-in student for NotBuiltIn" in why
+    student, why = api._student(tiny_cnn(), None, "all", data)
+    assert isinstance(student, DigitsCNN) and why is None
+
+
+def _row(method: str, accuracy: float, p50_ms: float) -> Row:
+    return Row(method, "fp32", accuracy, accuracy, 1, 1, f"{method}.kiln", p50_ms)
+
+
+def test_the_uncompressed_model_wins_when_compression_made_it_slower():
+    # the issue's figures: fp32 0.50 ms, QAT 1.04 ms, both 100 % accurate
+    rows = [_row("fp32", 1.0, 0.50), _row("int8-ptq", 1.0, 0.90), _row("qat", 1.0, 1.04)]
+    result = Result("SmallCNN", "digits", 64, "accuracy", 0.01, rows)
+    assert fastest_within_budget(result).method == "fp32"
+    rows.append(_row("prune", 0.995, 0.30))  # faster and within the budget: it wins
+    assert fastest_within_budget(result).method == "prune"
+    rows.append(_row("distill", 0.9, 0.10))  # faster still, but loses 10 pt
+    assert fastest_within_budget(result).method == "prune"
 
 
 @pytest.mark.parametrize(

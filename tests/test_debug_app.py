@@ -251,3 +251,32 @@ def test_the_cli_serves_until_stopped(files, tmp_path):
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert process.returncode == 0, process.stderr.read()
+
+
+@pytest.mark.parametrize(
+    "body", [b"not arrays at all", b"PK\x03\x04 a broken zip", b"\x93NUMPY broken"]
+)
+def test_an_upload_that_is_not_arrays_says_what_is_expected(client, body):
+    answer = client.post("/api/inputs", content=body)
+    detail = answer.json()["detail"]
+    assert answer.status_code == 400 and ".npz" in detail and ".npy" in detail
+    assert "allow_pickle" not in detail  # numpy's hint, not what Kiln expects
+    assert "pickled objects are not loaded" in detail
+
+
+def test_ctrl_c_stops_without_a_traceback(tmp_path):
+    for _ in range(3):  # the failure it guards against came one run in two
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln", "debug", "zoo:bert-tiny", "--port", "0", "--no-open",
+             "--json"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            ready = json.loads(process.stdout.readline())  # printed once it accepts requests
+            assert httpx.get(f"{ready['url']}/api/session", timeout=30).status_code == 200
+            process.send_signal(signal.SIGINT)  # while the profile runs in the background
+            _, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode in (0, 130), stderr
+        assert "Traceback" not in stderr and "terminate called" not in stderr, stderr

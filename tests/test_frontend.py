@@ -196,7 +196,9 @@ def test_bert_compiles_verified_against_torch(tmp_path):
 
 def test_pt2_through_the_cli(tmp_path):
     model, example = _cnn(), torch.rand(2, 3, 32, 32)
-    torch.export.save(torch.export.export(model, (example,)), tmp_path / "m.pt2")
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, tmp_path / "m.pt2")
     result = subprocess.run(
         [sys.executable, "-m", "kiln", "optimize", "m.pt2", "-o", "x.kiln", "--rounds", "0",
          "--json"],
@@ -209,6 +211,14 @@ def test_pt2_through_the_cli(tmp_path):
     provenance = json.loads((tmp_path / "x.kiln" / "provenance.json").read_text())
     assert any(BLOCK_LINE in entry.get("source", []) for entry in provenance.values())
 
+    # The dynamic batch is named `batch` (not torch's `s77`), so buckets can name it.
+    artifact = kiln.Session(tmp_path / "x.kiln", buckets="batch=1,2")
+    with artifact as session:
+        assert session.get_inputs()[0].shape[0] == "batch"
+        outputs = session.run(None, {"x": example[:1].numpy()})
+    with torch.no_grad():
+        _close_to_torch(outputs, [model(example[:1])])
+
     # The artifact's original is the .pt2, found again (and exported again) by compare.
     compared = subprocess.run(
         [sys.executable, "-m", "kiln", "compare", "m.pt2", "x.kiln", "--json"],
@@ -217,6 +227,60 @@ def test_pt2_through_the_cli(tmp_path):
     assert compared.returncode == 0, compared.stderr
     report = json.loads(compared.stdout)
     assert report["first_divergence"] is None and report["layers"]
+
+
+def test_program_dims_keep_their_names(tmp_path):
+    class Pair(nn.Module):
+        def forward(self, x, y):
+            return x.sum(1) + y[:, 0]
+
+    batch, width = torch.export.Dim("batch"), torch.export.Dim("width")
+    program = torch.export.export(
+        Pair(), (torch.rand(2, 4), torch.rand(2, 5)),
+        dynamic_shapes=({0: batch, 1: width}, {0: batch}),
+    )  # fmt: skip
+
+    def dims(proto: onnx.ModelProto) -> list[list]:
+        values = [*proto.graph.input, *proto.graph.output]
+        return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values]
+
+    assert dims(to_onnx(program)) == [["batch", "width"], ["batch", 5], ["batch"]]
+    # torch.export.save keeps no Dim names: the leading dim is `batch`, the rest by input
+    torch.export.save(program, tmp_path / "p.pt2")
+    loaded = torch.export.load(tmp_path / "p.pt2")
+    assert dims(to_onnx(loaded)) == [["batch", "x_dim1"], ["batch", 5], ["batch"]]
+
+
+def test_truncated_pt2_is_one_line_without_a_traceback(tmp_path):
+    program = torch.export.export(_cnn(), (torch.rand(1, 3, 32, 32),))
+    torch.export.save(program, tmp_path / "m.pt2")
+    whole = (tmp_path / "m.pt2").read_bytes()
+    (tmp_path / "m.pt2").write_bytes(whole[: len(whole) // 2])
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln", "optimize", "m.pt2", "-o", "x.kiln"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "m.pt2: cannot be read as a torch.export program" in result.stderr
+    assert not (tmp_path / "x.kiln").exists()
+
+
+def test_wrong_example_inputs_are_named_not_the_module():
+    with pytest.raises(KilnError) as caught:
+        to_onnx(_cnn(), (torch.rand(2, 5, 32, 32),))  # 5 channels; the CNN takes 3
+    message = str(caught.value)
+    assert message.startswith("SmallCNN: example_inputs do not fit the module")
+    assert "3 channels" in message and "Fix the module" not in message and "\n" not in message
+
+
+def test_wrong_dynamic_shapes_are_named_not_the_module():
+    with pytest.raises(KilnError) as caught:  # the channel dim is fixed by the conv weight
+        to_onnx(_cnn(), (torch.rand(2, 3, 32, 32),), dynamic_shapes=({1: "channels"},))
+    message = str(caught.value)
+    assert message.startswith("SmallCNN: dynamic_shapes ({1: 'channels'},) does not fit")
+    assert "Fix the module" not in message and "\n" not in message
 
 
 def test_pt2_without_torch_says_how_to_install(tmp_path):

@@ -65,7 +65,10 @@ def test_unknown_bucket_dim_is_refused_naming_the_dims():
 
 
 def test_metadata_for_the_server(bert):
-    assert bert.inputs[0] == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}
+    seq = bert.limits["seq"].limit  # the position table's length (test_session_limits.py)
+    assert bert.inputs[0] == {
+        "name": "input_ids", "datatype": "INT64", "shape": [-1, -1], "max_shape": [-1, seq]
+    }  # fmt: skip
     assert bert.outputs[0] == {
         "name": "last_hidden_state",
         "datatype": "FP32",

@@ -140,7 +140,8 @@ def test_tritonclient_outputs_equal_onnxruntime(bert: Server, binary: bool) -> N
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(BERT)
     meta = client.get_model_metadata(BERT)
     assert [i["name"] for i in meta["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
-    assert meta["inputs"][0] == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}
+    kserve = {k: meta["inputs"][0][k] for k in ("name", "datatype", "shape")}  # + max_shape
+    assert kserve == {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}
     feeds = _bert_feeds(3, 11)  # padded to the batch=4 seq=16 bucket, sliced back
     want = _reference(BERT, feeds)
     # Both outputs named, and none named (then the server sends every output in binary).
@@ -206,6 +207,27 @@ def test_bad_requests_answer_400_in_kserve_form(bert: Server) -> None:
         response = _post(bert, body)
         assert response.status_code == 400, (body, response.text)
         assert message in response.json()["error"], (body, response.text)
+
+
+def _bert_json(seq: int) -> str:
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    return _json_request(**{n: {"shape": [1, seq], "data": [0] * seq} for n in names})
+
+
+def test_a_request_past_the_models_limit_is_refused_naming_input_dim_and_limit(bert) -> None:
+    (table,) = [
+        t for t in zoo.build(BERT).graph.initializer
+        if t.name == "embeddings.position_embeddings.weight"
+    ]  # fmt: skip
+    limit = int(table.dims[0])  # the model's position table: the longest sequence it takes
+    meta = httpx.get(f"{bert.base}/v2/models/{BERT}").json()
+    assert {i["name"]: i["max_shape"] for i in meta["inputs"]}["input_ids"] == [-1, limit]
+    response = _post(bert, _bert_json(limit + 1))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert f"input 'input_ids' has seq={limit + 1}" in error and f"at most seq={limit}" in error
+    assert bert.metric('kiln_request_failures_total{code="400",model="bert-tiny"}') >= 1
+    assert _post(bert, _bert_json(limit)).status_code == 200
 
 
 def test_oversize_unknown_model_and_metrics(bert: Server) -> None:

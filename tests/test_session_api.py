@@ -183,3 +183,87 @@ def test_numpy_text_is_accepted_for_string_inputs(tmp_path):
         ] * 2
         with pytest.raises(KilnError, match="input 'scale' has dtype <U1"):
             session.run(None, {**unicode, "scale": np.array("2")})  # text where a float goes
+
+
+def test_onnxruntime_constructor_arguments_are_taken(bert_file):
+    """The first line of most ONNX Runtime code, with kiln.Session in place of
+    InferenceSession: positional sess_options, providers, run_options."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    reference = ort.InferenceSession(bert_file, so, providers=["CPUExecutionProvider"])
+    with kiln.Session(bert_file, so, ["CPUExecutionProvider"]) as session:
+        assert session.options["intra_op_threads"] == 1
+        assert session.options["optimization"] == "basic"
+        assert session.options["inter_op_threads"] == 0  # left at ORT's default: Kiln's own
+        assert session.get_providers() == reference.get_providers()
+        given = feeds()
+        got = session.run(None, given, ort.RunOptions())
+        for g, w in zip(got, reference.run(None, given, ort.RunOptions()), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        stop = ort.RunOptions()
+        stop.terminate = True
+        with pytest.raises(KilnError, match="run_options.terminate"):
+            session.run(None, given, stop)
+        with pytest.raises(KilnError, match="run_options must be an onnxruntime.RunOptions"):
+            session.run(None, given, {"terminate": True})
+    # As ONNX Runtime does, the first provider it can run is used.
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
+        session = kiln.Session(
+            bert_file, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+        )
+    with session:
+        assert session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_onnxruntime_arguments_kiln_cannot_honour_are_refused(bert_file):
+    with pytest.raises(KilnError, match=r"none of the providers \['TensorrtExecutionProvider'\]"
+                       r".*CPUExecutionProvider.*OpenVINOExecutionProvider"):  # fmt: skip
+        kiln.Session(bert_file, providers=["TensorrtExecutionProvider"])
+    with pytest.raises(KilnError, match="providers must be a list"):
+        kiln.Session(bert_file, providers="CPUExecutionProvider")
+    with pytest.raises(KilnError, match="backend 'ort'.*backend='openvino'"):
+        kiln.Session(bert_file, providers=["CPUExecutionProvider"], backend="openvino")
+    with pytest.raises(KilnError, match="provider options.*options="):
+        kiln.Session(bert_file, providers=[("CPUExecutionProvider", {"arena": "1"})])
+    with pytest.raises(KilnError, match="provider_options are not taken"):
+        kiln.Session(bert_file, None, ["CPUExecutionProvider"], [{"arena": "1"}])
+    profiling = ort.SessionOptions()
+    profiling.enable_profiling = True
+    with pytest.raises(KilnError, match="enable_profiling.*kiln profile"):
+        kiln.Session(bert_file, profiling)
+    layout = ort.SessionOptions()
+    layout.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_LAYOUT
+    with pytest.raises(KilnError, match="ORT_ENABLE_LAYOUT is not supported; use one of"):
+        kiln.Session(bert_file, layout)
+    with pytest.raises(KilnError, match="sess_options must be an onnxruntime.SessionOptions"):
+        kiln.Session(bert_file, {"intra_op_num_threads": 1})
+
+
+def test_openvino_provider_picks_openvino(bert_file):
+    pytest.importorskip("openvino")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    with kiln.Session(bert_file, so, providers=["OpenVINOExecutionProvider"]) as session:
+        assert session.get_providers() == ["OpenVINO:CPU"]
+        assert session.options["inference_num_threads"] == 1
+    parallel = ort.SessionOptions()
+    parallel.inter_op_num_threads = 2
+    with pytest.raises(KilnError, match="inter_op_num_threads = 2 has no equivalent.*openvino"):
+        kiln.Session(bert_file, parallel, providers=["OpenVINOExecutionProvider"])
+
+
+def test_the_signature_shows_the_real_parameters():
+    import inspect
+
+    from kiln.runtime import Session
+
+    parameters = inspect.signature(Session).parameters
+    assert list(parameters)[:4] == [
+        "path_or_model",
+        "sess_options",
+        "providers",
+        "provider_options",
+    ]
+    assert {"backend", "buckets", "options", "keep_requests"} <= set(parameters)
+    assert "run_options" in inspect.signature(Session.run).parameters

@@ -84,6 +84,8 @@ def test_a_new_model_is_warm_started_from_the_nearest_winner_on_this_hardware_on
         (["--time", "0"], "--time 0: give a positive duration"),
         (["--trials", "0"], "--trials 0: give 1 or more"),
         (["--max-p50", "fast"], "--max-p50 fast: expected a number"),
+        (["--max-p50", "20"], "--max-p50 20: expected a number with a unit (us, ms, s)"),
+        (["--max-memory", "2"], "--max-memory 2: expected a number with a unit"),
         (["--storage", "postgresql+psycopg://kiln@127.0.0.1:1/none"], "cannot connect"),
         (["--storage", "nonsense://"], "not a database URL"),
         (["--clients", "4"], "--clients measures served throughput: add --objective throughput"),
@@ -101,7 +103,7 @@ def test_bad_input_is_one_line_before_any_work(args, message):
 
 
 def test_a_budget_no_configuration_meets_is_one_line_and_the_study_stays(tmp_path):
-    with pytest.raises(kiln.KilnError, match="no configuration met the budget in 2 trials"):
+    with pytest.raises(kiln.KilnError, match="no configuration met the budget in 2 finished"):
         tune(plan(trials=2, study="impossible", precisions=["int8"], base=CompileConfig(
             metric="cosine", max_drop=0.0)), tmp_path / "x.kiln", say=lambda _m: None)  # fmt: skip
     assert not (tmp_path / "x.kiln").exists()
@@ -185,3 +187,63 @@ def test_bad_traffic_is_one_line_and_no_study_is_made(tmp_path, content, message
     lines = outcome.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], outcome.stderr
     assert "bad-traffic" not in optuna.get_all_study_names(default_url())
+
+
+def test_a_resumed_study_checks_its_pick_against_the_limits_given_now(tmp_path):
+    from kiln.tune.objectives import parse_constraint
+
+    easy, impossible = parse_constraint("max_p50", "20s"), parse_constraint("max_p50", "1us")
+    tune(plan("zoo:bert-tiny", trials=1, study="limits", constraints=[easy]), None,
+         say=lambda _m: None)  # fmt: skip
+    # The same study, resumed under a limit its one trial does not meet: refused, no artifact.
+    with pytest.raises(kiln.KilnError, match="1 measured outside --max-p50 1us"):
+        tune(plan("zoo:bert-tiny", trials=1, study="limits", constraints=[impossible]),
+             tmp_path / "x.kiln", say=lambda _m: None)  # fmt: skip
+    assert not (tmp_path / "x.kiln").exists()
+
+
+def test_time_bounds_the_whole_command_confirmation_included(monkeypatch):
+    import kiln.tune.study as study_module
+
+    asked = {}
+    real = study_module.confirm
+
+    def spy(*args, **kwargs):
+        asked.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(study_module, "confirm", spy)
+    made = plan("zoo:bert-tiny", trials=1, study="timed", timeout_s=20.0)
+    made.confirm_seconds = 30.0  # the default: more than --time holds
+    tune(made, None, say=lambda _m: None)
+    assert asked["limit_s"] is not None and asked["limit_s"] <= 20.0
+    assert asked["seconds"] == 0.0  # the pick is the defaults: nothing to tighten
+
+
+def test_an_artifact_is_tuned_from_the_source_model_its_manifest_records(tmp_path):
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln")
+    assert plan(str(artifact.path), trials=1).source == "zoo:bert-tiny"
+    (tmp_path / "not-an-artifact").mkdir()
+    with pytest.raises(kiln.KilnError, match="not a Kiln artifact"):
+        plan(str(tmp_path / "not-an-artifact"))
+
+
+def test_a_pt2_is_tuned_and_verified_on_its_saved_example(tmp_path):
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    program = torch.export.export(module, (torch.randn(2, 8),))
+    torch.export.save(program, tmp_path / "m.pt2")
+    result = tune(plan(str(tmp_path / "m.pt2"), trials=1), tmp_path / "m.kiln",
+                  say=lambda _m: None)  # fmt: skip
+    assert result.study.startswith("m-latency")
+    manifest = json.loads((tmp_path / "m.kiln" / "manifest.json").read_text())
+    assert manifest["verification"]["ok"] and manifest["source"]["path"].endswith("m.pt2")
+
+
+def test_inline_traffic_json_is_read_as_the_requests_themselves():
+    from kiln.tune.traffic import load_traffic
+
+    assert load_traffic('[{"seq": 12}, {"seq": 40}]', default_url()) == [{"seq": 12},
+                                                                          {"seq": 40}]  # fmt: skip
+    with pytest.raises(kiln.KilnError, match="request 0 is"):
+        load_traffic('[{"seq": 0}]', default_url())

@@ -156,3 +156,112 @@ def test_traffic_recorded_by_the_feedback_loop_is_replayed_in_its_proportions():
     assert set(seqs[:20]) == {8, 16}  # interleaved, not one shape after the other
     with pytest.raises(kiln.KilnError, match="no windows with dynamic dims for 'gpt2-tiny'"):
         load_traffic("served:gpt2-tiny", default_url())
+
+
+def test_the_confirmed_speedup_is_the_ratio_of_the_p50s_printed_beside_it(monkeypatch):
+    import kiln.tune.confirm as confirm_module
+    from kiln.tune.bench import Built
+    from kiln.tune.measure import Duel
+
+    # Rounds where the median of per-round ratios (1.0) and the ratio of the two P50s
+    # (0.0942 / 0.1 = 0.942) disagree, as in the issue.
+    tuned = [[0.0942e-3] * 5, [0.0942e-3] * 5, [0.2e-3] * 5, [0.0942e-3] * 5, [0.3e-3] * 5]
+    base = [[0.0942e-3] * 5, [0.0942e-3] * 5, [0.1e-3] * 5, [0.1e-3] * 5, [0.3e-3] * 5]
+    monkeypatch.setattr(confirm_module, "duel", lambda *a, **k: Duel(
+        confirm_module.speedup_interval(tuned, base), tuned, base))  # fmt: skip
+    built = Built(choice=None, result=None, runners=[lambda: None])
+    gains = confirm_module.confirm(built, built, runs=10, seconds=0.0, memory=False)
+    p50 = gains["defaults"]["p50_ms"]["value"], gains["tuned"]["p50_ms"]["value"]
+    assert gains["speedup"]["value"] == pytest.approx(p50[0] / p50[1])
+    assert p50 == pytest.approx((0.1, 0.0942))
+    speed = gains["speedup"]
+    assert speed["low"] <= speed["value"] <= speed["high"]
+
+
+def test_speedup_interval_is_kiln_timings_speedup_with_an_interval():
+    from kiln.timing import speedup
+    from kiln.tune.measure import speedup_interval
+
+    rng = np.random.default_rng(0)
+    base = [list(rng.normal(2e-3, 1e-4, 10)) for _ in range(12)]
+    fast = [list(rng.normal(1e-3, 1e-4, 10)) for _ in range(12)]
+    got = speedup_interval(base, fast)
+    assert got.value == speedup(base, fast).value and got.low <= got.value <= got.high
+    assert got.low > 1.5  # twice as fast: the whole interval says so
+
+
+def test_a_sessions_memory_is_its_peak_in_a_process_of_its_own(tmp_path):
+    from kiln.runtime.footprint import peak_memory
+
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln")
+    ballast = np.ones(50_000_000, np.float32)  # 190 MiB in this process: not the session's
+    got = peak_memory(artifact.path, runs=2)
+    assert 0 < got["load_mib"] <= got["peak_mib"] < 100, got
+    assert got["baseline_mib"] < ballast.nbytes / 2**20, got
+    with pytest.raises(kiln.KilnError, match="measuring the memory of"):
+        peak_memory(tmp_path / "missing.kiln", runs=1)
+
+
+def test_a_trials_memory_is_its_sessions_peak_not_this_processs_growth():
+    from kiln.ir.load import load_model
+    from kiln.tune.bench import Workbench
+    from kiln.tune.space import choice_of, default_params
+
+    model = load_model("zoo:bert-tiny")
+    bench = Workbench(model, CompileConfig(), parse_objectives(["memory"]), [], 0.3)
+    space = Space(("ort",), ("fp32",), cores=2)
+    choice = choice_of(default_params(space), space, model.model, CompileConfig())
+    first, again = bench.build(choice), bench.build(choice)  # the second compile is cached
+    assert first.memory_mib > 1 and again.memory_mib > 1  # growth read 0.0 MiB here
+    assert bench.measure(first).measures["memory_mib"] == first.memory_mib
+
+
+def _result(**gains_extra):
+    interval = {"value": 0.1, "low": 0.09, "high": 0.11}
+    side = {"p50_ms": interval, "p99_ms": interval, "jitter": interval, "memory_mib": None}
+    defaults = {"engine": "ort", "ort.precision": "fp32", "ort.threads": 2}
+    return {
+        "study": "s", "storage": "sqlite:///x.db", "artifact": None,
+        "trials": {"COMPLETE": 2, "PRUNED": 1, "WAITING": 3},
+        "pick": {"trial": 1}, "defaults": {"params": defaults}, "changed": {},
+        "gains": {"verdict": "no better", "tuned": side, "defaults": side,
+                  "speedup": {**interval, "runs": 100},
+                  "measured": {"trial": 1, "engine": "ort", "precision": "int8",
+                               "changed": {"ort.precision": ["fp32", "int8"]}},
+                  **gains_extra},
+        "pareto": [{"trial": 1, "values": [0.09], "params": {}}], "warm_start": [],
+        "objectives": [{"name": "latency", "unit": "ms", "direction": "minimize"}],
+        "history": [
+            {"trial": 0, "state": "COMPLETE", "values": [0.1], "params": defaults,
+             "outside": [], "refused": None, "duplicate_of": None},
+            {"trial": 1, "state": "COMPLETE", "values": [0.09],
+             "params": {**defaults, "ort.precision": "int8"}, "outside": [], "refused": None,
+             "duplicate_of": None},
+            {"trial": 2, "state": "PRUNED", "values": None, "params": {"engine": "openvino"},
+             "outside": [], "refused": "int4 is not supported", "duplicate_of": None},
+        ],
+        "importances": {},
+    }  # fmt: skip
+
+
+def test_the_tune_table_names_the_configuration_measured_and_explains_the_states():
+    from rich.console import Console
+
+    from kiln.report.tune import print_tune
+
+    console = Console(record=True, width=200)
+    print_tune(_result(), console)
+    text = console.export_text()
+    assert "tuned (trial 1)" in text and "ort int8" in text and "ort.precision" in text
+    assert "3 waiting (queued seed or warm-start configurations not run yet" in text
+
+
+def test_the_tune_report_lists_every_trial_with_its_configuration_and_outcome():
+    from kiln.report.tune import tune_html
+
+    page = tune_html(_result(), ["latency"])
+    table = page[page.index("every trial") :]
+    assert "latency (ms)" in table and "best so far" in table
+    assert "picked, Pareto front" in table and "refused: int4 is not supported" in table
+    assert "ort.precision=int8" in table and "optuna-dashboard sqlite:///x.db" in page
+    assert "<td>ort.precision</td><td>fp32</td><td>int8</td>" in page  # the knobs table

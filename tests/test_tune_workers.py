@@ -4,6 +4,7 @@ lost trials, none measured twice, and a killed worker's trial failed and retried
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -111,3 +112,39 @@ def test_two_workers_share_one_study_and_a_killed_workers_trial_is_retried(url):
     measured = [t for t in finished if "duplicate_of" not in t.user_attrs]
     keys = [tuple(sorted(t.params.items())) for t in measured]
     assert len(keys) == len(set(keys)), "a configuration was measured twice"
+
+
+def _pair(tmp_path: Path, index: int) -> list[str]:
+    """Two `kiln tune` commands started at the same moment on a storage neither has made yet
+    (the README's many-machine story, on one SQLite file); what went wrong, if anything."""
+    url = f"sqlite:///{tmp_path / f'race{index}.db'}"
+    command = [
+        sys.executable, "-m", "kiln", "tune", "zoo:bert-tiny", "--backend", "ort", "--precision",
+        "fp32", "--storage", url, "--study", "s", "--trials", "1", "--seconds-per-trial", "0.1",
+        "--confirm-runs", "10", "--no-warm-start", "--json",
+    ]  # fmt: skip
+    workers = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for _ in range(2)]  # fmt: skip
+    problems = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=600)
+        if worker.returncode != 0:
+            problems.append(f"pair {index}: rc {worker.returncode}: {err.strip()[-300:]}")
+        elif json.loads(out)["pick"]["values"] is None and "defaults" not in out:
+            problems.append(f"pair {index}: no pick")
+    return problems
+
+
+def test_two_commands_started_together_share_one_new_study(tmp_path):
+    assert _pair(tmp_path, 0) == []
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'race0.db'}")
+    measured = [t for t in study.trials if t.state.name == "COMPLETE"
+                and "duplicate_of" not in t.user_attrs]  # fmt: skip
+    keys = [tuple(sorted(t.params.items())) for t in measured]
+    assert measured and len(keys) == len(set(keys)), "a configuration was measured twice"
+
+
+@pytest.mark.slow
+def test_twenty_pairs_of_commands_started_together_never_fail(tmp_path):
+    problems = [p for i in range(20) for p in _pair(tmp_path, i)]
+    assert problems == []

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln import __version__
-from kiln.bench.engines import ENGINES, engine_runner, parse_engines
+from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, synthesize
@@ -25,7 +25,7 @@ def _kiln_runner(
     what that engine is: its source model and whether `--backend/--precision auto` chose it."""
     from kiln.backends import get_backend
     from kiln.compiler import CompileConfig, build
-    from kiln.ir import load_model
+    from kiln.compiler.api import load_source
 
     if Path(model).is_dir():
         from kiln.runtime import Session
@@ -33,7 +33,7 @@ def _kiln_runner(
         session = Session(model)
         source = session.artifact.manifest.source.path
         try:
-            original = load_model(source).model
+            original = load_source(source).model  # an .onnx, zoo:NAME or .pt2 program
         except KilnError as exc:
             raise KilnError(
                 f"{model}: bench compares against the original model, {source}, which "
@@ -41,10 +41,11 @@ def _kiln_runner(
             ) from None
         timing = session.artifact.manifest.benchmark or {}
         built = {"source": source, "auto": len(timing.get("candidates", {})) > 1}
+        built["dims"] = session.artifact.manifest.dims
         return original, lambda feeds: lambda: session.run(None, feeds), built
     say(f"compiling {model}")
     config = CompileConfig(engine=backend, shapes=shapes or {})
-    result, _ = build(load_model(model), config, progress=say)
+    result, _ = build(load_source(model), config, progress=say)
     exe = get_backend(backend).compile(result.model, result.options)
     built = {"source": model, "auto": False}
     return result.loaded.model, lambda feeds: lambda: exe.run(feeds), built
@@ -63,17 +64,27 @@ def run_bench(
     inputs: str | None = None,
     calib: str | None = None,
 ) -> dict:
+    from kiln.compiler.reference import fit_original
     from kiln.ir.inputs import read_calibration, read_inputs
+    from kiln.ir.ladder import Guess
 
     engines = parse_engines(against)
     original, kiln_for, built = _kiln_runner(model, say, shapes, backend)
+    dims = {**default_dims(original), **built.pop("dims", {})}  # an artifact's fitted dims
+    dims |= dict.fromkeys(_leading_dims(original), batch)
+    # synthesized inputs fitted as kiln optimize fits them
+    fit = Guess(dict(shapes or {})) if inputs else fit_original(original, shapes, say, dims)
     if inputs:
         feeds = read_inputs(inputs, original)
         batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
     else:
-        leading = {name: batch for name in _leading_dims(original)}
-        feeds = synthesize(original, {**default_dims(original), **leading}, shapes=shapes)
+        feeds = synthesize(original, dims, shapes=fit.shapes, scalars=fit.scalars)
     samples = read_calibration(calib, original) if calib else None
+    if samples is None and any(name.endswith("-int8") for name in engines):
+        samples = [
+            synthesize(original, dims, seed=100 + i, shapes=fit.shapes, scalars=fit.scalars)
+            for i in range(CALIBRATION_SAMPLES)
+        ]  # the engines' own int8 tools calibrated on what the timed runs see
     runners = {}
     for name in engines:
         say(f"preparing engine {name}")

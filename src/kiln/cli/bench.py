@@ -21,7 +21,13 @@ from kiln.errors import KilnError
 
 
 def bench(
-    model: Annotated[str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact.")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
+            "artifact."
+        ),
+    ],
     against: Annotated[
         str,
         typer.Option(

@@ -38,7 +38,9 @@ def compress(
     ] = "all",
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Write the fastest artifact within budget here."),
+        typer.Option(
+            "-o", "--output", help="Write the fastest artifact within budget (fp32 included) here."
+        ),
     ] = None,
     metric: Annotated[
         str, typer.Option(help="What the budget is in: accuracy (top-1 on held-out data).")
@@ -64,7 +66,10 @@ def compress(
     ] = "taylor",
     student: Annotated[
         str | None,
-        typer.Option(help="module:factory of the student (default: half the built-in model)."),
+        typer.Option(
+            help="module:factory of the student (default: half a built-in model; for other "
+            "models --method all skips distillation)."
+        ),
     ] = None,
     epochs: Annotated[int, typer.Option(help="Training epochs of the fp32 recipe.")] = 20,
     train: Annotated[
@@ -82,7 +87,8 @@ def compress(
 
     Trains MODEL on --data (unless --no-train), then per --method builds an artifact, checks
     its accuracy on the held-out test split against fp32, and times every artifact
-    interleaved at batch 64. The fastest one within --max-drop goes to -o. Example:
+    interleaved at batch 64. The fastest one within --max-drop, the uncompressed fp32 one
+    included, goes to -o. Example:
 
       kiln compress kiln.compress.models:digits_cnn --method all --max-drop 0.01 -o cnn.kiln
     """
@@ -130,5 +136,7 @@ def _table(result: dict[str, Any]) -> None:
     console.print(table)
     for name, why in result["skipped"].items():
         console.print(f"{name}: skipped, {why}", highlight=False)
+    if result["note"]:
+        console.print(f"note: {result['note']}", highlight=False)
     if result["output"]:
         console.print(f"wrote {result['output']} ({result['chosen']})", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 from typing import Annotated, Any
@@ -81,12 +82,25 @@ def debug(
 
                 webbrowser.open(address)
 
-        # As `kiln serve`: uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises it under
-        # the handlers found at start; no-op handlers make that a normal exit.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        http_server(create_app(session), on_ready=ready).run(sockets=[sock])
+            signal.signal(sig, _stop)
+        server = http_server(create_app(session), on_ready=ready)
+        # uvicorn would wait on requests in flight (a profile), cancel them with tracebacks, and
+        # on a second Ctrl-C cancel its lifespan task with another: the debugger stops at once.
+        server.handle_exit = _stop  # type: ignore[method-assign]  # capture_signals installs it
+        server.run(sockets=[sock])
+    _stop()
+
+
+def _stop(*_signal: Any) -> None:
+    """Ctrl-C or SIGTERM: say so and end the process here. A profile (measured in the
+    background, or asked by the page) may still be running inside the engine, and letting
+    Python tear down under it aborts the process (C++ terminate); the session keeps nothing
+    worth saving."""
     err.print("stopped.", highlight=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _announce(

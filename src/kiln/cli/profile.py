@@ -13,7 +13,11 @@ from kiln.errors import KilnError
 
 def profile(
     model: Annotated[
-        str, typer.Argument(help="An .onnx file, zoo:NAME, or a NAME.kiln artifact directory.")
+        str,
+        typer.Argument(
+            help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
+            "artifact directory."
+        ),
     ],
     backend: Annotated[
         str | None,

@@ -74,15 +74,22 @@ def show(
 
 @app.command()
 def export(
-    output: Annotated[Path, typer.Option("-o", "--output", help="JSON file to write.")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="JSON file to write; - for stdout.")
+    ],
     storage: StorageOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every record, as JSON (to import into another library)."""
     from kiln.home import atomic_write_json
 
-    check_output(output)
+    to_stdout = str(output) == "-"
+    if not to_stdout:
+        check_output(output)
     records = [r.to_json() for r in _library(storage).records()]
+    if to_stdout:  # the records are the output: no summary beside them
+        emit_json(records)
+        return
     atomic_write_json(output, records)
     if as_json:
         emit_json({"exported": len(records), "path": str(output)})
@@ -92,28 +99,43 @@ def export(
 
 @app.command("import")
 def import_(
-    source: Annotated[Path, typer.Argument(help="A JSON file written by kiln strategies export.")],
+    source: Annotated[
+        Path, typer.Argument(help="A JSON file written by kiln strategies export; - for stdin.")
+    ],
     storage: StorageOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Add the records of an exported file (each keeps its own hardware class)."""
-    from kiln.tune.library import Record
+    """Add the records of an exported file (each keeps its own hardware class). Every record
+    is checked before any is added; a record the library already holds is not added again."""
+    import sys
+
+    from kiln.tune.library import check_record
 
     try:
-        data = json.loads(source.read_text())
-        records = [
-            Record(**{k: v for k, v in item.items() if k not in ("id", "created")}) for item in data
-        ]
+        text = sys.stdin.read() if str(source) == "-" else source.read_text()
     except FileNotFoundError:
         raise KilnError(f"{source}: no such file.") from None
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
-        raise KilnError(f"{source}: not a strategies export ({exc}).") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise KilnError(f"{source}: cannot read it ({why}).") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise KilnError(f"{source}: not JSON ({exc}).") from None
+    if not isinstance(data, list):
+        raise KilnError(f"{source}: expected the JSON list kiln strategies export writes.")
+    records = [check_record(item, f"{source}: record {i}") for i, item in enumerate(data)]
     library = _library(storage)
+    before = {r.id for r in library.records()}
     ids = [library.add(r) for r in records]
+    added = [i for i in dict.fromkeys(ids) if i not in before]
     if as_json:
-        emit_json({"imported": len(ids), "ids": ids})
+        emit_json({"imported": len(added), "already_present": len(ids) - len(added), "ids": ids})
     else:
-        console.print(f"imported {len(ids)} records", highlight=False)
+        present = len(ids) - len(added)
+        console.print(f"imported {len(added)} records"
+                      + (f"; {present} already in the library" if present else ""),
+                      highlight=False)  # fmt: skip
 
 
 @app.command()
@@ -123,7 +145,8 @@ def forget(
     storage: StorageOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Remove a record, or every record of a model."""
+    """Remove a record, or every record of a model (one that is not there is an error, as
+    for show)."""
     if record_id is None and model is None:
         raise KilnError("say what to forget: a record id, or --model NAME.")
     removed = _library(storage).forget(record_id, model)

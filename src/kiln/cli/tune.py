@@ -27,7 +27,14 @@ def parse_duration(text: str) -> float:
 
 
 def tune(
-    model: Annotated[str, typer.Argument(help="An .onnx file or zoo:NAME.")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="An .onnx file, a .pt2 saved by torch.export.save (needs PyTorch; verified on "
+            "its saved example inputs), zoo:NAME, or an artifact NAME.kiln (the source model "
+            "its manifest records is tuned)."
+        ),
+    ],
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write the tuned artifact here.")
     ] = None,
@@ -39,10 +46,20 @@ def tune(
             "front, the first one picks."
         ),
     ] = ["latency"],  # noqa: B006
-    max_p50: Annotated[str | None, typer.Option(help="Constraint, e.g. 20ms.")] = None,
-    max_p99: Annotated[str | None, typer.Option(help="Constraint, e.g. 50ms.")] = None,
+    max_p50: Annotated[
+        str | None, typer.Option(help="Constraint with its unit (us, ms, s), e.g. 20ms.")
+    ] = None,
+    max_p99: Annotated[
+        str | None, typer.Option(help="Constraint with its unit (us, ms, s), e.g. 50ms.")
+    ] = None,
     max_jitter: Annotated[str | None, typer.Option(help="Constraint, e.g. 0.2.")] = None,
-    max_memory: Annotated[str | None, typer.Option(help="Constraint, e.g. 2GB.")] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Constraint on the session's peak resident memory (measured in a process of "
+            "its own), with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB."
+        ),
+    ] = None,
     min_throughput: Annotated[str | None, typer.Option(help="Constraint (samples/s).")] = None,
     clients: Annotated[
         int,
@@ -56,9 +73,10 @@ def tune(
     traffic: Annotated[
         str | None,
         typer.Option(
-            help="With --clients: the request shapes production sends, as JSON — a list of "
-            'requests giving each dynamic dim a size, e.g. [{"seq": 12}, {"batch": 4, "seq": '
-            "128}] (batch defaults to 1) — or served:NAME, the shapes kiln serve --feedback "
+            help="With --clients: the request shapes production sends, as JSON (a file, or the "
+            "JSON itself) — a list of requests giving each dynamic dim a size, e.g. "
+            '\'[{"seq": 12}, {"batch": 4, "seq": 128}]\' (batch defaults to 1) — or '
+            "served:NAME, the shapes kiln serve --feedback "
             "recorded for NAME. The clients replay them through a kiln.Session, and "
             "the bucket sets proposed from them (0–8 sizes per dim) are searched too; the "
             "pick's set is written into the artifact, where kiln serve takes it."
@@ -66,7 +84,12 @@ def tune(
     ] = None,
     trials: Annotated[int, typer.Option(help="Finished trials the study should hold.")] = 30,
     time: Annotated[
-        str | None, typer.Option("--time", help="Stop after this long, e.g. 15m.")
+        str | None,
+        typer.Option(
+            "--time",
+            help="The whole command's time, confirmation included, e.g. 15m: trials start "
+            "until a quarter of it (at most 30 s) is left, which the confirmation then uses.",
+        ),
     ] = None,
     storage: Annotated[
         str | None,
@@ -112,7 +135,12 @@ def tune(
         int | None, typer.Option(help="Sampler seed (reproducible suggestions).")
     ] = None,
     report: Annotated[
-        Path | None, typer.Option(help="Write a self-contained HTML report here.")
+        Path | None,
+        typer.Option(
+            help="Write a self-contained HTML report here: every trial with its configuration "
+            "and measures, the best so far, the Pareto front, refused trials and why. "
+            "optuna-dashboard on the same --storage browses the study live."
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -13,7 +13,8 @@ from kiln.backends import get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.errors import KilnError
 from kiln.ir.inputs import synthesize
-from kiln.ir.ladder import FIRST_GUESS, Guess, free_of, ladder
+from kiln.ir.ladder import FIRST_GUESS, Guess, free_of, record_fit
+from kiln.ir.ladder import fit_inputs as ladder_fit
 from kiln.verify import max_abs_diff
 
 REFERENCE_OPTIONS = OrtOptions(optimization="basic")
@@ -38,46 +39,25 @@ def reference_executable(model: ir.Model) -> Any:
 
 
 def fit_inputs(exe: Any, model: ir.Model, shapes: dict | None, say: Callable[[str], None]) -> Guess:
-    """Shapes and scalar values on which the original runs: the first guess, else the first
-    rung of `kiln.ir.ladder` that runs (each try logged), else a KilnError naming what Kiln
-    could not resolve and what to pass."""
-    first = Guess(dict(shapes or {}))
-    try:
-        exe.run(synthesize(model, shapes=first.shapes))
-        return first
-    except KilnError as exc:
-        failure = exc
-    rungs = ladder(model, shapes)
-    for number, guess in enumerate(rungs, 1):
-        say(f"the original does not run on the first guess; trying {guess.label} "
-            f"({number}/{len(rungs)})")  # fmt: skip
-        try:
-            exe.run(synthesize(model, shapes=guess.shapes, scalars=guess.scalars))
-            return guess
-        except KilnError:
-            continue
-    raise KilnError(_unfitted(model, shapes, failure, len(rungs))) from None
+    """The compile's fit (`kiln.ir.ladder.fit_inputs` on the reference), kept in the model's
+    `kiln.dims` (`record_fit`): the artifact's manifest and model file then carry the dims
+    every other verb synthesizes inputs at."""
+    fit = ladder_fit(model, shapes, exe.run, say)
+    record_fit(model, fit)
+    return fit
 
 
-def _unfitted(model: ir.Model, shapes: dict | None, failure: KilnError, tries: int) -> str:
-    feeds = synthesize(model, shapes=shapes)
-    tried = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds.items())
-    free = free_of(model, shapes)
-    what = [f"dim {d}" for d in free.dims] + [f"scalar input {s}" for s in free.scalars]
-    flags = [
-        f"--shape {d}=N" if "[" not in d else f"--shape {d.split('[')[0]}=D0xD1x..."
-        for d in free.dims
-    ]
-    if free.scalars:
-        flags.append(f"--inputs in.npz (with {', '.join(free.scalars)})")
-    if not flags:
-        flags = ["--shape INPUT=D0xD1x...", "--inputs in.npz"]
-    ladder_note = f" nor on {tries} other guesses" if tries else ""
-    unresolved = f" Unresolved: {', '.join(what)}." if what else ""
-    return (
-        f"the original model does not run on synthesized inputs ({tried}){ladder_note}: "
-        f"{str(failure).rstrip('.')}.{unresolved} Pass {' or '.join(dict.fromkeys(flags))}."
-    )
+def fit_original(
+    model: ir.Model,
+    shapes: dict | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+    dims: dict[str, int] | None = None,
+) -> Guess:
+    """The same fit for a verb that runs a model (bench, debug, compare): the reference is
+    only compiled when the first guess had to make up a dim or a scalar's value."""
+    if not free_of(model, shapes):
+        return Guess(dict(shapes or {}))
+    return ladder_fit(model, shapes, reference_executable(model).run, say, dims)
 
 
 def reference_feeds(

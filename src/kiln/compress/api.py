@@ -24,7 +24,8 @@ from kiln.artifact import check_destination
 from kiln.compress import artifact as art
 from kiln.compress.checks import check_data
 from kiln.compress.data import Dataset
-from kiln.compress.distill import distill, distillation_loss, smaller
+from kiln.compress.distill import builtin_student, distill, distillation_loss
+from kiln.compress.loading import call
 from kiln.compress.qat import qat
 from kiln.compress.train import Recipe, accuracy, fit
 from kiln.errors import KilnError
@@ -50,7 +51,7 @@ class Row:
     val_accuracy: float  # by the PyTorch model; what budget decisions use
     params: int
     flops: int  # matrix-product FLOPs at `batch`
-    artifact: str
+    artifact: str | None  # None once a temporary workdir is gone (see `compress`)
     p50_ms: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -65,7 +66,8 @@ class Result:
     rows: list[Row]
     chosen: str | None = None  # the method whose artifact went to `output`
     output: str | None = None
-    skipped: dict[str, str] = field(default_factory=dict)  # method → why (time budget)
+    skipped: dict[str, str] = field(default_factory=dict)  # method → why (time, no student)
+    note: str | None = None  # why `chosen` is what it is, when that may surprise
 
     def row(self, method: str) -> Row:
         return next(r for r in self.rows if r.method == method)
@@ -124,32 +126,49 @@ def compress(
     heads, neurons pruned (None: the most of 0.75, 0.5, 0.25 within `max_drop` on
     validation); `time_budget` (seconds): stop training where it is and skip the methods not
     started when it runs out; `workdir`: keep
-    every method's artifact there (default: a temporary directory, removed). The fastest
-    artifact within `max_drop` is copied to `output`. Raises KilnError, writing nothing, for
-    a model that does not export, data of the wrong shape, or a budget nothing meets."""
+    every method's artifact there (default: a temporary directory, removed, and the rows'
+    `artifact` paths then None but the one copied to `output`). The fastest artifact within
+    `max_drop`, the uncompressed fp32 one included, is copied to `output`. `method="all"`
+    skips distillation, saying why, when there is no `student` and no built-in one. Raises
+    KilnError, writing nothing and before any training, for a factory or loader that cannot
+    be called without arguments or returns the wrong thing, a model or student that does not
+    export or take the data, and later for a pruning budget no level meets."""
     say = progress or (lambda _m: None)
     _check_choices(method, metric, max_drop, amount)
     if output is not None:
         check_destination(Path(output), force)
     deadline = time.monotonic() + time_budget if time_budget else None
-    data = data() if callable(data) and not isinstance(data, Dataset) else data
-    module = model() if not isinstance(model, nn.Module) else model
+    if not isinstance(data, Dataset):
+        data = call(data, "data loader", Dataset, DATASET)
+    if not isinstance(model, nn.Module):
+        model = call(model, "model factory", nn.Module, MODULE)
+    module: nn.Module = model
     check_data(module, data)
     art.export(module, data.val.x[: art.BATCH])  # fails before training, not after
+    small, no_student = _student(module, student, method, data)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-compress-")) if workdir is None else None
     root = Path(workdir) if workdir is not None else scratch
     root.mkdir(parents=True, exist_ok=True)
     run = _Run(data, recipe or Recipe(), max_drop, root, say, deadline)
     try:
-        result = _compress(module, run, method, amount, importance, student, train)
+        result = _compress(module, run, method, amount, importance, small, train)
+        if no_student:
+            result.skipped["distill"] = no_student
         result.model, result.metric = type(module).__name__, metric
         _time_rows(result, run, rounds, runs)
         if output is not None:
             _write_output(result, Path(output), force)
+        if scratch is not None:  # every path the result names must outlive this call
+            for row in result.rows:
+                row.artifact = result.output if row.method == result.chosen else None
         return result
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+MODULE = "a torch.nn.Module"
+DATASET = "a kiln.compress.data.Dataset (train/val/test splits of inputs and labels)"
 
 
 def _check_choices(method: str, metric: str, max_drop: float, amount: float | None) -> None:
@@ -169,7 +188,7 @@ def _compress(
     method: str,
     amount: float | None,
     importance: str,
-    student: Any,
+    student: nn.Module | None,
     train: bool,
 ) -> Result:
     data = run.data
@@ -192,10 +211,11 @@ def _compress(
             pruned, detail = _prune_within_budget(module, run, amount, importance)
             rows.append(_row(run, "prune", pruned, "fp32", detail))
         elif step == "distill":
-            small = _student(module, student)
+            if student is None:  # method "all" without a student: `compress` says why
+                continue
             longer = run.recipe.scaled(DISTILL_EPOCHS)
-            distill(module, small, data, longer, run.tick("distilling"), run.deadline)
-            rows.append(_row(run, "distill", small, "fp32"))
+            distill(module, student, data, longer, run.tick("distilling"), run.deadline)
+            rows.append(_row(run, "distill", student, "fp32"))
         else:
             rows.append(_row(run, "combined", _combined(module, run, amount, importance), "int8"))
     return result
@@ -205,10 +225,33 @@ def _qat(module: nn.Module, run: _Run) -> nn.Module:
     return qat(module, run.data, run.recipe, run.tick("quantization-aware training"), run.deadline)
 
 
-def _student(teacher: nn.Module, student: Any) -> nn.Module:
+def _student(
+    teacher: nn.Module, student: Any, method: str, data: Dataset
+) -> tuple[nn.Module | None, str | None]:
+    """The student distillation trains, checked before any training (it takes the data and
+    exports), or None and why when `method` is "all" and there is none to be had."""
+    if method not in ("distill", "all"):
+        return None, None
     if student is None:
-        return smaller(teacher)
-    return student() if not isinstance(student, nn.Module) else student
+        made = builtin_student(teacher)
+        if made is None:
+            why = (
+                f"no built-in student for {type(teacher).__name__}: give one with --student "
+                "module:factory (Python: student=)"
+            )
+            if method == "all":
+                return None, why
+            raise KilnError(f"--method distill: {why}. Nothing was trained or written.")
+    elif isinstance(student, nn.Module):
+        made = student
+    else:
+        made = call(student, "student factory", nn.Module, MODULE)
+    try:
+        check_data(made, data)
+        art.export(made, data.val.x[: art.BATCH])
+    except KilnError as exc:
+        raise KilnError(f"the student: {exc}") from None
+    return made, None
 
 
 def _prune_within_budget(
@@ -301,19 +344,20 @@ def _time_rows(result: Result, run: _Run, rounds: int, runs: int) -> None:
         row.p50_ms = round_p50_ms(samples[row.method])
 
 
+def fastest_within_budget(result: Result) -> Row:
+    """The timed row with the lowest P50 among those within `max_drop` of fp32's test
+    accuracy, fp32's own included: a compression that made the model slower is no gain
+    (int8 kernels can lose to fp32 ones on a small model)."""
+    fp32 = result.row("fp32")
+    within = [r for r in result.rows if fp32.accuracy - r.accuracy <= result.max_drop]
+    return min(within, key=lambda r: r.p50_ms if r.p50_ms is not None else float("inf"))
+
+
 def _write_output(result: Result, output: Path, force: bool) -> None:
     """The fastest artifact within the budget (on test accuracy) copied to `output`."""
-    base = result.row("fp32").accuracy
-    within = [r for r in result.rows if base - r.accuracy <= result.max_drop]
-    if result.rows[1:] and not any(r.method != "fp32" for r in within):
-        worst = ", ".join(f"{r.method} {(base - r.accuracy) * 100:.1f} pt" for r in result.rows[1:])
-        raise KilnError(
-            f"no compressed model stays within --max-drop {result.max_drop:g} of the fp32 "
-            f"test accuracy {base:.1%} (drops: {worst}). Nothing was written; allow a larger "
-            "--max-drop or train longer."
-        )
-    best = min((r for r in within if r.method != "fp32"), key=lambda r: r.p50_ms or 0.0,
-               default=result.row("fp32"))  # fmt: skip
+    best = fastest_within_budget(result)
+    if best.method == "fp32" and result.rows[1:]:
+        result.note = _why_fp32(result, best)
     staging = output.absolute().parent / f".{output.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(best.artifact, staging)
@@ -322,3 +366,22 @@ def _write_output(result: Result, output: Path, force: bool) -> None:
         shutil.rmtree(output)
     os.replace(staging, output)
     result.chosen, result.output = best.method, str(output)
+
+
+def _why_fp32(result: Result, fp32: Row) -> str:
+    """Why no compressed artifact went to `output`: each was slower or lost too much."""
+    reasons = []
+    for row in result.rows[1:]:
+        drop = (fp32.accuracy - row.accuracy) * 100
+        if drop > result.max_drop * 100:
+            reasons.append(f"{row.method} loses {drop:.1f} pt")
+        else:
+            reasons.append(f"{row.method} is slower, {_ms(row)} against {_ms(fp32)}")
+    return (
+        f"fp32 was chosen: no compressed model is faster within --max-drop "
+        f"{result.max_drop:g} ({'; '.join(reasons)})"
+    )
+
+
+def _ms(row: Row) -> str:
+    return f"{row.p50_ms:.2f} ms" if row.p50_ms is not None else "untimed"

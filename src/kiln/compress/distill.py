@@ -14,7 +14,6 @@ from torch import nn
 from kiln.compress.data import Dataset
 from kiln.compress.models import DigitsCNN, PatchTransformer
 from kiln.compress.train import Loss, Recipe, Tick, fit
-from kiln.errors import KilnError
 
 TEMPERATURE = 4.0
 ALPHA = 0.7
@@ -51,10 +50,10 @@ def distill(
     return fit(student, data, recipe, distillation_loss(teacher), tick=tick, deadline=deadline)
 
 
-def smaller(model: nn.Module) -> nn.Module:
+def builtin_student(model: nn.Module) -> nn.Module | None:
     """A fresh student of the built-in models: the CNN at half width with one conv per stage,
-    the transformer at half depth and width (same head width). Other models need a student
-    given by the caller."""
+    the transformer at half depth and width (same head width). None for any other model:
+    its student is the caller's to give."""
     if isinstance(model, DigitsCNN):
         widths = tuple(max(1, conv.out_channels // 2) for conv in _stage_convs(model))
         return DigitsCNN(widths, convs=1, classes=model.classifier.out_features)
@@ -67,10 +66,7 @@ def smaller(model: nn.Module) -> nn.Module:
             dim=dim, depth=max(1, len(model.blocks) // 2), heads=heads,
             patch=model.embed.kernel_size[0], side=side, classes=model.classifier.out_features,
         )  # fmt: skip
-    raise KilnError(
-        f"no built-in student for {type(model).__name__}: give one, e.g. "
-        "kiln.compress.compress(..., student=make_small_model) or --student module:factory."
-    )
+    return None
 
 
 def _stage_convs(model: DigitsCNN) -> list[nn.Conv2d]:

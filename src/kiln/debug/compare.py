@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kiln.debug.sides import Side, load_side
+from kiln.debug.sides import Side, load_side, synthesized_feeds
 from kiln.errors import KilnError
 from kiln.ir.provenance import trace_of
 from kiln.verify import FP32_TOLERANCE, MIN_COSINE, _is_float, check_output, cosine
@@ -104,6 +104,7 @@ class Comparison:
     rows: list[dict[str, Any]]
     first: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
+    related: bool = True  # False: tensors named alike are not the same (unrelated models)
 
     @property
     def shared(self) -> int:
@@ -126,6 +127,7 @@ class Comparison:
             },
             "inputs": self.inputs,
             "shared_tensors": self.shared,
+            "related": self.related,
             "first_divergence": self.first["node"] if self.first else None,
             "first_divergence_row": self.first,
             "diverging": sum(not r["ok"] for r in self.rows),
@@ -185,11 +187,20 @@ def compare_sides(
     ran_a = _run(side_a, [p[0] for p in pairs], feeds, source)
     say(f"running {side_b.label}")
     ran_b = _run(side_b, [p[1] for p in pairs], feeds, source)
+    outputs_a = {v.name for v in side_a.model.graph.outputs}
+    unlike = _not_the_same(pairs, outputs_a, ran_a, ran_b, side_a, side_b)
+    if unlike:  # unrelated models sharing node names: no layer of one is a layer of the other
+        notes.append(
+            f"{side_a.spec} and {side_b.spec} are not two versions of one model: "
+            f"{len(unlike)} tensors share a name but not the tensor ({unlike[0]}); only the "
+            "outputs are compared"
+        )
+        pairs = [p for p in pairs if p[0] in outputs_a]
     rows = _rows(pairs, ran_a, ran_b, side_a, side_b, original, budget)
     lost = [p[0] for p in pairs if p[0] not in ran_a or p[1] not in ran_b]
     if lost:
         notes.append(f"{len(lost)} shared tensors could not be read back from an engine")
-    first = first_divergence(rows, original)
+    first = None if unlike else first_divergence(rows, original)
     perturbed = [s for s, ran in ((side_a, ran_a), (side_b, ran_b)) if _perturbed(s, ran, feeds)]
     for side in perturbed:
         notes.append(
@@ -200,7 +211,57 @@ def compare_sides(
     if perturbed and first is not None:
         say(f"confirming {first['node']} with only it and its inputs exposed")
         notes.append(_confirmation(first, pairs, rows, side_a, side_b, original, budget, feeds))
-    return Comparison(side_a, side_b, original, budget, source, feeds, rows, first, notes)
+    return Comparison(
+        side_a, side_b, original, budget, source, feeds, rows, first, notes, related=not unlike
+    )
+
+
+def _not_the_same(
+    pairs: list[tuple[str, str, str]],
+    outputs: set[str],
+    ran_a: dict[str, Any],
+    ran_b: dict[str, Any],
+    a: Side,
+    b: Side,
+) -> list[str]:
+    """The intermediate tensors named alike on both sides that are not one tensor, each with
+    why: other shapes, a node of the same name computing another op (neither made by a
+    pass), or compiled nodes made from no original node in common."""
+    found = []
+    for name_a, name_b, node in pairs:
+        if name_a in outputs or name_a not in ran_a or name_b not in ran_b:
+            continue  # outputs are compared whatever they are
+        shape_a, shape_b = np.shape(ran_a[name_a]), np.shape(ran_b[name_b])
+        if shape_a != shape_b:
+            found.append(f"{node}: shape {list(shape_a)} vs {list(shape_b)}")
+            continue
+        made_a, made_b = a.producer(name_a), b.producer(name_b)
+        if made_a is None or made_b is None:
+            continue
+        origin_a, origin_b = a.origin(made_a), b.origin(made_b)
+        op_a, op_b = _op(made_a), _op(made_b)
+        untouched = not origin_a["passes"] and not origin_b["passes"]
+        if untouched and made_a.name == made_b.name and op_a != op_b:
+            found.append(f"{node}: {op_a} vs {op_b}")
+        elif _recorded(a, made_a) and _recorded(b, made_b) and not _share(origin_a, origin_b):
+            found.append(f"{node}: made from {origin_a['origin']} vs {origin_b['origin']}")
+    return found
+
+
+def _share(origin_a: dict[str, Any], origin_b: dict[str, Any]) -> bool:
+    return bool(set(origin_a["origin"]) & set(origin_b["origin"]))
+
+
+def _op(node: ir.Node) -> str:
+    return f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+
+
+def _recorded(side: Side, node: ir.Node) -> bool:
+    """Whether a compiled side's provenance names the original nodes behind `node` (nodes an
+    engine's quantizer made have none)."""
+    return side.provenance is not None and bool(
+        side.provenance.get(node.name or "", {}).get("origin")
+    )
 
 
 def _original(a: Side, b: Side) -> ir.Model:
@@ -222,7 +283,7 @@ def _feeds(
     given: Feeds | None = None,
 ) -> tuple[Feeds, str]:
     """The user's inputs, or synthesized ones; checked against both sides before any run."""
-    from kiln.ir.inputs import check_feeds, read_inputs, synthesize
+    from kiln.ir.inputs import check_feeds, read_inputs
 
     a, b = (_input_names(side.model) for side in sides)
     if a != b:
@@ -235,7 +296,7 @@ def _feeds(
     elif inputs is not None:
         feeds, source = read_inputs(inputs, original), inputs
     else:
-        feeds, source = synthesize(original, shapes=shapes), "synthesized"
+        feeds, source = synthesized_feeds(original, sides, shapes)
     for side in sides:
         check_feeds(side.model, feeds, where=f"{source} (for {side.spec})")
     return feeds, source
@@ -299,7 +360,7 @@ def _run(side: Side, names: list[str], feeds: Feeds, source: str) -> dict[str, A
     try:
         return run_exposed(side, names, feeds)
     except KilnError as exc:
-        if source != "synthesized":
+        if not source.startswith("synthesized"):
             raise
         raise KilnError(
             f"{side.spec} does not run on the synthesized inputs ({exc}); give their shapes "

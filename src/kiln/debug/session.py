@@ -33,7 +33,7 @@ from kiln.debug.graph_json import (
     value_json,
 )
 from kiln.debug.kernels import profile_view
-from kiln.debug.sides import Side, load_side
+from kiln.debug.sides import Side, load_side, synthesized_feeds
 from kiln.debug.stepper import Stepper
 from kiln.debug.tensors import tensor_json, to_npy
 from kiln.errors import KilnError
@@ -299,14 +299,17 @@ class DebugSession:
     # ---- inputs ------------------------------------------------------------------------------
 
     def _first_feeds(self, inputs: str | None) -> tuple[dict[str, np.ndarray], str]:
-        from kiln.ir.inputs import read_inputs, synthesize
+        from kiln.ir.inputs import read_inputs
 
         if inputs is not None:
             feeds, source = read_inputs(inputs, self.original), inputs
         else:
-            feeds, source = synthesize(self.original, shapes=self.shapes), "synthesized"
+            feeds, source = self._synthesized()
         self._check(feeds, source)
         return feeds, source
+
+    def _synthesized(self, seed: int = 0) -> tuple[dict[str, np.ndarray], str]:
+        return synthesized_feeds(self.original, (self.main, self.against), self.shapes, seed)
 
     def _check(self, feeds: dict[str, np.ndarray], where: str) -> None:
         from kiln.ir.inputs import check_feeds
@@ -324,9 +327,7 @@ class DebugSession:
 
     def reseed(self, seed: int) -> dict[str, Any]:
         """Synthesized inputs from another seed; execution starts over."""
-        from kiln.ir.inputs import synthesize
-
-        feeds = synthesize(self.original, shapes=self.shapes, seed=seed)
+        feeds, _ = self._synthesized(seed)
         self._check(feeds, f"seed {seed}")
         return self._use(feeds, f"synthesized (seed {seed})")
 
@@ -354,6 +355,8 @@ class DebugSession:
         assert self.reference is not None
         result = compare_sides(self.reference, self.main, feeds=dict(feeds), shapes=self.shapes)
         data = result.to_json()
+        # the sides' own notes (an original changed since) are the session's: said once
+        data["notes"] = [note for note in data["notes"] if note not in self.notes]
         metric = data["budget"]["metric"]
         first = data["first_divergence_row"]
         data.update(

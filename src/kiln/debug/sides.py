@@ -44,6 +44,7 @@ class Side:
     plan: dict[str, str] = field(default_factory=dict)  # compiled node → its precision, and why
     missing: str | None = None  # why the original is not there (artifacts only)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # an artifact's --shape
+    dims: dict[str, int] = field(default_factory=dict)  # an artifact's fitted dims (manifest)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -93,6 +94,28 @@ def _base_precision(side: Side) -> str:
 
 def _producers(model: ir.Model) -> dict[str, ir.Node]:
     return {v.name: node for node in model.graph for v in node.outputs if v.name}
+
+
+def synthesized_feeds(
+    original: ir.Model,
+    sides: tuple[Side | None, ...],
+    shapes: dict[str, tuple[int, ...]] | None,
+    seed: int = 0,
+    say: Say = lambda _msg: None,
+) -> tuple[dict[str, Any], str]:
+    """Inputs synthesized for the original graph at an artifact's recorded dims, fitted as
+    `kiln optimize` fits them where the model leaves a dim or a scalar to guess; and what to
+    call them."""
+    from kiln.compiler.reference import SYNTHESIZED, fit_original
+    from kiln.ir.inputs import default_dims, synthesize
+    from kiln.ir.ladder import FIRST_GUESS
+
+    dims = default_dims(original)
+    for side in reversed([s for s in sides if s is not None]):  # the first side's win
+        dims |= side.dims
+    fit = fit_original(original, shapes, say, dims)
+    feeds = synthesize(original, dims, seed=seed, shapes=fit.shapes, scalars=fit.scalars)
+    return feeds, SYNTHESIZED if fit.label == FIRST_GUESS else f"{SYNTHESIZED} ({fit.label})"
 
 
 def load_side(
@@ -159,6 +182,7 @@ def _artifact_side(spec: str) -> Side:
         plan={str(k): str(v) for k, v in (manifest.precision.get("nodes") or {}).items()},
         missing=missing,
         shapes=dict(manifest.config.shapes),
+        dims=dict(manifest.dims),
         notes=notes,
     )
 

@@ -141,19 +141,31 @@ def to_npy(array: Any) -> bytes:
     return buffer.getvalue()
 
 
+NPY_MAGIC = b"\x93NUMPY"
+EXPECTED = (
+    "expected an .npz (numpy.savez) of one array per input, or an .npy (numpy.save) of one "
+    "array, of numbers or text; pickled objects are not loaded"
+)
+
+
 def read_arrays(body: bytes, name: str | None = None) -> dict[str, np.ndarray]:
-    """An uploaded .npz (one array per input) or .npy (the array of input `name`)."""
+    """An uploaded .npz (one array per input) or .npy (the array of input `name`), told apart
+    by their first bytes: anything else is refused as what it is, never handed to numpy's
+    loader (which takes unknown bytes for a pickle)."""
     buffer = io.BytesIO(body)
+    is_npz = zipfile.is_zipfile(buffer)
+    if not is_npz and not body.startswith(NPY_MAGIC):
+        raise KilnError(f"the upload is neither an .npz nor an .npy file: {EXPECTED}.")
+    buffer.seek(0)
     try:
-        if zipfile.is_zipfile(buffer):
-            buffer.seek(0)
+        if is_npz:
             with np.load(buffer, allow_pickle=False) as archive:
                 return {key: archive[key] for key in archive.files}
-        buffer.seek(0)
         array = np.load(buffer, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        what = "holds a pickled object array" if "allow_pickle" in str(exc) else "is unreadable"
         raise KilnError(
-            f"not an .npy or .npz file ({exc}); save it with numpy.save or numpy.savez."
+            f"the uploaded {'.npz' if is_npz else '.npy'} {what}: {EXPECTED}."
         ) from None
     if name is None:
         raise KilnError("an .npy holds one array: say which input it is (PUT /api/inputs/NAME).")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.frontend.export import describe, eval_mode, split_example, to_onnx
+from kiln.frontend.export import describe, eval_mode, quiet, split_example, to_onnx
 from kiln.frontend.torch_import import require_torch
 from kiln.ir.inputs import check_feeds
 from kiln.ir.load import Example, LoadedModel, load_any
@@ -38,12 +38,15 @@ def load_torch(model: Any, example_inputs: Any = None, dynamic_shapes: Any = Non
 
 def load_pt2(path: str | os.PathLike) -> LoadedModel:
     """A program saved with torch.export.save, exported to ONNX; its own example inputs (saved
-    with it) and the program's outputs on them travel with it."""
+    with it) and the program's outputs on them travel with it. The file keeps no
+    torch.export.Dim names, so its dynamic dims are named as `program_dims` says (`batch`
+    for the leading one)."""
     torch = require_torch(f"{path}: a saved torch.export program")
     if not Path(path).is_file():
         raise KilnError(f"{path}: no such file. Give a .pt2 saved with torch.export.save.")
     try:
-        program = torch.export.load(str(path))
+        with quiet():  # torch logs a damaged archive's traceback before raising
+            program = torch.export.load(str(path))
     except Exception as exc:  # a damaged archive raises whatever its reader met
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise KilnError(

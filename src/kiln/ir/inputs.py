@@ -39,8 +39,9 @@ def default_dims(model: ir.Model) -> dict[str, int]:
 def input_shape(
     value: ir.Value, dims: dict[str, int], shapes: dict[str, tuple[int, ...]] | None = None
 ) -> tuple[int, ...]:
-    """The shape to synthesise: the user's --shape, else static dims, named dims from `dims`,
-    and for the rest a guess from the input's kind (see `_guess_dim`)."""
+    """The shape to synthesise: the user's --shape, else static dims, named dims from `dims`
+    (an unnamed one as `input[axis]`, as a fit records it), and for the rest a guess from the
+    input's kind (see `_guess_dim`)."""
     if shapes and value.name in shapes:
         return shapes[value.name]
     shape = value.shape
@@ -55,6 +56,8 @@ def input_shape(
             out.append(dim)
         elif not isinstance(dim, int) and dim.value and str(dim.value) in dims:
             out.append(dims[str(dim.value)])
+        elif f"{value.name}[{axis}]" in dims:
+            out.append(dims[f"{value.name}[{axis}]"])
         else:
             out.append(_guess_dim(value, axis))
     return tuple(out)

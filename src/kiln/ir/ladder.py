@@ -5,10 +5,14 @@ not know — the sizes of dims nothing names a value for, and the values of scal
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
+from kiln.errors import KilnError
 from kiln.ir.inputs import (
     SAMPLE_RATES,
     bind_dims,
@@ -16,6 +20,7 @@ from kiln.ir.inputs import (
     input_shape,
     model_inputs,
     named_dims,
+    synthesize,
 )
 
 # Sizes tried for unresolved dims, after the first guess: realistic ones first (a model that
@@ -83,17 +88,23 @@ def free_of(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> Free:
             if isinstance(dim, int) and dim > 0:
                 continue
             label = str(dim.value) if not isinstance(dim, int) and dim.value else ""
+            label = label or f"{name}[{axis}]"
             if _is_batch(axis, value.shape.rank()) or label in fixed:
                 continue
-            dims.append(label or f"{name}[{axis}]")
+            dims.append(label)
     return Free(tuple(dict.fromkeys(dims)), tuple(scalars))
 
 
 def _shapes_at(
-    model: ir.Model, shapes: dict[str, tuple[int, ...]], free: Free, size: int | None
+    model: ir.Model,
+    shapes: dict[str, tuple[int, ...]],
+    free: Free,
+    size: int | None,
+    dims: dict[str, int] | None = None,
 ) -> dict[str, tuple[int, ...]]:
-    """Every input's shape with the free dims at `size` (None: the first guess's)."""
-    dims = bind_dims(model, default_dims(model), shapes)
+    """Every input's shape with the free dims at `size` (None: the first guess's); `dims` as
+    `synthesize` takes them (a batch size)."""
+    dims = bind_dims(model, {**default_dims(model), **(dims or {})}, shapes)
     out = {}
     for name, value in model_inputs(model).items():
         shape = list(input_shape(value, dims, shapes))
@@ -105,7 +116,9 @@ def _shapes_at(
     return out
 
 
-def ladder(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> list[Guess]:
+def ladder(
+    model: ir.Model, shapes: dict[str, tuple[int, ...]] | None, dims: dict[str, int] | None = None
+) -> list[Guess]:
     """The rungs to try after the first guess failed, at most MOST_TRIES of them: scalar
     values first (a wrong sample rate is the commonest refusal), then each dim size, each
     with the scalars' first guess and then the other sample rates."""
@@ -116,10 +129,10 @@ def ladder(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> list[G
     sizes: list[int | None] = [None] + (list(DIM_LADDER) if free.dims else [])
     values = [{}] + [dict.fromkeys(free.scalars, float(v)) for v in SAMPLE_RATES]
     values += [dict.fromkeys(free.scalars, 1.0)] if free.scalars else []
-    rungs, seen = [], {_key(_shapes_at(model, shapes, free, None), {})}
+    rungs, seen = [], {_key(_shapes_at(model, shapes, free, None, dims), {})}
     for size in sizes:
         for scalars in values if free.scalars else [{}]:
-            at = _shapes_at(model, shapes, free, size)
+            at = _shapes_at(model, shapes, free, size, dims)
             if _key(at, scalars) in seen:
                 continue  # the first guess, or a size it already had
             seen.add(_key(at, scalars))
@@ -131,3 +144,80 @@ def ladder(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> list[G
 
 def _key(shapes: dict[str, tuple[int, ...]], scalars: dict[str, float]) -> tuple:
     return tuple(sorted(shapes.items())), tuple(sorted(scalars.items()))
+
+
+def fit_inputs(
+    model: ir.Model,
+    shapes: dict[str, tuple[int, ...]] | None,
+    run: Callable[[dict[str, np.ndarray]], Any],
+    say: Callable[[str], None] = lambda _m: None,
+    dims: dict[str, int] | None = None,
+) -> Guess:
+    """Shapes and scalar values on which `run` (the model in an engine, handed in by the
+    caller) succeeds: the first guess, else the first rung of the ladder that runs (each try
+    logged), else a KilnError naming what Kiln could not resolve and what to pass. `dims` are
+    the values `synthesize` starts from (a batch size, an artifact's recorded dims). Every
+    verb fits its synthesized inputs here, so they all agree on them."""
+    first = Guess(dict(shapes or {}))
+    try:
+        run(synthesize(model, dims, shapes=first.shapes))
+        return first
+    except KilnError as exc:
+        failure = exc
+    rungs = ladder(model, shapes, dims)
+    for number, guess in enumerate(rungs, 1):
+        say(f"the original does not run on the first guess; trying {guess.label} "
+            f"({number}/{len(rungs)})")  # fmt: skip
+        try:
+            run(synthesize(model, dims, shapes=guess.shapes, scalars=guess.scalars))
+            return guess
+        except KilnError:
+            continue
+    raise KilnError(_unfitted(model, shapes, dims, failure, len(rungs))) from None
+
+
+def _unfitted(
+    model: ir.Model,
+    shapes: dict | None,
+    dims: dict[str, int] | None,
+    failure: KilnError,
+    tries: int,
+) -> str:
+    feeds = synthesize(model, dims, shapes=shapes)
+    tried = ", ".join(f"{k}={'x'.join(map(str, v.shape))}" for k, v in feeds.items())
+    free = free_of(model, shapes)
+    what = [f"dim {d}" for d in free.dims] + [f"scalar input {s}" for s in free.scalars]
+    flags = [
+        f"--shape {d}=N" if "[" not in d else f"--shape {d.split('[')[0]}=D0xD1x..."
+        for d in free.dims
+    ]
+    if free.scalars:
+        flags.append(f"--inputs in.npz (with {', '.join(free.scalars)})")
+    if not flags:
+        flags = ["--shape INPUT=D0xD1x...", "--inputs in.npz"]
+    ladder_note = f" nor on {tries} other guesses" if tries else ""
+    unresolved = f" Unresolved: {', '.join(what)}." if what else ""
+    return (
+        f"the original model does not run on synthesized inputs ({tried}){ladder_note}: "
+        f"{str(failure).rstrip('.')}.{unresolved} Pass {' or '.join(dict.fromkeys(flags))}."
+    )
+
+
+def record_fit(model: ir.Model, guess: Guess) -> None:
+    """Keep the sizes a fit gave the model's free dims in its `kiln.dims` metadata (an unnamed
+    one as `input[axis]`), as the zoo keeps its own: every later reader of the model (an
+    artifact's manifest `dims` and model file, `kiln.Session`, the cost model, every verb)
+    then synthesizes inputs that run, without fitting again. A first guess without --shape
+    is what synthesis gives anyway: nothing to keep."""
+    if guess.label == FIRST_GUESS and not guess.shapes:
+        return
+    free = set(free_of(model, None).dims)
+    dims = bind_dims(model, default_dims(model), guess.shapes)
+    inputs = model_inputs(model)
+    for name, shape in guess.shapes.items():  # unnamed dims, as `input[axis]`
+        if name in inputs and len(shape) == len(inputs[name].shape or ()):
+            dims |= {f"{name}[{axis}]": size for axis, size in enumerate(shape)}
+    found = {name: size for name, size in dims.items() if name in free}
+    if found:
+        recorded = json.loads(model.metadata_props.get("kiln.dims", "{}"))
+        model.metadata_props["kiln.dims"] = json.dumps({**recorded, **found})

@@ -1,10 +1,11 @@
 """Name the attention, LayerNorm and GELU blocks a compiled model still computes op by op,
 and the check that kept each from fusing.
 
-After the fuse stage, every Softmax, ReduceMean (a LayerNorm written out) and Erf or Tanh (a
-GELU written out) left is the trace of a block no rule took. The rules that would have
-taken it are tried again at the nodes just below it with the rewriter's tracer, and the best
-partial match's failure reason is the one reported.
+After the fuse stage, every Softmax, ReduceMean that starts a LayerNorm written out (mean,
+subtract, square, mean, add eps, sqrt, divide) and Erf or Tanh (a GELU written out) left is
+the trace of a block no rule took. The rules that would have taken it are tried again at the
+nodes just below it with the rewriter's tracer, and the best partial match's failure reason
+is the one reported.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def unfused_notes(model: ir.Model) -> list[str]:
             continue
         if node.op_type in ("Erf", "Tanh") and not _feeds_add(node):
             continue  # a plain activation (BERT's pooler), not a GELU's 1 + tanh(…)
+        if node.op_type == "ReduceMean" and not _is_layer_norm_mean(node):
+            continue  # a global average pool, a variance, a loss: not a LayerNorm's mean
         kind, rules = KINDS[node.op_type]
         reason = _best_reason(model, node, rules())
         notes.append(f"{kind} at {block_name(node)} stayed unfused: {reason}")
@@ -53,6 +56,24 @@ def unfused_notes(model: ir.Model) -> list[str]:
 
 def _feeds_add(node: ir.Node) -> bool:
     return any(user.op_type == "Add" for user, _ in node.outputs[0].uses())
+
+
+def _users(node: ir.Node, *ops: str) -> list[ir.Node]:
+    return [user for v in node.outputs for user, _ in v.uses() if user.op_type in ops]
+
+
+def _is_layer_norm_mean(mean: ir.Node) -> bool:
+    """Whether a ReduceMean starts a LayerNorm written out: x − mean(x), squared (Pow or
+    Mul), averaged again, plus eps, square-rooted, and divided by (or its reciprocal
+    multiplied). The walk starts at the first mean, so one block gets one line."""
+    for centred in _users(mean, "Sub"):
+        for square in _users(centred, "Pow", "Mul"):
+            for variance in _users(square, "ReduceMean"):
+                for eps in _users(variance, "Add"):
+                    for root in _users(eps, "Sqrt"):
+                        if _users(root, "Div", "Reciprocal"):
+                            return True
+    return False
 
 
 def block_name(node: ir.Node) -> str:

@@ -40,7 +40,8 @@ def profile_model(
     peaks: Any = None,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> dict[str, Any]:
-    """Profile a model (.onnx, zoo:NAME) or artifact (NAME.kiln) on a backend.
+    """Profile a model (.onnx, zoo:NAME, a .pt2 program) or artifact (NAME.kiln) on a backend;
+    synthesized inputs are fitted as `kiln optimize` fits them (see `target_feeds`).
 
     `peaks` (a `kiln.hardware.Peaks`) defaults to this machine's measured peaks.
     """
@@ -48,7 +49,7 @@ def profile_model(
         raise KilnError("--runs and --rounds must be 1 or more.")
     say(f"loading {source}")
     target = load_target(source, backend)
-    feeds = target_feeds(target, batch, shapes)
+    feeds = target_feeds(target, batch, shapes, say)
     if peaks is None:
         from kiln.hardware import measured_peaks
 

@@ -1,4 +1,4 @@
-"""What `kiln profile` runs: an original model (.onnx / zoo:NAME) or a compiled artifact.
+"""What `kiln profile` runs: an original model (.onnx / zoo:NAME / .pt2) or a compiled artifact.
 
 Either way the result is the ONNX graph the engine is given, the engine and its options, and
 for an artifact the provenance that maps each compiled node to the user's original nodes.
@@ -6,6 +6,7 @@ for an artifact the provenance that maps each compiled node to the user's origin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import onnx_ir as ir
 
 from kiln.artifact import Manifest
 from kiln.errors import KilnError
+
+BATCH_DIMS = ("batch", "batch_size", "N")
 
 
 @dataclass
@@ -60,11 +63,11 @@ def load_target(source: str, backend: str | None = None) -> Target:
             provenance=artifact.provenance(),
             manifest=artifact.manifest,
         )
-    from kiln.ir import load_model, stamp_origins
+    from kiln.ir import stamp_origins
 
     name = backend or "ort"
     get_backend(name)
-    loaded = load_model(source)
+    loaded = _load(source)
     # Unnamed nodes get names here, so the engine's per-node records can be matched to them.
     stamp_origins(loaded.model)
     return Target(
@@ -78,18 +81,42 @@ def load_target(source: str, backend: str | None = None) -> Target:
     )
 
 
+def _load(source: str) -> Any:
+    """An original model: .onnx or zoo:NAME, or a saved torch.export program (exported to
+    ONNX, as `kiln optimize` does)."""
+    from kiln.ir import load_model
+    from kiln.ir.load import PT2_SUFFIX
+
+    if source.endswith(PT2_SUFFIX):
+        from kiln.frontend import load_pt2
+
+        return load_pt2(source)
+    return load_model(source)
+
+
 def target_feeds(
-    target: Target, batch: int = 1, shapes: dict[str, tuple[int, ...]] | None = None
+    target: Target,
+    batch: int = 1,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    say: Callable[[str], None] = lambda _msg: None,
 ) -> dict[str, np.ndarray]:
-    """Synthesised inputs at the given batch size (and --shape overrides)."""
+    """Synthesised inputs at the given batch size (and --shape overrides), at the dims an
+    artifact recorded; where the model leaves a dim or a scalar to guess, fitted on the
+    engine as `kiln optimize` fits them."""
     from kiln.ir.inputs import default_dims, synthesize
+    from kiln.ir.ladder import Guess, fit_inputs, free_of
 
     if batch < 1:
         raise KilnError(f"--batch {batch}: the batch size must be 1 or more.")
-    dims = {**default_dims(target.model), "batch": batch, "batch_size": batch, "N": batch}
-    if target.manifest and target.manifest.dims:
-        dims = {**target.manifest.dims, "batch": batch, "batch_size": batch, "N": batch}
-    return synthesize(target.model, dims, shapes=shapes)
+    recorded = target.manifest.dims if target.manifest else {}
+    dims = {**(recorded or default_dims(target.model)), **dict.fromkeys(BATCH_DIMS, batch)}
+    fit = Guess(dict(shapes or {}))
+    if free_of(target.model, shapes):
+        from kiln.backends import get_backend
+
+        exe = get_backend(target.backend).compile(target.runnable, target.options)
+        fit = fit_inputs(target.model, shapes, exe.run, say, dims)
+    return synthesize(target.model, dims, shapes=fit.shapes, scalars=fit.scalars)
 
 
 def feed_dims(target: Target, feeds: dict[str, np.ndarray]) -> dict[str, int]:

@@ -46,6 +46,12 @@ def _side(made: dict[str, Any]) -> str:
 def headline(result: dict[str, Any]) -> str:
     """One sentence: where the two sides part, or that they do not."""
     first = result["first_divergence_row"]
+    if not result.get("related", True):
+        kept = sum(row["ok"] for row in result["layers"])
+        return (
+            f"not two versions of one model: only the outputs are compared, {kept} of "
+            f"{len(result['layers'])} within {result['budget']['text']}; no layer to blame."
+        )
     if first is None:
         if result["exact"] == len(result["layers"]):
             return f"no divergence: all {len(result['layers'])} compared tensors are identical."

@@ -26,19 +26,25 @@ def _interval(value: dict[str, float], unit: str = "", digits: int = 3) -> str:
 
 def print_tune(result: dict[str, Any], console: Console) -> None:
     gains = result["gains"]
+    measured = gains.get("measured") or {}
     title = f"kiln tune → {escape(result.get('artifact') or '(no artifact written)')}"
     table = Table(title=title, show_header=True)
-    for column in ("", "defaults", "tuned"):
+    tuned_head = f"tuned (trial {measured['trial']})" if "trial" in measured else "tuned"
+    for column in ("", "defaults", tuned_head):
         table.add_column(column, overflow="fold")
+    table.add_row("configuration", escape(_configuration(result["defaults"]["params"])),
+                  escape(_measured(measured)))  # fmt: skip
     tuned, defaults = gains["tuned"], gains["defaults"]
-    for key, label, unit in (("p50_ms", "P50", " ms"), ("p99_ms", "P99 (windows)", " ms"),
+    for key, label, unit in (("p50_ms", "P50 (median of rounds)", " ms"),
+                             ("p99_ms", "P99 (windows)", " ms"),
                              ("jitter", "jitter (P99−P50)/P50", "")):  # fmt: skip
         table.add_row(label, _interval(defaults[key], unit), _interval(tuned[key], unit))
-    table.add_row("memory", f"{defaults['memory_mib']:.0f} MiB", f"{tuned['memory_mib']:.0f} MiB")
+    table.add_row("memory (session peak)", _mib(defaults.get("memory_mib")),
+                  _mib(tuned.get("memory_mib")))  # fmt: skip
     speed = gains["speedup"]
     table.add_row(
-        "speedup (P50)", "1×",
-        f"{speed['value']:.2f}× ({speed['low']:.2f}–{speed['high']:.2f}, "
+        "speedup (P50 ratio)", "1×",
+        f"{speed['value']:.2f}× (95 % interval {speed['low']:.2f}–{speed['high']:.2f}, "
         f"{speed['runs']} runs each, interleaved)",
     )  # fmt: skip
     if "throughput_ratio" in gains:
@@ -51,18 +57,53 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
         else f"the defaults: the best trial was {gains['verdict']} beyond noise"
     )  # fmt: skip
     table.add_row("verdict", "", f"{gains['verdict']}; written: {kept}")
-    for knob, (before, after) in sorted(result["changed"].items()):
+    changed = measured.get("changed") or {k: list(v) for k, v in result["changed"].items()}
+    for knob, (before, after) in sorted(changed.items()):
         table.add_row(f"  {escape(knob)}", escape(str(before)), escape(str(after)))
     console.print(table)
-    states = ", ".join(f"{n} {s.lower()}" for s, n in sorted(result["trials"].items()))
     console.print(
-        f"study {escape(result['study'])} on {escape(result['storage'])}: {states}"
+        f"study {escape(result['study'])} on {escape(result['storage'])}: "
+        + escape(trial_states(result["trials"]))
         + (
             f"; warm start from {escape(', '.join(result['warm_start']))}"
             if result["warm_start"]
             else ""
         )  # fmt: skip
     )
+
+
+# What each Optuna state means to someone reading a study's counts.
+_STATES = {
+    "COMPLETE": "measured",
+    "PRUNED": "refused, outside the budget, or a duplicate of another trial",
+    "FAIL": "their worker died; retried by the others",
+    "RUNNING": "still measured by another worker",
+    "WAITING": "queued seed or warm-start configurations not run yet; more --trials runs them",
+}
+
+
+def trial_states(counts: dict[str, int]) -> str:
+    """`{"COMPLETE": 1, "WAITING": 3}` → "1 complete (measured), 3 waiting (queued ...)"."""
+    return ", ".join(f"{n} {s.lower()}" + (f" ({_STATES[s]})" if s in _STATES else "")
+                     for s, n in sorted(counts.items()))  # fmt: skip
+
+
+def _configuration(params: dict[str, Any]) -> str:
+    engine = params.get("engine", "?")
+    return f"{engine} {params.get(f'{engine}.precision', 'fp32')}, the engine's defaults"
+
+
+def _measured(measured: dict[str, Any]) -> str:
+    if not measured:
+        return ""
+    knobs = len(measured.get("changed") or {})
+    return (f"{measured['engine']} {measured['precision']}, "
+            + (f"{knobs} knob{'s' * (knobs != 1)} changed (below)" if knobs
+               else "the defaults"))  # fmt: skip
+
+
+def _mib(value: float | None) -> str:
+    return "not measured (see --max-memory)" if value is None else f"{value:.1f} MiB"
 
 
 def _serving(serving: dict[str, Any]) -> str:
@@ -73,15 +114,46 @@ def _serving(serving: dict[str, Any]) -> str:
     return text
 
 
+def _axis(result: dict[str, Any], index: int, fallback: str) -> str:
+    """An objective's name with its unit, e.g. "latency (ms)"."""
+    described = result.get("objectives") or []
+    if index >= len(described):
+        return fallback
+    unit = described[index]["unit"]
+    return f"{described[index]['name']} ({unit})" if unit else described[index]["name"]
+
+
+def _minimize(result: dict[str, Any]) -> bool:
+    described = result.get("objectives") or [{"direction": "minimize"}]
+    return described[0]["direction"] == "minimize"
+
+
+def _best_so_far(result: dict[str, Any]) -> dict[int, float]:
+    """Trial number → the best first objective among the feasible measured trials so far."""
+    best: float | None = None
+    out = {}
+    better = min if _minimize(result) else max
+    for h in sorted(result["history"], key=lambda h: h["trial"]):
+        if h["state"] == "COMPLETE" and h["values"] and not h.get("outside"):
+            best = h["values"][0] if best is None else better(best, h["values"][0])
+        if best is not None:
+            out[h["trial"]] = best
+    return out
+
+
 def _trials_figure(result: dict[str, Any], objectives: list[str]) -> go.Figure:
     figure = go.Figure()
     done = [h for h in result["history"] if h["values"]]
     for index, name in enumerate(objectives):
         figure.add_trace(go.Scatter(
             x=[h["trial"] for h in done], y=[h["values"][index] for h in done],
-            mode="markers", name=name,
+            mode="markers", name=_axis(result, index, name),
         ))  # fmt: skip
-    figure.update_layout(title="trials", xaxis_title="trial", **_LAYOUT)
+    best = _best_so_far(result)
+    figure.add_trace(go.Scatter(x=list(best), y=list(best.values()), mode="lines",
+                                line={"shape": "hv"}, name="best so far"))  # fmt: skip
+    figure.update_layout(title="trials", xaxis_title="trial number",
+                         yaxis_title=_axis(result, 0, objectives[0]), **_LAYOUT)  # fmt: skip
     return figure
 
 
@@ -95,16 +167,60 @@ def _pareto_figure(result: dict[str, Any], objectives: list[str]) -> go.Figure:
     figure.add_trace(go.Scatter(x=[f["values"][0] for f in front],
                                 y=[f["values"][1] for f in front], mode="markers",
                                 name="Pareto front", marker={"size": 12}))  # fmt: skip
-    figure.update_layout(title="Pareto front", xaxis_title=objectives[0],
-                         yaxis_title=objectives[1], **_LAYOUT)  # fmt: skip
+    figure.update_layout(title="Pareto front", xaxis_title=_axis(result, 0, objectives[0]),
+                         yaxis_title=_axis(result, 1, objectives[1]), **_LAYOUT)  # fmt: skip
     return figure
 
 
 def _importance_figure(importances: dict[str, float]) -> go.Figure:
     names = sorted(importances, key=importances.get)
     figure = go.Figure(go.Bar(x=[importances[n] for n in names], y=names, orientation="h"))
-    figure.update_layout(title="parameter importance (fANOVA)", **_LAYOUT)
+    figure.update_layout(
+        title="parameter importance (fANOVA)",
+        xaxis_title="share of the first objective's variance",
+        **_LAYOUT,
+    )
     return figure
+
+
+def _outcome(h: dict[str, Any], front: set[int], pick: int | None) -> str:
+    """Why a trial stands where it does, in words."""
+    if h.get("refused"):
+        return f"refused: {h['refused']}"
+    if h.get("duplicate_of") is not None:
+        return f"duplicate of trial {h['duplicate_of']}"
+    if h.get("outside"):
+        return f"outside {', '.join(h['outside'])}"
+    if h["state"] != "COMPLETE":
+        return _STATES.get(h["state"], h["state"].lower())
+    tags = ["picked"] * (h["trial"] == pick) + ["Pareto front"] * (h["trial"] in front)
+    return ", ".join(tags) or "measured"
+
+
+def _trials_table(result: dict[str, Any], objectives: list[str]) -> str:
+    esc = html.escape
+    front = {f["trial"] for f in result["pareto"]}
+    pick = result["pick"].get("trial")
+    best = _best_so_far(result)
+    heads = [
+        "trial",
+        "state",
+        *(_axis(result, i, n) for i, n in enumerate(objectives)),
+        f"best so far ({_axis(result, 0, objectives[0])})",
+        "outcome",
+        "configuration",
+    ]
+    rows = []
+    for h in sorted(result["history"], key=lambda h: h["trial"]):
+        values = h["values"] or [None] * len(objectives)
+        cells = [str(h["trial"]), h["state"].lower(),
+                 *("" if v is None else f"{v:.4g}" for v in values[: len(objectives)]),
+                 f"{best[h['trial']]:.4g}" if h["trial"] in best else "",
+                 _outcome(h, front, pick),
+                 ", ".join(f"{k}={v}" for k, v in sorted(h["params"].items()))]  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{esc(h)}</th>" for h in heads)
+    return f"<table class=trials><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def tune_html(result: dict[str, Any], objectives: list[str]) -> str:
@@ -116,21 +232,38 @@ def tune_html(result: dict[str, Any], objectives: list[str]) -> str:
     divs = "\n".join(
         f.to_html(full_html=False, include_plotlyjs=False, config=_CONFIG) for f in figures
     )
-    rows = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(a))}</td>"
-        f"<td>{html.escape(str(b))}</td></tr>"
-        for k, (a, b) in sorted(result["changed"].items())
+    gains = result["gains"]
+    changed = (gains.get("measured") or {}).get("changed") or {
+        k: list(v) for k, v in result["changed"].items()
+    }
+    rows = (
+        "".join(
+            f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(a))}</td>"
+            f"<td>{html.escape(str(b))}</td></tr>"
+            for k, (a, b) in sorted(changed.items())
+        )
+        or "<tr><td colspan=3>none: the trial confirmed is the defaults</td></tr>"
     )
-    speed = result["gains"]["speedup"]
+    speed = gains["speedup"]
+    trial = (gains.get("measured") or {}).get("trial")
     return f"""<!doctype html><html><head><meta charset="utf-8">
 <title>kiln tune {html.escape(result["study"])}</title>
 <script>{plotly.offline.get_plotlyjs()}</script>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px}}</style></head><body>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px;text-align:left}}
+table.trials td{{border-top:1px solid #ddd;font-size:90%}}</style></head><body>
 <h1>kiln tune — {html.escape(result["study"])}</h1>
-<p>verdict: <b>{html.escape(result["gains"]["verdict"])}</b>; speedup {speed["value"]:.2f}×
-({speed["low"]:.2f}–{speed["high"]:.2f}) over {speed["runs"]} interleaved runs each.</p>
-<table><tr><th>knob</th><th>default</th><th>tuned</th></tr>{rows}</table>
+<p>verdict: <b>{html.escape(gains["verdict"])}</b>; trial {trial} against the defaults:
+speedup {speed["value"]:.2f}× (95 % interval {speed["low"]:.2f}–{speed["high"]:.2f}) over
+{speed["runs"]} interleaved runs each; P50 {gains["defaults"]["p50_ms"]["value"]:.4g} ms →
+{gains["tuned"]["p50_ms"]["value"]:.4g} ms.</p>
+<p>{html.escape(trial_states(result["trials"]))}. The study lives in
+<code>{html.escape(result["storage"])}</code>:
+<code>optuna-dashboard {html.escape(result["storage"])}</code> browses it live.</p>
+<h2>knobs of trial {trial} that differ from the defaults</h2>
+<table><tr><th>knob</th><th>default</th><th>trial {trial}</th></tr>{rows}</table>
 {divs}
+<h2>every trial</h2>
+{_trials_table(result, objectives)}
 </body></html>"""
 
 

@@ -1,6 +1,8 @@
 """The load monitor: what ran where, how fast, how much of it was padding, and every decision
-the runtime took. Thread-safe; recording costs a lock and a few appends per run. Other threads
-(tests, scripts) can wait on it for a swap or a decision instead of sleeping."""
+the runtime took. Thread-safe. Recording is on every request's path, so it is one append to a
+queue (atomic in CPython: no lock); the figures are folded from that queue by whoever reads
+them next, or every FOLD_EVERY records, so the queue stays bounded when no one reads. Other
+threads (tests, scripts) can wait on it for a swap or a decision instead of sleeping."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import numpy as np
 log = logging.getLogger("kiln.runtime")
 
 LATENCY_SAMPLES = 1000  # per bucket: enough for a stable P99, bounded memory
+FOLD_EVERY = 64  # records queued before the recording thread folds them (~0.1 ms) itself
 
 
-@dataclass
+@dataclass(slots=True)
 class Observation:
     dims: dict[str, int]
     bucket: str  # key text, or "dynamic" for a miss
@@ -54,22 +57,47 @@ class LoadMonitor:
         self.recompiles = self.swaps = 0  # bucket-set rebuilds started; swaps completed
         self.checks = 0  # adaptive judgements of a full window (whatever they concluded)
         self.decisions: list[dict[str, Any]] = []
+        self._queued: deque[tuple[Observation, int]] = deque()  # recorded, not yet folded
+        self._texts: dict[tuple, str] = {}
 
     def record(self, obs: Observation, requests: int) -> None:
+        """On the request path: one append; see the module docstring."""
+        self._queued.append((obs, requests))
+        if len(self._queued) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
         with self._lock:
-            stats = self._buckets.setdefault(obs.bucket, _BucketStats())
-            stats.runs += 1
-            stats.requests += requests
-            stats.real += obs.real
-            stats.executed += obs.executed
-            stats.latencies.append(obs.seconds)
-            if obs.bucket == "dynamic":
-                self.misses += requests
-                self.missed_shapes[_shape_text(obs.dims)] += requests
-            else:
-                self.hits += requests
-            self._window.append(obs)
-            self.observed += 1
+            while self._queued:
+                self._add(*self._queued.popleft())
+
+    def _add(self, obs: Observation, requests: int) -> None:
+        """Fold one record into the figures (under the lock)."""
+        stats = self._buckets.get(obs.bucket)
+        if stats is None:  # not setdefault: it would build a _BucketStats every time
+            stats = self._buckets[obs.bucket] = _BucketStats()
+        stats.runs += 1
+        stats.requests += requests
+        stats.real += obs.real
+        stats.executed += obs.executed
+        stats.latencies.append(obs.seconds)
+        if obs.bucket == "dynamic":
+            self.misses += requests
+            self.missed_shapes[self._shape_text(obs.dims)] += requests
+        else:
+            self.hits += requests
+        self._window.append(obs)
+        self.observed += 1
+
+    def _shape_text(self, dims: dict[str, int]) -> str:
+        """"batch=1,seq=8", built once per shape (requests of one shape share their dims)."""
+        key = tuple(dims.items())
+        text = self._texts.get(key)
+        if text is None:
+            if len(self._texts) >= 4096:  # bounded, whatever the traffic
+                self._texts.clear()
+            text = self._texts[key] = _shape_text(dims)
+        return text
 
     def decide(self, trigger: object, action: str) -> None:
         """Record a decision; `trigger` is a Trigger or plain text, kept as text."""
@@ -96,6 +124,7 @@ class LoadMonitor:
 
     def window(self) -> list[Observation]:
         with self._lock:
+            self._fold()
             return list(self._window)
 
     def since(self, cursor: int) -> tuple[list[Observation], int]:
@@ -103,16 +132,19 @@ class LoadMonitor:
         window still holds, and the cursor to pass next time. A reader that compared window
         lengths would go blind once the window is full and stays the same length."""
         with self._lock:
+            self._fold()
             fresh = min(max(self.observed - cursor, 0), len(self._window))
             recent = list(self._window)
             return recent[len(recent) - fresh :], self.observed
 
     def reset_window(self) -> None:
         with self._lock:
+            self._fold()
             self._window.clear()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
+            self._fold()
             buckets = {
                 key: {
                     "runs": s.runs,

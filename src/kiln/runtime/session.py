@@ -7,6 +7,12 @@ back. Shapes no bucket holds run on the dynamic executable and count as misses. 
 rebuild.py) replaces the whole bucket set with one reference assignment: a request reads
 `self._state` once, so it runs on one consistent set and requests in flight finish on the
 old executables. Opening the source is source.py; merging requests is batching.py.
+
+The request path costs next to nothing over the engine's own run: the checks of a request
+(names, dtypes, shapes, each dim within the model's limit, see limits.py) run once per
+signature (every input's name, dtype and shape) and their verdict is kept; the load monitor
+takes one append (monitor.py). ONNX Runtime's own arguments (providers, sess_options,
+run_options) are read by compat.py.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,8 @@ from kiln.runtime import buckets as bk
 from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.bucketset import BucketSet, Runner, executable_cap
+from kiln.runtime.compat import backend_of, check_run_options, session_overrides
+from kiln.runtime.limits import check_limits, dim_limits, max_shape
 from kiln.runtime.metadata import (
     ModelMetadata,
     NodeArg,
@@ -55,12 +63,29 @@ from kiln.runtime.records import load_record, record_path, save_record
 from kiln.runtime.source import engine_options, open_source, run_precision
 
 Feeds = dict[str, np.ndarray]
+# Request signatures whose verdict is kept; beyond this the cache starts afresh (a stream of
+# ever-new shapes costs a check each, never unbounded memory).
+MAX_SIGNATURES = 1024
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the checks of one request signature concluded."""
+
+    dims: dict[str, int]  # every symbolic dim's value (never mutated: observations share it)
+    elements: int  # input elements the request brings
 
 
 class Session:
     """Runs an artifact (NAME.kiln, with the backend settings in its manifest), a plain .onnx
     file or zoo:NAME (as-is, on ONNX Runtime unless `backend="openvino"` is given); see the
     module docstring for buckets.
+
+    As onnxruntime.InferenceSession: `providers` picks the engine (CPUExecutionProvider: ONNX
+    Runtime, OpenVINOExecutionProvider: OpenVINO); `sess_options`, an
+    onnxruntime.SessionOptions, maps the fields set on it (threads, optimization level,
+    execution mode, memory arena and pattern) onto the engine's options; `provider_options`
+    is refused (pass `options`).
 
     `buckets`: "batch=1,4,8 seq=32,64" or a dict (default: the artifact's, else none);
     `warmup`: compile and run every bucket now rather than on first use; `adaptive`: rebuild
@@ -74,6 +99,9 @@ class Session:
     def __init__(
         self,
         path_or_model: str | Path,
+        sess_options: Any = None,
+        providers: list[Any] | None = None,
+        provider_options: list[dict[str, Any]] | None = None,
         *,
         backend: str | None = None,
         buckets: dict[str, list[int]] | str | None = None,
@@ -83,12 +111,22 @@ class Session:
         options: dict[str, Any] | None = None,
         keep_requests: int = 0,
     ) -> None:
+        where = str(path_or_model)
+        if provider_options and any(provider_options):
+            raise KilnError(
+                f"{where}: provider_options are not taken; Kiln sets the engine's options "
+                "itself: pass options={...} (see Session.options)."
+            )
+        backend = backend_of(providers, backend, where)
         source = open_source(path_or_model, backend)
         self._opened = (path_or_model, backend, share_weights)
         self._source = source
         self._where = source.where
         self.artifact = source.artifact
         self._backend = get_backend(source.backend)
+        overrides = session_overrides(sess_options, source.backend, where)
+        if overrides and isinstance(options, dict | None):
+            options = {**overrides, **(options or {})}  # Kiln's own options win
         self._options = engine_options(source, options)
         self.precision = run_precision(source, self._options)
         self._serialise = source.backend == "openvino"  # one infer request per executable
@@ -100,6 +138,9 @@ class Session:
         self.max_executables = executable_cap(source.interface, self._share)
         self._layout = input_layout(source.interface)
         self._batch = batch_dims(self._layout)
+        self.limits = dim_limits(source.interface, self._layout)
+        self._signatures: dict[tuple, _Checked] = {}
+        self._all_outputs = list(self.executable.output_names)
         self.monitor = LoadMonitor()
         self.keep_requests = keep_requests
         self._recent: deque[Feeds] | None = deque(maxlen=keep_requests) if keep_requests else None
@@ -174,8 +215,17 @@ class Session:
 
     @property
     def inputs(self) -> list[dict[str, Any]]:
-        """{name, datatype (KServe), shape (-1 dynamic)} per input, for server metadata."""
-        return [kserve_meta(v) for v in graph_inputs(self.interface)]
+        """{name, datatype (KServe), shape (-1 dynamic)} per input, for server metadata; and
+        for an input with a dim the model bounds, `max_shape` (Kiln's extension): each dim's
+        largest size, -1 where there is no limit (see limits.py)."""
+        out = []
+        for value in graph_inputs(self.interface):
+            meta = kserve_meta(value)
+            axes = self._layout[value.name]
+            if any(axis in self.limits for axis in axes):
+                meta["max_shape"] = max_shape(axes, self.limits)
+            out.append(meta)
+        return out
 
     @property
     def outputs(self) -> list[dict[str, Any]]:
@@ -197,30 +247,65 @@ class Session:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, output_names: list[str] | None, feeds: Feeds) -> list[np.ndarray]:
-        """As onnxruntime.InferenceSession.run: the outputs named (None: all), in order."""
-        names = output_list(output_names, self.output_names, self._where)
-        feeds = checked_feeds(feeds, self.interface, self._where)
-        if self._recent is not None:
+    def run(
+        self, output_names: list[str] | None, feeds: Feeds, run_options: Any = None
+    ) -> list[np.ndarray]:
+        """As onnxruntime.InferenceSession.run: the outputs named (None: all), in order;
+        `run_options`, an onnxruntime.RunOptions, is accepted (see compat.py)."""
+        names = self._all_outputs if output_names is None else self._outputs(output_names)
+        if run_options is not None:
+            check_run_options(run_options, self._where)
+        feeds, checked = self._check(feeds, self._where)
+        outputs = self._execute(names, feeds, checked.dims, 1, checked.elements)
+        if self._recent is not None:  # only requests that ran: a refused one is not replayed
             self._recent.append(feeds)
-        dims = dims_of(feeds, self._layout)
-        return self._execute(names, feeds, dims, 1, batching.elements(feeds))
+        return outputs
 
     def run_batch(
         self, requests: list[Feeds], output_names: list[str] | None = None
     ) -> list[list[np.ndarray]]:
         """Run several requests as one where that is safe (see batching.py); each request's
         outputs, in order."""
-        names = output_list(output_names, self.output_names, self._where)
+        names = self._all_outputs if output_names is None else self._outputs(output_names)
         where = self._where
-        requests = [
-            checked_feeds(f, self.interface, f"{where} request {i}") for i, f in enumerate(requests)
-        ]
+        pairs = [self._check(f, f"{where} request {i}") for i, f in enumerate(requests)]
+        requests = [feeds for feeds, _ in pairs]
+        shapes = [checked.dims for _, checked in pairs]
+        plan = batching.Plan(self._layout, self._batch, self.verdict, self._state.buckets)
+        outputs = batching.run_batch(requests, shapes, names, plan, self._execute)
         if self._recent is not None:
             self._recent.extend(requests)
-        shapes = [dims_of(f, self._layout) for f in requests]
-        plan = batching.Plan(self._layout, self._batch, self.verdict, self._state.buckets)
-        return batching.run_batch(requests, shapes, names, plan, self._execute)
+        return outputs
+
+    def check_feeds(self, feeds: Feeds) -> Feeds:
+        """The feeds as `run` takes them, or the KilnError `run` would raise for them: an
+        unknown or missing input, a wrong dtype or shape, a dim past the model's limit. A
+        server refuses a request with it before queueing it."""
+        return self._check(feeds, self._where)[0]
+
+    def _outputs(self, output_names: Any) -> list[str]:
+        return output_list(output_names, self._all_outputs, self._where)
+
+    def _check(self, feeds: Any, where: str) -> tuple[Feeds, _Checked]:
+        """The feeds (string inputs' text as objects) and their checks' verdict, computed
+        once per signature: every input's name, dtype and shape."""
+        try:
+            signature = tuple([(name, a.dtype, a.shape) for name, a in feeds.items()])
+            known = self._signatures.get(signature)
+        except (AttributeError, TypeError):  # not a dict of arrays: the checks say what
+            signature, known = None, None
+        if known is not None:
+            return feeds, known
+        checked = checked_feeds(feeds, self.interface, where)
+        dims = dims_of(checked, self._layout)
+        check_limits(dims, self.limits, checked, self._layout, where)
+        verdict = _Checked(dims, batching.elements(checked))
+        # Kept only where the feeds needed no conversion: those run as given next time.
+        if signature is not None and all(checked[n] is feeds[n] for n in checked):
+            if len(self._signatures) >= MAX_SIGNATURES:
+                self._signatures.clear()
+            self._signatures[signature] = verdict
+        return checked, verdict
 
     def _execute(
         self, names: list[str], feeds: Feeds, dims: dict[str, int], requests: int, real: int
@@ -246,7 +331,8 @@ class Session:
         if key is None:
             if outputs is None:
                 outputs = self._dynamic.run(feeds, names)
-            executed = batching.elements(feeds)
+            # Unpadded: one request runs as it came (a merged batch counts its own).
+            executed = real if requests == 1 else batching.elements(feeds)
         else:
             grown = {d: dims[d] for d, s in key if s > dims[d]}
             if grown:

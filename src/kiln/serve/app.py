@@ -174,13 +174,16 @@ def create_app(
             body = await _read_body(request, max_request_bytes, body_timeout_s)
             decoded = await run_in_threadpool(_decode, body, request.headers, max_request_bytes)
             _check_inputs(decoded.inputs, inputs)
+            # The model's own checks (dims within its limits) before queueing: a request the
+            # engine would fail on must neither run nor fail the batch it would have joined.
+            feeds = session.check_feeds(decoded.inputs)
             unknown = sorted(set(decoded.outputs) - set(output_names))
             if unknown:
                 raise ApiError(
                     400,
                     f"unknown output {clip(unknown[0])}; the model's outputs are {output_names}",
                 )
-            values = await asyncio.wrap_future(batcher.submit(decoded.inputs))
+            values = await asyncio.wrap_future(batcher.submit(feeds))
             outputs = dict(zip(output_names, values, strict=True))
             content, json_length = await run_in_threadpool(
                 encode_response, name, decoded, outputs, VERSION

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from kiln.backends import get_backend
 from kiln.compiler.api import save_result
@@ -27,6 +26,7 @@ from kiln.errors import KilnError
 from kiln.ir.inputs import named_dims, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.runtime.buckets import propose
+from kiln.runtime.footprint import peak_memory
 from kiln.tune.measure import Interval, bootstrap, duel, tails
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.serving import Served, merged_runner, serve
@@ -46,7 +46,8 @@ class Built:
     choice: Choice
     result: CompileResult  # its model, config and options are the choice's
     runners: list[Callable[[], object]]  # one per concurrent stream
-    memory_mib: float
+    memory_mib: float | None = None  # peak of its session, alone (see `footprint`); None: not yet
+    feeds: Feeds = field(default_factory=dict)  # one run's inputs
     served: Callable[..., Served] | None = None  # served(seconds=...): a window served
     buckets: dict[str, list[int]] = field(default_factory=dict)  # the served bucket set
 
@@ -87,6 +88,11 @@ class Workbench:
         keys = {o.measure for o in self.objectives} | {c.measure for c in self.constraints}
         return "throughput" in keys
 
+    @property
+    def needs_memory(self) -> bool:
+        keys = {o.measure for o in self.objectives} | {c.measure for c in self.constraints}
+        return "memory_mib" in keys
+
     def build(self, choice: Choice) -> Built:
         """The choice compiled and verified with its runtime options, or Refused."""
         result = self._compile(choice)
@@ -97,7 +103,6 @@ class Workbench:
             result.verification.inputs if result.verification else "synthesized",
             budget=config.budget(),
         )  # fmt: skip
-        before = _rss_mib()
         verification, exe = verify_on(result.model, target)
         if not verification.ok:
             raise Refused(f"with its runtime options: {verification.summary()}")
@@ -110,7 +115,9 @@ class Workbench:
         for run in runners:
             run()
         built = replace(result, config=config, options=options)
-        out = Built(choice, built, runners, max(0.0, _rss_mib() - before))
+        out = Built(choice, built, runners, feeds=feeds)
+        if self.needs_memory:
+            footprint(out)
         if choice.clients and self.traffic:
             out.served, out.buckets = self._session_server(out)
         elif choice.clients:
@@ -178,7 +185,7 @@ class Workbench:
         if self.incumbent is None:
             self.incumbent = self._alone(built)
             return self.incumbent
-        incumbent, measures, evidence = self.incumbent, {"memory_mib": built.memory_mib}, {}
+        incumbent, measures, evidence = self.incumbent, self._memory(built), {}
         if self.needs_latency:
             fight = duel(built.runners[0], incumbent.built.runners[0], seconds=self.seconds,
                          min_runs=150 if self.needs_tails else 0, give_up_above=1.5)  # fmt: skip
@@ -204,8 +211,7 @@ class Workbench:
 
     def _alone(self, built: Built) -> Measured:
         """The first choice, measured on its own: the base every later ratio is taken from."""
-        measures: dict[str, float] = {"memory_mib": built.memory_mib}
-        evidence: dict[str, Any] = {}
+        measures, evidence = self._memory(built), {}
         if self.needs_latency:
             seconds = _time(built.runners[0], max(200, 3 * 50), self.seconds * 2)
             alone = tails(seconds)
@@ -218,6 +224,9 @@ class Workbench:
         if self.needs_throughput:
             measures["throughput"] = throughput(built, _window(built))
         return Measured(built, measures, evidence)
+
+    def _memory(self, built: Built) -> dict[str, float]:
+        return {"memory_mib": footprint(built)} if self.needs_memory else {}
 
     def _feasible(self, measured: Measured) -> bool:
         return all(c.violation(measured.measures) <= 0 for c in self.constraints)
@@ -238,8 +247,16 @@ def batch_dim(model: Any) -> str | None:
     return None
 
 
-def _rss_mib() -> float:
-    return psutil.Process().memory_info().rss / 2**20
+def footprint(built: Built) -> float:
+    """The peak resident memory (MiB) of the built choice's session in a process of its own,
+    opened and run on its feeds — `kiln.runtime.footprint.peak_memory`, the figure `kiln
+    bench` reports — never the growth of this process, which holds every other build too.
+    One session: concurrent streams share the weights' file, not counted again."""
+    if built.memory_mib is None:
+        with tempfile.TemporaryDirectory(prefix="kiln-tune-memory-") as where:
+            path = save_result(built.result, Path(where) / "trial.kiln").path
+            built.memory_mib = peak_memory(path, built.feeds, runs=5)["peak_mib"]
+    return built.memory_mib
 
 
 def _time(run: Callable[[], object], count: int, seconds: float) -> list[float]:

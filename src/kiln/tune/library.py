@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from typing import Any
 
 import sqlalchemy as sa
 
 from kiln.errors import KilnError
-from kiln.tune.signature import distance
-from kiln.tune.storage import connect
+from kiln.tune.signature import check_signature, distance
+from kiln.tune.storage import connect, create_once
 
 METADATA = sa.MetaData()
 STRATEGIES = sa.Table(
@@ -73,19 +74,48 @@ class Library:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = connect(url)
-        METADATA.create_all(self.engine)
+        create_once(url, lambda: METADATA.create_all(self.engine))
 
     def add(self, record: Record) -> int:
+        """The record's id: a new row; or the row already holding the same record (a re-import
+        adds nothing); or, for a study, the row of the same study on this hardware class,
+        brought up to date (a rerun or a resumed study is one record, not one per run)."""
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        row = {
+            "kind": record.kind, "hardware_class": record.hardware["class"],
+            "model": record.model, "objective": record.objective, "body": record.body(),
+        }  # fmt: skip
         with self.engine.begin() as connection:
-            result = connection.execute(
-                STRATEGIES.insert().values(
-                    created=created, kind=record.kind,
-                    hardware_class=record.hardware["class"], model=record.model,
-                    objective=record.objective, body=record.body(),
-                )
-            )  # fmt: skip
+            same = connection.execute(
+                sa.select(STRATEGIES.c.id).where(*(STRATEGIES.c[k] == v for k, v in row.items()))
+            ).first()
+            if same is not None:
+                return int(same.id)
+            earlier = self._same_study(connection, record)
+            if earlier is not None:
+                connection.execute(
+                    STRATEGIES.update().where(STRATEGIES.c.id == earlier)
+                    .values(created=created, **row)
+                )  # fmt: skip
+                return earlier
+            result = connection.execute(STRATEGIES.insert().values(created=created, **row))
             return int(result.inserted_primary_key[0])
+
+    def _same_study(self, connection: Any, record: Record) -> int | None:
+        study = record.evidence.get("study") if record.kind == "study" else None
+        if not study:
+            return None
+        query = sa.select(STRATEGIES).where(
+            STRATEGIES.c.kind == "study",
+            STRATEGIES.c.hardware_class == record.hardware["class"],
+            STRATEGIES.c.model == record.model,
+            STRATEGIES.c.objective == record.objective,
+        )
+        for row in connection.execute(query):
+            evidence = _json_object(row.body).get("evidence")
+            if isinstance(evidence, dict) and evidence.get("study") == study:
+                return int(row.id)
+        return None
 
     def add_window(self, model: str, window: dict[str, Any]) -> None:
         """One window of live traffic, as the feedback loop aggregated it."""
@@ -112,7 +142,15 @@ class Library:
         if kind is not None:
             query = query.where(STRATEGIES.c.kind == kind)
         with self.engine.connect() as connection:
-            return [_record(row) for row in connection.execute(query)]
+            rows = list(connection.execute(query))
+        out = []
+        for row in rows:  # a damaged row (written by hand, or by an older Kiln) is skipped
+            try:
+                out.append(_record(row))
+            except KilnError as exc:
+                warnings.warn(f"{exc} It is skipped; remove it with kiln strategies forget "
+                              f"{row.id}.", stacklevel=2)  # fmt: skip
+        return out
 
     def get(self, record_id: int) -> Record:
         with self.engine.connect() as connection:
@@ -124,13 +162,23 @@ class Library:
         return _record(row)
 
     def forget(self, record_id: int | None = None, model: str | None = None) -> int:
+        """How many records were removed; a record id or a model that names none is refused."""
         query = STRATEGIES.delete()
         if record_id is not None:
             query = query.where(STRATEGIES.c.id == record_id)
         if model is not None:
             query = query.where(STRATEGIES.c.model == model)
         with self.engine.begin() as connection:
-            return int(connection.execute(query).rowcount)
+            removed = int(connection.execute(query).rowcount)
+        if not removed:
+            if record_id is not None and model is not None:
+                what = f"record {record_id} of model {model}"
+            elif record_id is not None:
+                what = f"record {record_id}"
+            else:
+                what = f"record of model {model}"
+            raise KilnError(f"no strategy {what}; see kiln strategies list --all.")
+        return removed
 
     def nearest(
         self,
@@ -152,11 +200,59 @@ class Library:
         return sorted(best.values(), key=lambda x: x[0])[:count]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _record(row: Any) -> Record:
-    body = json.loads(row.body)
-    return Record(
-        kind=row.kind, model=row.model, objective=row.objective, id=row.id, created=row.created,
-        hardware=body["hardware"], signature=body["signature"], params=body["params"],
-        config=body["config"], gains=body["gains"], pareto=body["pareto"],
-        evidence=body["evidence"],
-    )  # fmt: skip
+    body = _json_object(row.body)
+    item = {"kind": row.kind, "model": row.model, "objective": row.objective, **body}
+    record = check_record(item, f"strategy record {row.id}")
+    record.id, record.created = row.id, row.created
+    return record
+
+
+KINDS = ("study", "adopted", "refused")
+# field → the JSON type it must have
+_TYPES: dict[str, type] = {
+    "kind": str, "hardware": dict, "model": str, "signature": dict, "objective": str,
+    "params": dict, "config": dict, "gains": dict, "pareto": list, "evidence": dict,
+}  # fmt: skip
+
+
+def check_record(item: Any, where: str) -> Record:
+    """A Record from exported JSON, every field checked: a record that would break a later
+    study (a warm start reads its signature and params) is refused here, naming the field."""
+    if not isinstance(item, dict):
+        raise KilnError(f"{where}: expected a JSON object, got {type(item).__name__}.")
+    names = {f.name for f in fields(Record)}
+    unknown = sorted(set(item) - names)
+    if unknown:
+        raise KilnError(f"{where}: unknown field '{unknown[0]}'.")
+    for name, kind in _TYPES.items():
+        if name not in item:
+            raise KilnError(f"{where}: the field '{name}' is missing.")
+        if not isinstance(item[name], kind):
+            given = json.dumps(item[name], default=str)[:40]
+            raise KilnError(f"{where}: '{name}' must be a JSON {_JSON[kind]}, not {given}.")
+    if item["kind"] not in KINDS:
+        raise KilnError(f"{where}: 'kind' is '{item['kind']}'; expected one of {', '.join(KINDS)}.")
+    if not isinstance(item["hardware"].get("class"), str) or not item["hardware"]["class"]:
+        raise KilnError(f"{where}: 'hardware' has no 'class' (the hardware fingerprint).")
+    problem = check_signature(item["signature"]) if item["kind"] == "study" else None
+    if problem:
+        raise KilnError(f"{where}: 'signature' {problem}.")
+    speed = item["gains"].get("speedup")
+    if speed is not None and not (
+        isinstance(speed, dict)
+        and all(isinstance(speed.get(k), int | float) for k in ("value", "low", "high"))
+    ):
+        raise KilnError(f"{where}: 'gains.speedup' must hold numbers value, low and high.")
+    return Record(**{k: v for k, v in item.items() if k not in ("id", "created")})
+
+
+_JSON = {str: "string", dict: "object", list: "list"}

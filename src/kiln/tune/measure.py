@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.timing import interleave
+from kiln.timing import flatten, interleave, speedup
 
 WINDOW = 50  # runs per tail window: P99 of 50 runs is their worst but one (the 49.5th)
 RESAMPLES = 1000
@@ -75,15 +75,55 @@ def tails(seconds: list[float], window: int = WINDOW) -> Tails:
     return Tails(bootstrap(p50), bootstrap(p99), bootstrap(jitter), len(ms))
 
 
+def round_p50s(rounds: list[list[float]]) -> Interval:
+    """The P50 in ms as `kiln.timing.round_p50_ms` takes it (the median of per-round
+    medians) with its bootstrap interval over rounds."""
+    return bootstrap([statistics.median(r) * 1e3 for r in rounds])
+
+
+def speedup_interval(baseline: list[list[float]], engine: list[list[float]],
+                     seed: int = 0) -> Interval:  # fmt: skip
+    """How much faster `engine` ran than `baseline` (per round, the per-run seconds of each,
+    interleaved): the value is `kiln.timing.speedup`'s — the ratio of the two `round_p50s`,
+    so the P50s printed beside it always agree with it — and the interval its 95 % bootstrap
+    interval, resampling rounds in pairs (the two sides of a round shared the machine)."""
+    value = speedup(baseline, engine).value
+    base = np.asarray([statistics.median(r) for r in baseline])
+    mine = np.asarray([statistics.median(r) for r in engine])
+    if len(mine) < 2:
+        return Interval(value, value, value)
+    picks = np.random.default_rng(seed).integers(0, len(mine), size=(RESAMPLES, len(mine)))
+    ratios = np.median(base[picks], axis=1) / np.median(mine[picks], axis=1)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return Interval(value, min(float(low), value), max(float(high), value))
+
+
 @dataclass(frozen=True)
 class Duel:
-    """A trial against the incumbent, interleaved: the ratio of their per-round P50s
-    (trial / incumbent: below 1 is faster) with its interval, and each side's runs."""
+    """A trial against the incumbent, interleaved: the ratio of their P50s (trial /
+    incumbent: below 1 is faster; 1 / `speedup_interval`) with its interval, and each side's
+    runs, per round."""
 
     ratio: Interval
-    trial_s: list[float]
-    incumbent_s: list[float]
-    rounds: int
+    trial_rounds: list[list[float]]
+    incumbent_rounds: list[list[float]]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.trial_rounds)
+
+    @property
+    def trial_s(self) -> list[float]:
+        return flatten(self.trial_rounds)
+
+    @property
+    def incumbent_s(self) -> list[float]:
+        return flatten(self.incumbent_rounds)
+
+    @property
+    def speedup(self) -> Interval:
+        """incumbent / trial: above 1 the trial is faster."""
+        return Interval(1 / self.ratio.value, 1 / self.ratio.high, 1 / self.ratio.low)
 
     def to_json(self) -> dict:
         return {"ratio": self.ratio.to_json(), "rounds": self.rounds}
@@ -99,11 +139,13 @@ def duel(
     tight: float = 0.02,
     min_runs: int = 0,
     give_up_above: float | None = None,
+    limit_s: float | None = None,
 ) -> Duel:
     """Rounds of `runs` runs each, alternating who goes first, until the ratio's interval is
     within ±`tight` (relative) or `seconds` are spent — but never before each side has
-    `min_runs` runs and `min_rounds` rounds. A trial clearly slower than `give_up_above` × the
-    incumbent (its whole interval above) is not measured further: pruned, not refined."""
+    `min_runs` runs and `min_rounds` rounds, unless `limit_s` (a hard bound: the user's
+    --time) is spent. A trial clearly slower than `give_up_above` × the incumbent (its whole
+    interval above) is not measured further: pruned, not refined."""
     start = time.perf_counter()
     rounds: dict[str, list[list[float]]] = {"trial": [], "incumbent": []}
     warm = True
@@ -120,16 +162,16 @@ def duel(
         enough = len(rounds["trial"]) >= min_rounds
         if enough and give_up_above is not None and ratio.low > give_up_above:
             break
-        done = enough and len(rounds["trial"]) * runs >= min_runs
-        if done and (ratio.halfwidth <= tight or time.perf_counter() - start >= seconds):
+        spent = time.perf_counter() - start
+        if enough and limit_s is not None and spent >= limit_s:
             break
-    flat = {k: [x for r in v for x in r] for k, v in rounds.items()}
-    return Duel(ratio, flat["trial"], flat["incumbent"], len(rounds["trial"]))
+        done = enough and len(rounds["trial"]) * runs >= min_runs
+        if done and (ratio.halfwidth <= tight or spent >= seconds):
+            break
+    return Duel(ratio, rounds["trial"], rounds["incumbent"])
 
 
 def _ratio(rounds: dict[str, list[list[float]]]) -> Interval:
-    per_round = [
-        statistics.median(t) / statistics.median(i)
-        for t, i in zip(rounds["trial"], rounds["incumbent"], strict=True)
-    ]
-    return bootstrap(per_round)
+    """P50(trial) / P50(incumbent) with its interval: `speedup_interval` with the trial as
+    the baseline, one statistic for the search and the confirmation."""
+    return speedup_interval(rounds["trial"], rounds["incumbent"])

@@ -64,13 +64,16 @@ LIMITS = {
     "max_memory": ("memory_mib", True),
     "min_throughput": ("throughput", False),
 }
-_TIME = {"us": 1e-3, "ms": 1.0, "s": 1e3, "": 1.0}
-_SIZE = {"kb": 1 / 1024, "mb": 1.0, "mib": 1.0, "gb": 1024.0, "gib": 1024.0, "": 1.0}
+# Times and sizes need their unit: a bare "20" is 20 ms to one user and 20 s to the next.
+_TIME = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+_SIZE = {"kb": 1 / 1024, "mb": 1.0, "mib": 1.0, "gb": 1024.0, "gib": 1024.0}
 
 
 def parse_constraint(flag: str, text: str) -> Constraint:
-    """`max_p50`, "20ms" → p50_ms ≤ 20; `max_memory`, "2GB" → memory_mib ≤ 2048."""
+    """`max_p50`, "20ms" → p50_ms ≤ 20; `max_memory`, "2GB" → memory_mib ≤ 2048. Latency and
+    memory limits need a unit; jitter and throughput (samples/s) are bare numbers."""
     measure, at_most = LIMITS[flag]
+    name = f"--{flag.replace('_', '-')}"
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*([a-zA-Z/]*)\s*", text)
     units = _TIME if measure.endswith("_ms") else _SIZE if measure == "memory_mib" else {"": 1.0}
     unit = match.group(2).lower() if match else None
@@ -78,9 +81,6 @@ def parse_constraint(flag: str, text: str) -> Constraint:
         unit = ""
     if not match or unit not in units:
         example = {"p50_ms": "20ms", "p99_ms": "50ms", "memory_mib": "2GB"}.get(measure, "0.2")
-        raise KilnError(
-            f"--{flag.replace('_', '-')} {text}: expected a number"
-            f"{' with a unit (' + ', '.join(u for u in units if u) + ')' if len(units) > 1 else ''}"
-            f", e.g. --{flag.replace('_', '-')} {example}."
-        )
-    return Constraint(measure, float(match.group(1)) * units[unit], at_most, f"--{flag} {text}")
+        unit_text = "" if "" in units else f" with a unit ({', '.join(units)})"
+        raise KilnError(f"{name} {text}: expected a number{unit_text}, e.g. {name} {example}.")
+    return Constraint(measure, float(match.group(1)) * units[unit], at_most, f"{name} {text}")

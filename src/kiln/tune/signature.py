@@ -64,3 +64,24 @@ def hardware() -> dict[str, Any]:
         "cores": cpu.logical_cores,
         "features": list(cpu.features),
     }
+
+
+def check_signature(signature: dict[str, Any]) -> str | None:
+    """What is wrong with a signature `distance` would read (as `model_signature` makes it),
+    or None: records imported from elsewhere are checked before a warm start meets them."""
+    ops, flops = signature.get("ops"), signature.get("flops")
+    if not isinstance(ops, dict) or not all(
+        isinstance(k, str) and _number(v) for k, v in ops.items()
+    ):
+        return "needs 'ops': an object of op type → share of nodes"
+    if not isinstance(flops, dict) or not all(_number(flops.get(k)) for k in ("conv", "matmul")):
+        return "needs 'flops': an object with numbers 'conv' and 'matmul'"
+    if not all(_number(v) for v in flops.values()):
+        return "needs 'flops' to hold numbers only"
+    if not _number(signature.get("parameters")):
+        return "needs 'parameters': a number"
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

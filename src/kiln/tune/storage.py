@@ -4,7 +4,12 @@ library between machines. Unreachable or malformed URLs are one clear error."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import fcntl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
@@ -16,6 +21,11 @@ from kiln.home import kiln_home
 HEARTBEAT_S = 10
 GRACE_S = 60
 SQLITE_TIMEOUT_S = 120  # simultaneous writers wait instead of "database is locked"
+# What two processes creating one storage's tables at the same moment see: the loser of the
+# race finds the tables or the version row the winner just made. Creating again then succeeds.
+CREATION_RACE = ("already exists", "unique constraint failed", "duplicate key", "duplicate column")
+CREATION_TRIES = 5
+T = TypeVar("T")
 
 
 def default_url() -> str:
@@ -60,15 +70,71 @@ def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRAC
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     quiet_optuna()
     try:
-        return RDBStorage(
+        return create_once(url, lambda: RDBStorage(
             url,
             engine_kwargs=engine_kwargs(url),
             heartbeat_interval=heartbeat_s,
             grace_period=grace_s,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
-        )
+        ))  # fmt: skip
     except Exception as exc:  # optuna wraps the database's errors in its own and others
         raise KilnError(f"--storage {_safe(url)}: cannot open the study storage ({exc}).") from None
+
+
+def create_once(url: str, make: Callable[[], T]) -> T:
+    """`make()` (which creates the storage's tables when missing), safe against other
+    processes doing the same at the same moment: under a lock file beside a SQLite database,
+    and for any database retried when it loses the creation race (PostgreSQL across
+    machines has no common lock file)."""
+    for attempt in range(CREATION_TRIES):
+        try:
+            with _creation_lock(url):
+                return make()
+        except Exception as exc:
+            text = str(getattr(exc, "orig", None) or exc).lower()
+            if attempt == CREATION_TRIES - 1 or not any(r in text for r in CREATION_RACE):
+                raise
+            time.sleep(0.1 * (attempt + 1))  # the winner is committing its tables
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _creation_lock(url: str) -> Iterator[None]:
+    """An exclusive lock on `DB.lock` beside a SQLite file; nothing for other databases."""
+    database = _sqlite_file(url)
+    if database is None:
+        yield
+        return
+    with open(database.with_name(database.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _sqlite_file(url: str) -> Path | None:
+    try:
+        parsed = sa.engine.make_url(url)
+    except Exception:  # connect() has already named a malformed URL
+        return None
+    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
+        return None
+    path = Path(parsed.database)
+    return path if path.parent.is_dir() else None
+
+
+CLAIMS = sa.Table("kiln_claims", sa.MetaData(), sa.Column("key", sa.String(200), primary_key=True))
+
+
+def claim(url: str, key: str) -> bool:
+    """True for exactly one of the processes (on any machine) that claim `key` on the
+    database at `url`: the insert of a primary key is atomic where a check-then-write is not."""
+    engine = connect(url)
+    create_once(url, lambda: CLAIMS.metadata.create_all(engine))
+    try:
+        with engine.begin() as connection:
+            connection.execute(CLAIMS.insert().values(key=key))
+        return True
+    except sa.exc.IntegrityError:
+        return False
 
 
 def quiet_optuna() -> None:

@@ -19,23 +19,25 @@ from pathlib import Path
 from typing import Any
 
 from kiln.backends import available_backends
-from kiln.compiler.api import save_result
-from kiln.config import ENGINES, PRECISIONS, CompileConfig
+from kiln.compiler.api import load_source, save_result
+from kiln.compiler.framework import EXAMPLE
+from kiln.config import ENGINES, PRECISIONS, CompileConfig, read_config
 from kiln.errors import KilnError
 from kiln.ir.inputs import read_inputs
-from kiln.ir.load import LoadedModel, load_model
+from kiln.ir.load import LoadedModel
 from kiln.tune.bench import Measured, Refused, Workbench, batch_dim
 from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.signature import hardware, model_signature
 from kiln.tune.space import Space, choice_of, default_params, project, seed_params, suggest
-from kiln.tune.storage import GRACE_S, HEARTBEAT_S, default_url, optuna_storage
+from kiln.tune.storage import GRACE_S, HEARTBEAT_S, claim, default_url, optuna_storage
 from kiln.tune.traffic import Shape, check_traffic, load_traffic
 
 Say = Callable[[str], None]
 FINISHED = ("COMPLETE", "PRUNED")
 DEFAULTS_BEST = "the defaults measured best"
+CONFIRM_SHARE = 0.25  # of --time, kept for the confirmation: trials start until it is left
 
 
 @dataclass
@@ -52,7 +54,8 @@ class Plan:
     seconds_per_trial: float
     url: str
     study: str
-    timeout_s: float | None = None
+    timeout_s: float | None = None  # --time: the whole command, confirmation included
+    deadline: float | None = None  # time.time() by which it ends (set when tuning starts)
     seed: int | None = None
     heartbeat_s: int = HEARTBEAT_S
     grace_s: int = GRACE_S
@@ -77,6 +80,7 @@ class TuneResult:
     library_id: int | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     importances: dict[str, float] = field(default_factory=dict)
+    objectives: list[dict[str, str]] = field(default_factory=list)  # name, unit, direction
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -87,7 +91,9 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
          warm_start: bool = True) -> TuneResult:  # fmt: skip
     import optuna
 
-    loaded = load_model(plan.source)
+    if plan.timeout_s is not None and plan.deadline is None:
+        plan.deadline = time.time() + plan.timeout_s
+    loaded = load_source(plan.source)
     _traffic(plan, loaded)  # refused before the study exists
     space = _space(plan)
     storage = optuna_storage(plan.url, plan.heartbeat_s, plan.grace_s)
@@ -96,7 +102,9 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     study = _study(plan, storage)
     objective_name = "+".join(o.name for o in plan.objectives)
     warm = []
-    if not study.trials:
+    # Seeds are enqueued once per study: workers started together would each enqueue them
+    # (and then measure each other's twins); the claim is atomic on any database.
+    if not study.trials and claim(plan.url, f"seeds:{storage.get_study_id_from_name(plan.study)}"):
         # The nearest models' winners go first: what was learnt is tried before what is
         # merely likely (the engines' defaults), which only a cold study starts from.
         if warm_start:
@@ -112,6 +120,7 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     bench = _workbench(plan, loaded, say)
     _run(plan, study, workers, say, on_trial, bench)
     study = optuna.load_study(study_name=plan.study, storage=storage)
+    _wait_for_others(study, plan, say)
     pick, pareto = _pick(study, plan)
     return _finish(plan, loaded, space, bench, study, pick, pareto, output, library,
                    signature, machine, warm, say)  # fmt: skip
@@ -163,6 +172,8 @@ def _workbench(plan: Plan, loaded: LoadedModel, say: Say = lambda _m: None) -> W
     given, source = None, "given inputs"
     if plan.base.inputs:
         given, source = [read_inputs(plan.base.inputs, loaded.model)], plan.base.inputs
+    elif loaded.example is not None:  # a .pt2: verified on its saved example, as optimize
+        given, source = [loaded.example.feeds], EXAMPLE
     return Workbench(loaded, plan.base, plan.objectives, plan.constraints,
                      plan.seconds_per_trial, given, source, say,
                      traffic=_traffic(plan, loaded))  # fmt: skip
@@ -266,14 +277,45 @@ def run_worker(
     storage = optuna_storage(plan.url, plan.heartbeat_s, plan.grace_s)
     study = optuna.load_study(study_name=plan.study, storage=storage,
                               sampler=_study(plan, storage).sampler)  # fmt: skip
-    loaded = bench.loaded if bench is not None else load_model(plan.source)
+    loaded = bench.loaded if bench is not None else load_source(plan.source)
     bench = bench or _workbench(plan, loaded)
     callbacks = [_enough(plan.trials)]
     if on_trial is not None:
         callbacks.append(lambda s, _t: _report(s, plan, on_trial))
-    if _remaining(study, plan.trials) > 0:
+    timeout = _trials_left_s(plan)
+    if _remaining(study, plan.trials) > 0 and (timeout is None or timeout > 0):
         study.optimize(objective_function(plan, loaded, bench), n_trials=share,
-                       timeout=plan.timeout_s, callbacks=callbacks)  # fmt: skip
+                       timeout=timeout, callbacks=callbacks)  # fmt: skip
+
+
+def _trials_left_s(plan: Plan) -> float | None:
+    """Seconds in which trials may still start: --time, less the share kept to confirm."""
+    if plan.deadline is None or plan.timeout_s is None:
+        return None
+    keep = min(plan.confirm_seconds, CONFIRM_SHARE * plan.timeout_s)
+    return plan.deadline - keep - time.time()
+
+
+def _left_s(plan: Plan) -> float | None:
+    """Seconds left of --time (None: no --time)."""
+    return None if plan.deadline is None else max(0.0, plan.deadline - time.time())
+
+
+def _wait_for_others(study: Any, plan: Plan, say: Say) -> None:
+    """Trials that other workers (commands, machines) are still measuring count towards the
+    pick: wait for them, as `--workers N` waits for its own processes. A dead worker's trial
+    is failed once silent for --stale-after (then it no longer runs)."""
+    import optuna
+
+    while True:
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        left = _left_s(plan)
+        if not running or (left is not None and left <= 0):
+            return
+        say(f"waiting for {len(running)} trial{'s' * (len(running) > 1)} other workers "
+            "are measuring")  # fmt: skip
+        optuna.storages.fail_stale_trials(study)
+        time.sleep(1.0)
 
 
 def _enough(trials: int) -> Callable[[Any, Any], None]:
@@ -302,21 +344,30 @@ def _report(study: Any, plan: Plan, on_trial: Callable) -> None:
 
 
 def _best_value(study: Any, plan: Plan) -> float | None:
-    values = [t.values[0] for t in _feasible(study)]
+    values = [t.values[0] for t in _feasible(study, plan)]
     if not values:
         return None
     return min(values) if plan.objectives[0].direction == "minimize" else max(values)
 
 
-def _feasible(study: Any) -> list[Any]:
+def violations(trial: Any, plan: Plan) -> list[float]:
+    """How far the trial's measures are outside the limits given *now* (≤ 0: met): a resumed
+    study may have measured its trials under other limits, or none. A measure the trial
+    never took (a limit new to the study) is not met."""
+    measures = trial.user_attrs.get("measures") or {}
+    return [c.violation(measures) if c.measure in measures else float("inf")
+            for c in plan.constraints]  # fmt: skip
+
+
+def _feasible(study: Any, plan: Plan) -> list[Any]:
     import optuna
 
     done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    return [t for t in done if all(v <= 0 for v in t.user_attrs.get("violations", [0.0]))]
+    return [t for t in done if all(v <= 0 for v in violations(t, plan))]
 
 
 def _pick(study: Any, plan: Plan) -> tuple[Any, list[Any]]:
-    feasible = _feasible(study)
+    feasible = _feasible(study, plan)
     if not feasible:
         raise KilnError(_nothing_met(study, plan))
     first = plan.objectives[0]
@@ -338,12 +389,12 @@ def _pareto(trials: list[Any], objectives: list[Objective]) -> list[Any]:
 def _nothing_met(study: Any, plan: Plan) -> str:
     import optuna
 
-    trials = study.get_trials(deepcopy=False)
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    trials = study.get_trials(deepcopy=False, states=states)  # run ones: waiting never ran
     refused = [t.user_attrs["refused"] for t in trials if "refused" in t.user_attrs]
     over = sum(
         1 for t in trials
-        if t.state == optuna.trial.TrialState.COMPLETE
-        and any(v > 0 for v in t.user_attrs.get("violations", [0.0]))
+        if t.state == optuna.trial.TrialState.COMPLETE and any(v > 0 for v in violations(t, plan))
     )  # fmt: skip
     why = []
     if refused:
@@ -351,8 +402,11 @@ def _nothing_met(study: Any, plan: Plan) -> str:
     if over:
         limits = ", ".join(c.text for c in plan.constraints)
         why.append(f"{over} measured outside {limits}")
+    if not trials:
+        why.append("none ran" + (" within --time" if plan.timeout_s is not None else ""))
     return (
-        f"no configuration met the budget in {len(trials)} trials of study '{plan.study}'"
+        f"no configuration met the budget in {len(trials)} finished trial"
+        f"{'s' * (len(trials) != 1)} of study '{plan.study}'"
         f"{': ' + '; '.join(why) if why else ''}. Loosen --max-drop or the limits, or run more "
         "--trials (the study is kept and resumes)."
     )
@@ -361,13 +415,27 @@ def _nothing_met(study: Any, plan: Plan) -> str:
 def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, signature,
             machine, warm, say) -> TuneResult:  # fmt: skip
     defaults = default_params(space)
+    is_default = pick.params == project(defaults, space, loaded.model, plan.base)
     say(f"confirming trial {pick.number} against the defaults over {plan.confirm_runs}+ runs")
     tuned = bench.build(choice_of(pick.params, space, loaded.model, plan.base))
-    base = bench.build(choice_of(defaults, space, loaded.model, plan.base))
+    base = tuned if is_default else bench.build(choice_of(defaults, space, loaded.model, plan.base))
     throughput = any(o.measure == "throughput" for o in plan.objectives)
-    gains = confirm(tuned, base, runs=plan.confirm_runs, seconds=plan.confirm_seconds,
-                    throughput_s=plan.seconds_per_trial * 2 if throughput else None)  # fmt: skip
-    is_default = pick.params == project(defaults, space, loaded.model, plan.base)
+    # The defaults against themselves need no tightening: their figures are for the table.
+    # Nothing runs past --time; what the trials left of it is the confirmation's.
+    left = _left_s(plan)
+    seconds = 0.0 if is_default else plan.confirm_seconds
+    throughput_s = plan.seconds_per_trial * 2 if throughput else None
+    if left is not None:
+        seconds = min(seconds, left)
+        throughput_s = min(throughput_s, max(left - seconds, 0.5)) if throughput_s else None
+    # Memory takes a process of its own per side: measured where the study is about it.
+    gains = confirm(tuned, base, runs=plan.confirm_runs, seconds=seconds,
+                    throughput_s=throughput_s, limit_s=left,
+                    memory=bench.needs_memory)  # fmt: skip
+    gains["measured"] = {"trial": pick.number, "engine": tuned.choice.config.engine,
+                         "precision": tuned.choice.config.precision,
+                         "changed": {k: [defaults.get(k), v] for k, v in pick.params.items()
+                                     if defaults.get(k) != v}}  # fmt: skip
     # Two sessions of one configuration differ by ~1 % (layout, order): not a win to report.
     gains["verdict"] = DEFAULTS_BEST if is_default else verdict(plan.objectives[0], gains)
     if gains["verdict"] == DEFAULTS_BEST:
@@ -403,11 +471,23 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
         },
         defaults={"params": defaults}, gains=gains, changed=changed, pareto=front,
         warm_start=warm, artifact=artifact, library_id=record_id,
-        history=[{"trial": t.number, "state": t.state.name, "values": t.values,
-                  "params": t.params, "refused": t.user_attrs.get("refused")}
-                 for t in study.trials],
+        history=[_history(t, plan) for t in study.trials],
         importances=_importances(study),
+        objectives=[{"name": o.name, "unit": o.unit, "direction": o.direction}
+                    for o in plan.objectives],
     )  # fmt: skip
+
+
+def _history(trial: Any, plan: Plan) -> dict[str, Any]:
+    """One trial as the report lists it: what it tried, what it measured, and why it was
+    refused, outside the limits or a duplicate."""
+    attrs = trial.user_attrs
+    outside = [c.text for c, v in zip(plan.constraints, violations(trial, plan), strict=True)
+               if v > 0] if trial.state.name == "COMPLETE" else []  # fmt: skip
+    return {"trial": trial.number, "state": trial.state.name, "values": trial.values,
+            "params": trial.params, "refused": attrs.get("refused"),
+            "duplicate_of": attrs.get("duplicate_of"), "measures": attrs.get("measures"),
+            "outside": outside}  # fmt: skip
 
 
 def _importances(study: Any) -> dict[str, float]:
@@ -415,6 +495,9 @@ def _importances(study: Any) -> dict[str, float]:
     trials differ to say."""
     import optuna
 
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len({tuple(sorted(t.params.items())) for t in done}) < 3:
+        return {}  # too few to say; and fANOVA's import (scikit-learn) alone takes seconds
     try:
         found = optuna.importance.get_param_importances(study, target=lambda t: t.values[0])
     except (ValueError, RuntimeError, ZeroDivisionError):
@@ -433,6 +516,26 @@ def _safe_url(url: str) -> str:
     from kiln.tune.storage import _safe
 
     return _safe(url)
+
+
+def resolve_source(source: str) -> str:
+    """The model a study tunes: a .pt2, an .onnx or zoo:NAME as given; for an artifact
+    (NAME.kiln) the source model its manifest records (as `kiln optimize --config` finds
+    it), since a tuned artifact is rebuilt from its source, not from its compiled graph."""
+    path = Path(source)
+    if not path.is_dir():
+        return source
+    if not (path / "manifest.json").is_file():
+        raise KilnError(f"{source} is a directory but not a Kiln artifact (no manifest.json); "
+                        "give an .onnx, a .pt2, zoo:NAME or an artifact NAME.kiln.")  # fmt: skip
+    _config, recorded = read_config(path)
+    if not recorded or recorded.startswith("<"):
+        raise KilnError(f"{source}: its manifest records no source model file to tune "
+                        f"({recorded or 'none'}); give the model itself.")  # fmt: skip
+    if not recorded.startswith("zoo:") and not Path(recorded).exists():
+        raise KilnError(f"{source} was built from {recorded}, which is no longer there; give "
+                        "the model itself.")  # fmt: skip
+    return recorded
 
 
 def plan_for(
@@ -456,6 +559,7 @@ def plan_for(
     if traffic is not None and not clients:
         raise KilnError("--traffic is replayed by served clients: add --clients N.")
     url = url or default_url()
+    source = resolve_source(source)
     shapes = load_traffic(traffic, url) if traffic is not None else None
     if timeout_s is not None and timeout_s <= 0:
         raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")

@@ -31,9 +31,12 @@ REPLAYED = 256  # requests a window's histogram is scaled to
 
 
 def load_traffic(spec: str | Path, url: str) -> list[Shape]:
-    """`--traffic FILE` or `--traffic served:NAME` (windows in the library at `url`)."""
+    """`--traffic FILE`, `--traffic '[{"seq": 12}, ...]'` (the JSON itself) or `--traffic
+    served:NAME` (windows in the library at `url`)."""
     if str(spec).startswith(SERVED):
         return recorded_traffic(str(spec)[len(SERVED) :], url)
+    if str(spec).lstrip().startswith(("[", "{")):  # no file name starts so: the JSON itself
+        return read_traffic(spec, inline=True)
     return read_traffic(spec)
 
 
@@ -60,14 +63,19 @@ def recorded_traffic(model: str, url: str) -> list[Shape]:
     return [pool[i] for i in order]
 
 
-def read_traffic(path: str | Path) -> list[Shape]:
-    """The requests' dims as the file lists them (well-formed; the model is not checked yet)."""
-    where = f"--traffic {path}"
+def read_traffic(path: str | Path, inline: bool = False) -> list[Shape]:
+    """The requests' dims as the file (or, `inline`, the text itself) lists them
+    (well-formed; the model is not checked yet)."""
+    where = f"--traffic {str(path)[:60]}"
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(str(path) if inline else Path(path).read_text())
     except FileNotFoundError:
-        raise KilnError(f"{where}: no such file.") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{where}: no such file (or give the JSON itself, e.g. "
+                        '''--traffic '[{"seq": 12}]').''') from None  # fmt: skip
+    except json.JSONDecodeError as exc:
+        what = "not valid JSON" if inline else "not a JSON file"
+        raise KilnError(f"{where}: {what} ({exc}).") from None
+    except (OSError, UnicodeDecodeError) as exc:
         raise KilnError(f"{where}: not a JSON file ({exc}).") from None
     if not isinstance(data, list) or not data:
         raise KilnError(
