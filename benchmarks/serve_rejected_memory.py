@@ -28,6 +28,7 @@ import onnxruntime
 import psutil
 
 import kiln
+from kiln.hardware import cpu_info
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -79,10 +80,12 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(60)
+    cpu = cpu_info()
+    print(f"{cpu.model}, {cpu.logical_cores} cores, {platform.platform()}")
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count()},  # fmt: skip
+        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features,
+                    "platform": platform.platform()},  # fmt: skip
         "versions": {"kiln": kiln.__version__, "onnxruntime": onnxruntime.__version__,
                      "python": platform.python_version()},  # fmt: skip
         "requests": args.requests,
@@ -95,8 +98,11 @@ def main() -> None:
         "rss_mb_max": max(rss_mb),
         "ratio_last_to_first": rss_mb[-1] / rss_mb[0],
         "seconds": seconds,
+        "rss_mb_each": [round(r, 1) for r in rss_mb],
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "metadata_inputs"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("metadata_inputs", "rss_mb_each")}, indent=2))  # fmt: skip
+    print("RSS after each request (MB):", " ".join(f"{r:.0f}" for r in rss_mb))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

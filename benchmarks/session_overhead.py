@@ -68,12 +68,20 @@ def agreement(name: str, where: Path, rounds: int, runs: int) -> dict:
     recorded = artifact.manifest.benchmark or {}
     bench = run_bench(str(artifact.path), "ort", 1, rounds, runs, lambda _m: None)
     measured = bench["engines"]["kiln"]
+    optimize, bench_value = recorded.get("speedup"), measured["speedup_vs_baseline"]
+    optimize_spread, bench_spread = recorded.get("speedup_spread"), measured["speedup_spread"]
     return {
-        "optimize_speedup": recorded.get("speedup"),
-        "optimize_spread": recorded.get("speedup_spread"),
-        "bench_speedup": measured["speedup_vs_baseline"],
-        "bench_spread": measured["speedup_spread"],
+        "optimize_speedup": optimize,
+        "optimize_spread": optimize_spread,
+        "bench_speedup": bench_value,
+        "bench_spread": bench_spread,
+        # Within noise: each verb's figure inside the other's per-round range.
+        "agree": _inside(optimize, bench_spread) and _inside(bench_value, optimize_spread),
     }
+
+
+def _inside(value: float | None, spread: list[float] | None) -> bool:
+    return value is not None and spread is not None and spread[0] <= value <= spread[1]
 
 
 def main() -> None:
@@ -112,12 +120,14 @@ def main() -> None:
                 f"{figures['overhead_us']:+.1f} µs per run"
             )
             if not args.no_agree:
-                figures["agreement"] = agreement(name, Path(tmp), 7, 20)
+                figures["agreement"] = agreement(name, Path(tmp), args.rounds, args.runs)
                 a = figures["agreement"]
                 print(
                     f"{name}: kiln optimize {a['optimize_speedup']:.2f}× "
-                    f"{a['optimize_spread']}, kiln bench {a['bench_speedup']:.2f}× "
-                    f"{a['bench_spread']}"
+                    f"({a['optimize_spread'][0]:.2f}–{a['optimize_spread'][1]:.2f}), kiln bench "
+                    f"{a['bench_speedup']:.2f}× ({a['bench_spread'][0]:.2f}–"
+                    f"{a['bench_spread'][1]:.2f}): {'agree' if a['agree'] else 'DISAGREE'} "
+                    "within noise"
                 )
             result["models"][name] = figures
     out = Path(args.out)

@@ -230,6 +230,21 @@ def test_a_request_past_the_models_limit_is_refused_naming_input_dim_and_limit(b
     assert _post(bert, _bert_json(limit)).status_code == 200
 
 
+def test_refused_large_requests_leave_the_servers_memory_where_the_first_left_it(tmp_path):
+    import psutil
+
+    server = _start(tmp_path, f"zoo:{BERT}")  # the default 64 MiB request limit
+    body = _bert_json(1_200_000)  # 10.8 MB of JSON, tens of MB decoded, refused by the limit
+    try:
+        rss = []
+        for _ in range(6):  # one per server thread that may decode it, and more
+            assert _post(server, body).status_code == 400
+            rss.append(psutil.Process(server.proc.pid).memory_info().rss)
+    finally:
+        _stop(server)
+    assert max(rss[1:]) <= 1.10 * rss[0], [r >> 20 for r in rss]
+
+
 def test_oversize_unknown_model_and_metrics(bert: Server) -> None:
     big = np.zeros((1, 200_000), np.int64)  # 1.6 MB of binary data, over --max-request-mb 1
     header = json.dumps(

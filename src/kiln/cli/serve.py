@@ -66,14 +66,19 @@ def serve(
         ),
     ] = False,
     feedback_objective: Annotated[
-        str, typer.Option(help="What the feedback loop improves: latency or throughput.")
-    ] = "latency",
+        str | None,
+        typer.Option(help="With --feedback: what the loop improves, latency (default) or "
+                     "throughput."),  # fmt: skip
+    ] = None,
     feedback_interval: Annotated[
-        float, typer.Option(help="Seconds per traffic window of the feedback loop.")
-    ] = 60.0,
+        float | None,
+        typer.Option(help="With --feedback: seconds per traffic window (default 60)."),
+    ] = None,
     min_gain: Annotated[
-        float, typer.Option(help="Improvement a strategy must show to be adopted (0.10: 10 %).")
-    ] = 0.10,
+        float | None,
+        typer.Option(help="With --feedback: the improvement a strategy must show to be "
+                     "adopted (default 0.10: 10 %)."),  # fmt: skip
+    ] = None,
     storage: Annotated[
         str | None,
         typer.Option(help="Strategy-library database for --feedback (default: under KILN_HOME)."),
@@ -95,6 +100,14 @@ def serve(
             raise KilnError(f"{flag} must be at least 1, got {value}.")
     if max_delay_ms < 0 or max_request_mb <= 0:
         raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
+    loop_flags = {"--feedback-objective": feedback_objective, "--min-gain": min_gain,
+                  "--feedback-interval": feedback_interval, "--storage": storage}  # fmt: skip
+    given = [flag for flag, value in loop_flags.items() if value is not None]
+    if given and not feedback:  # silently ignored, they would mislead
+        raise KilnError(f"{given[0]} sets the feedback loop: add --feedback, or drop it.")
+    feedback_objective = feedback_objective or "latency"
+    feedback_interval = 60.0 if feedback_interval is None else feedback_interval
+    min_gain = 0.10 if min_gain is None else min_gain
     if feedback and (feedback_interval <= 0 or not 0 <= min_gain < 10):
         raise KilnError("--feedback-interval must be > 0 and --min-gain in [0, 10).")
     if feedback_objective not in ("latency", "throughput"):

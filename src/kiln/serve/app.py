@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher, Closed, Overloaded
+from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
 from kiln.serve.metrics import ServeMetrics
 from kiln.serve.protocol import (
     ProtocolError,
@@ -165,6 +166,7 @@ def create_app(
         check_model(model, version)
         started = time.perf_counter()
         metrics.requests.inc()
+        failure, body = None, b""
         try:
             if batcher.full():  # refuse before reading a body we could not queue anyway
                 raise Overloaded(
@@ -193,9 +195,14 @@ def create_app(
             metrics.failure(status)
             if status == 500:  # not the client's fault: keep the traceback for the operator
                 log.exception("inference failed")
-            raise ApiError(status, message, close=isinstance(exc, BodyTimeout)) from exc
+            failure = ApiError(status, message, close=isinstance(exc, BodyTimeout))
         finally:
             metrics.latency.observe(time.perf_counter() - started)
+        if failure is not None:  # raised here, past the except: no frame keeps the request
+            if len(body) >= TRIM_ABOVE_BYTES:
+                body = decoded = feeds = None  # noqa: F841 (dropped before the trim)
+                await run_in_threadpool(give_back_free_memory)
+            raise failure
         if json_length is None:
             return Response(content, media_type="application/json")
         return Response(
