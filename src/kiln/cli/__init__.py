@@ -23,6 +23,7 @@ from kiln.cli import (
     run,
     serve,
     strategies,
+    train,
     tune,
     zoo,
 )
@@ -69,6 +70,7 @@ app.command()(tune.tune)
 app.command()(compare.compare)
 app.command()(compress.compress)
 app.command()(debug.debug)
+app.command()(train.train)
 app.add_typer(strategies.app, name="strategies")
 
 

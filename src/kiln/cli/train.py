@@ -1,0 +1,227 @@
+"""`kiln train`: a user's PyTorch model trained by Kiln's loop under a TrainConfig — mixed
+precision, accumulation, checkpointing, DDP/FSDP2/pipeline ranks — with a progress bar, a
+final table and a JSON training record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kiln.cli.console import JsonOpt, console, emit_json, err
+from kiln.cli.tune import parse_duration
+from kiln.errors import KilnError
+
+
+def train(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="module:factory returning a torch.nn.Module, e.g. "
+            "kiln.train.examples:byte_lm_small."
+        ),
+    ],
+    data: Annotated[
+        str,
+        typer.Option(
+            "--data",
+            help="module:function returning a map-style Dataset of (input, target) pairs, or "
+            '{"train": ..., "val": ...}, e.g. kiln.train.examples:stdlib_text_small.',
+        ),
+    ],
+    batch: Annotated[
+        int,
+        typer.Option(
+            help="The global batch: samples per optimizer step over every rank (= micro_batch "
+            "× accumulation × data-parallel ranks)."
+        ),
+    ],
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps to take.")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Passes over the training set.")] = None,
+    time: Annotated[str | None, typer.Option("--time", help="Train this long, e.g. 10m.")] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(help="module:fn(output, target) -> loss (default: cross-entropy over the "
+                     "last dim, so [B, T, V] token logits work)."),  # fmt: skip
+    ] = None,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="module:fn(params) -> torch.optim.Optimizer (default: AdamW, lr "
+                     "1e-3, weight decay 0.01)."),  # fmt: skip
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A TrainConfig JSON (a bare config, or a training record's "
+                     "\"config\"); the flags below override its fields."),  # fmt: skip
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
+    ] = None,
+    accumulation: Annotated[
+        int | None, typer.Option(help="Micro-batches per optimizer step.")
+    ] = None,
+    checkpointing: Annotated[
+        str | None,
+        typer.Option(help="Activation checkpointing: none, full or every (every 2nd block)."),
+    ] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(help="single, ddp, fsdp2 or pipeline (several ranks: give --nproc)."),
+    ] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(help="Ranks on this machine, started by torchrun's launcher (gloo on "
+                     "CPUs, NCCL on GPUs); default the config's ranks."),  # fmt: skip
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="Directory for torch.distributed.checkpoint checkpoints (every 50 "
+                     "steps and at the end; written whole or not at all)."),  # fmt: skip
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint.")
+    ] = False,
+    profile: Annotated[
+        Path | None,
+        typer.Option(help="After training, profile a few steps (data, forward, backward, "
+                     "optimizer, communication; FLOP/s and MFU; memory) into this HTML "
+                     "report."),  # fmt: skip
+    ] = None,
+    record: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the training record here.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train MODEL on --data with Kiln's loop and a TrainConfig.
+
+      kiln train kiln.train.examples:byte_lm_small --data kiln.train.examples:stdlib_text_small \\
+          --batch 8 --steps 200 --precision bf16
+
+    Several ranks: --nproc 2 --strategy ddp (or fsdp2, pipeline). The record (-o, --json)
+    holds the config, per-step loss, samples/s, loss-scale events and peak memory per rank.
+    """
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise KilnError("kiln train needs PyTorch: pip install torch.") from None
+    from kiln.compress.loading import load_callable
+    from kiln.train.config import TrainConfig, read_config
+
+    base = read_config(config) if config else TrainConfig()
+    chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, nproc)
+    seconds = parse_duration(time) if time else None
+    functions = {
+        "model": load_callable(model, "model"),
+        "data": load_callable(data, "--data"),
+        "loss": load_callable(loss, "--loss") if loss else None,
+        "optimizer": load_callable(optimizer, "--optimizer") if optimizer else None,
+    }
+    if record is not None and record.is_dir():
+        raise KilnError(f"-o {record} is a directory; give a file name for the record.")
+    result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile)
+    result = {"model": model, "data": data, **result}
+    if record is not None:
+        from kiln.home import atomic_write_json
+
+        atomic_write_json(record, result)
+    if as_json:
+        emit_json(result)
+    else:
+        _table(result, record)
+
+
+def _config(base: Any, batch: int, precision: str | None, accumulation: int | None,
+            checkpointing: str | None, strategy: str | None, nproc: int | None) -> Any:  # fmt: skip
+    """The config with the flags applied; micro_batch follows from --batch."""
+    changes: dict[str, Any] = {}
+    if precision is not None:
+        changes["precision"] = precision
+    if accumulation is not None:
+        changes["accumulation"] = accumulation
+    if checkpointing is not None:
+        changes["checkpointing"] = {"policy": checkpointing}
+    parallel: dict[str, Any] = {}
+    if strategy is not None:
+        parallel["strategy"] = strategy
+    if nproc is not None:
+        parallel["ranks"] = nproc
+        if nproc > 1 and strategy is None and base.parallel.strategy == "single":
+            parallel["strategy"] = "ddp"  # several ranks and no strategy: data parallel
+    if parallel:
+        changes["parallel"] = parallel
+    config = base.replace(**changes) if changes else base
+    replicas = 1 if config.parallel.strategy == "pipeline" else config.parallel.ranks
+    per_step = config.accumulation * replicas
+    if batch < 1 or batch % per_step:
+        raise KilnError(
+            f"--batch {batch} does not split into accumulation {config.accumulation} × "
+            f"{replicas} data-parallel rank(s): give a multiple of {per_step}."
+        )
+    return config.replace(micro_batch=batch // per_step)
+
+
+def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: float | None,
+         seconds: float | None, checkpoint: Path | None, resume: bool,
+         profile: Path | None) -> dict[str, Any]:  # fmt: skip
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from kiln.train import fit
+
+    columns = [
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        TextColumn("{task.fields[status]}", markup=False),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"training ({config.parallel.ranks} rank(s))", total=steps,
+                            status="starting")  # fmt: skip
+
+        def tick(state: dict[str, Any]) -> None:
+            scale = f", scale {state['loss_scale']:g}" if state.get("loss_scale") else ""
+            bar.update(task, completed=state["step"], total=state["steps"],
+                       status=f"step {state['step']}, loss {state['loss']:.4f}, "
+                       f"{state['samples_per_s']:.1f} samples/s{scale}")  # fmt: skip
+
+        return fit(functions["model"], functions["data"], loss=functions["loss"],
+                   optimizer=functions["optimizer"], config=config, steps=steps, epochs=epochs,
+                   seconds=seconds, checkpoint=checkpoint, resume=resume, profile=profile,
+                   progress=tick)  # fmt: skip
+
+
+def _table(result: dict[str, Any], record: Path | None) -> None:
+    from rich.table import Table
+
+    config = result["config"]
+    parallel = config["parallel"]
+    table = Table(title=f"{result['model']} on {result['data']}: {config['precision']}, "
+                  f"{parallel['strategy']} × {parallel['ranks']}, global batch "
+                  f"{result['global_batch']}")  # fmt: skip
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [("steps", f"{result['steps']} ({result['steps_this_run']} this run)"),
+            ("samples/s", f"{result['samples_per_s']:.1f}")]  # fmt: skip
+    if result.get("tokens_per_s"):
+        rows.append(("tokens/s", f"{result['tokens_per_s']:.0f}"))
+    if result.get("final_loss") is not None:
+        rows.append(("final training loss", f"{result['final_loss']:.4f}"))
+    val = result.get("val") or {}
+    if "loss" in val:
+        rows.append(("validation loss", f"{val['loss']:.4f}"))
+    if "accuracy" in val:
+        rows.append(("validation accuracy", f"{val['accuracy']:.1%}"))
+    for rank, mib in sorted(result["peak_mib"].items()):
+        rows.append((f"peak memory, rank {rank}", f"{mib:.0f} MiB"))
+    scale = result["scale"]
+    if scale["final"] is not None:
+        rows.append(("loss scale", f"{scale['final']:g} ({scale['skipped']} steps skipped)"))
+    if result.get("checkpoint"):
+        rows.append(("checkpoint", result["checkpoint"]))
+    if result.get("profile"):
+        rows.append(("profile", result["profile"]["report"]))
+    if record is not None:
+        rows.append(("record", str(record)))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

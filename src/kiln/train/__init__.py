@@ -1,0 +1,53 @@
+"""A user's PyTorch training made faster: one `TrainConfig` (precision and loss scaling,
+accumulation, activation checkpointing, torch.compile, ddp/fsdp2/pipeline on torch.distributed,
+the data loader) applied to the user's own loop (`prepare`) or Kiln's (`fit`), ranks started
+by torchrun.
+
+    from kiln.train import TrainConfig, prepare
+    prepared = prepare(model, optimizer, TrainConfig(precision="bf16", accumulation=4))
+    for x, y in prepared.loader(dataset):
+        with prepared.autocast():
+            loss = loss_fn(prepared.model(x), y)
+        prepared.backward(loss)
+        prepared.step()
+
+`kiln.train.config` needs no PyTorch; everything else does (`pip install torch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.train.config import (
+    Checkpointing,
+    Loader,
+    LossScale,
+    Parallel,
+    TrainConfig,
+    read_config,
+)
+
+__all__ = [
+    "Checkpointing",
+    "Loader",
+    "LossScale",
+    "Parallel",
+    "Prepared",
+    "TrainConfig",
+    "fit",
+    "prepare",
+    "read_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # PyTorch loads when a function that needs it is first used, not on `import kiln.train`.
+    if name in ("prepare", "Prepared"):
+        import importlib
+
+        return getattr(importlib.import_module("kiln.train.prepared"), name)
+    if name == "fit":
+        from kiln.train.loop import fit
+
+        return fit
+    raise AttributeError(f"module 'kiln.train' has no attribute {name!r}")

@@ -1,0 +1,386 @@
+"""`fit`: Kiln's own training loop for users without one — a model factory, a dataset, a loss,
+an optimizer and a TrainConfig in; a trained model's checkpoint and a training record out.
+
+    record = fit(make_model, make_data, config=TrainConfig(precision="bf16"), steps=200)
+
+`model` is an nn.Module or a function that returns one; `data` a map-style Dataset of (input,
+target) pairs, a dict with "train" and "val", or a function returning either; `loss` defaults
+to cross-entropy (flattened over all but the last dim, so a language model's [B, T, V] logits
+work), `optimizer` to AdamW(lr=1e-3, weight_decay=0.01), a function of the parameters. With
+`nproc > 1` the ranks are started through torchrun's launcher (kiln.train.launch) and every
+argument must pickle: module-level functions, modules, datasets.
+
+The loop marks its phases for the step profiler (kiln.train.phases): data, forward, backward,
+optimizer. Where it stops (steps, epochs or a deadline) all ranks agree: rank 0 decides and
+tells the others, so no rank waits forever in a collective the others left.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.errors import KilnError
+from kiln.train import memory
+from kiln.train.config import TrainConfig
+from kiln.train.phases import phase
+from kiln.train.prepared import Prepared, batches, prepare
+
+Progress = Callable[[dict[str, Any]], None]
+CHECKPOINT_EVERY = 50  # optimizer steps between checkpoints, when a directory is given
+DEFAULT_LR = 1e-3
+DEFAULT_WEIGHT_DECAY = 0.01
+
+
+@dataclass
+class Run:
+    """What one fit is asked to do (every field pickles: it crosses to the ranks)."""
+
+    model: Any
+    data: Any
+    loss: Any = None
+    optimizer: Any = None
+    config: dict[str, Any] = field(default_factory=dict)
+    steps: int | None = None
+    epochs: float | None = None
+    seconds: float | None = None
+    checkpoint: str | None = None
+    resume: bool = False
+    checkpoint_every: int = CHECKPOINT_EVERY
+    profile: str | None = None
+    validate: bool = True
+
+
+def fit(
+    model: Any,
+    data: Any,
+    *,
+    loss: Any = None,
+    optimizer: Any = None,
+    config: TrainConfig | None = None,
+    steps: int | None = None,
+    epochs: float | None = None,
+    seconds: float | None = None,
+    checkpoint: str | Path | None = None,
+    resume: bool = False,
+    checkpoint_every: int = CHECKPOINT_EVERY,
+    profile: str | Path | None = None,
+    validate: bool = True,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Train; the training record (see `train_rank` for its fields). Exactly one of `steps`
+    (optimizer steps), `epochs` or `seconds` bounds the run."""
+    config = config or TrainConfig()
+    given = [n for n, v in (("steps", steps), ("epochs", epochs), ("seconds", seconds)) if v]
+    if len(given) != 1:
+        raise KilnError("say how long to train: one of --steps N, --epochs N or --time 10m.")
+    run = Run(model, data, loss, optimizer, config.to_json(), steps, epochs, seconds,
+              str(checkpoint) if checkpoint else None, resume, checkpoint_every,
+              str(profile) if profile else None, validate)  # fmt: skip
+    if resume and not checkpoint:
+        raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
+    ranks = config.parallel.ranks
+    if ranks == 1:
+        return train_rank(run, progress)
+    from kiln.train.launch import launch
+
+    results = launch(train_rank, (run, None), ranks)
+    return merge(results)
+
+
+def merge(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's record (the last stage's losses for a pipeline) with every rank's peak."""
+    record = dict(results[0])
+    with_loss = [r for r in results.values() if r.get("loss")]
+    if with_loss and not record.get("loss"):
+        source = with_loss[-1]
+        for key in ("loss", "final_loss", "val"):
+            record[key] = source.get(key)
+    for key in ("peak_mib", "train_peak_mib"):
+        record[key] = {str(rank): r[key][str(rank)] for rank, r in results.items()}
+    return record
+
+
+# ------------------------------------------------------------------------------ one rank
+
+
+def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
+    """The loop on this rank; its record: config, global_batch, steps, samples, seconds,
+    samples_per_s, tokens_per_s (sequence inputs), loss per optimizer step, final_loss, val
+    ({"loss", "accuracy"}), scale (events, skipped, final), step_seconds (since the loop began,
+    at each step), peak_mib {rank: MiB} (the process's resident peak) and train_peak_mib (the
+    part above what was resident when the loop began: activations, gradients, optimizer
+    state), checkpoint."""
+    config = TrainConfig.from_json(run.config)
+    module = _model(run.model)
+    train, val = _datasets(run.data)
+    example = _first_sample(train)
+    loss_fn = run.loss if run.loss is not None else cross_entropy
+    inputs, _ = _collate_example(train, config.micro_batch)
+    prepared = prepare(module, run.optimizer or adamw, config, loss_fn=loss_fn, example=inputs)
+    start_step = _resume(run, prepared)
+    loader = prepared.loader(train)
+    total = _total_steps(run, len(loader), config)
+    memory.reset_peak()
+    resident = memory.resident_mib()  # model, data and runtime: what training adds is above
+    record = _loop(run, prepared, loader, loss_fn, start_step, total, progress)
+    peak = memory.peak_mib()
+    record["peak_mib"] = {str(prepared.dist.rank): peak}
+    record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
+    record["val"] = _validate(prepared, val, loss_fn) if run.validate and val is not None else None
+    record["tokens_per_sample"] = _tokens(example)
+    if record["tokens_per_sample"]:
+        record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
+    if run.profile and prepared.dist.rank == 0:
+        record["profile"] = _profile(run, prepared, loader, loss_fn)
+    from kiln.train import parallel
+
+    parallel.teardown()
+    return record
+
+
+def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, total: int | None,
+          progress: Progress | None) -> dict[str, Any]:  # fmt: skip
+    config, dist = prepared.config, prepared.dist
+    stream = batches(loader)
+    losses: list[float] = []
+    times: list[float] = []  # seconds since the loop started, at each optimizer step
+    deadline = time.monotonic() + run.seconds if run.seconds else None
+    step, started, saved, saved_at = start, time.perf_counter(), None, start
+    micro_losses: list[float] = []
+    while not _stop(step, total, deadline, dist):
+        with phase("data"):
+            inputs, targets = next(stream)
+        value = prepared.train_step(inputs, targets, loss_fn)
+        if value is not None:
+            micro_losses.append(float(value.detach()))
+        if prepared._micro != 0:  # the optimizer step waits for more micro-batches
+            continue
+        step += 1
+        mean = sum(micro_losses) / len(micro_losses) if micro_losses else math.nan
+        micro_losses = []
+        _check_loss(mean, step, start, prepared)
+        losses.append(mean)
+        times.append(time.perf_counter() - started)
+        if run.checkpoint and step % run.checkpoint_every == 0:
+            saved, saved_at = _save(run, prepared, step), step
+        if progress is not None:
+            elapsed = time.perf_counter() - started
+            progress({"step": step, "steps": total, "loss": mean, "seconds": elapsed,
+                      "samples_per_s": (step - start) * config.global_batch / elapsed,
+                      "loss_scale": prepared.loss_scale})  # fmt: skip
+    seconds = time.perf_counter() - started
+    if run.checkpoint and step > saved_at:  # the last step, unless just saved
+        saved = _save(run, prepared, step)
+    done = step - start
+    return {
+        "config": config.to_json(),
+        "global_batch": config.global_batch,
+        "steps": step,
+        "steps_this_run": done,
+        "samples": done * config.global_batch,
+        "seconds": seconds,
+        "samples_per_s": done * config.global_batch / seconds if seconds > 0 else 0.0,
+        "loss": losses,
+        "step_seconds": times,
+        "final_loss": _tail_mean(losses),
+        "scale": {"events": [asdict(e) for e in prepared.scale_events],
+                  "skipped": prepared.skipped, "final": prepared.loss_scale},  # fmt: skip
+        "checkpoint": str(saved) if saved else None,
+    }
+
+
+def _stop(step: int, total: int | None, deadline: float | None, dist: Any) -> bool:
+    """Whether to stop before this step; rank 0's answer on every rank."""
+    stop = (total is not None and step >= total) or (
+        deadline is not None and time.monotonic() >= deadline
+    )
+    if dist.world > 1 and deadline is not None:  # clocks differ: one rank decides
+        flag = torch.tensor([1.0 if stop else 0.0])
+        torch.distributed.broadcast(flag, src=0)
+        stop = bool(flag.item())
+    return stop
+
+
+def _check_loss(mean: float, step: int, start: int, prepared: Prepared) -> None:
+    """A loss that is not finite: fp16 skips such steps (the scaler backs off), except on the
+    very first, where nothing has been learnt that could have diverged; fp32/bf16 stop."""
+    if math.isfinite(mean) or (math.isnan(mean) and prepared.pipeline is not None):
+        return
+    if step == start + 1 or prepared.config.precision != "fp16":
+        raise KilnError(
+            f"the loss is {mean} at step {step}{' (the first)' if step == start + 1 else ''}: "
+            "check the loss function, the learning rate and the data (NaN or inf inputs); "
+            "fp16 overflows here would need precision bf16 or a lower loss_scale.initial."
+        )
+
+
+def _tail_mean(losses: list[float]) -> float | None:
+    tail = [v for v in losses[-max(1, len(losses) // 10) :] if math.isfinite(v)]
+    return sum(tail) / len(tail) if tail else None
+
+
+def _total_steps(run: Run, batches_per_epoch: int, config: TrainConfig) -> int | None:
+    if run.steps:
+        return run.steps
+    if run.epochs:
+        return max(1, int(run.epochs * batches_per_epoch / config.accumulation))
+    return None
+
+
+# ------------------------------------------------------------------------------ pieces
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over all but the last dim: [B, C] classes or [B, T, V] tokens."""
+    if output.dim() > 2:
+        return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]).float(),
+                                           target.reshape(-1))  # fmt: skip
+    return nn.functional.cross_entropy(output.float(), target)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """The default optimizer: AdamW, lr 1e-3, weight decay 0.01."""
+    return torch.optim.AdamW(params, lr=DEFAULT_LR, weight_decay=DEFAULT_WEIGHT_DECAY)
+
+
+def _model(model: Any) -> nn.Module:
+    from kiln.compress.loading import call
+
+    if isinstance(model, nn.Module):
+        return model
+    return call(model, "the model factory", nn.Module, "a torch.nn.Module")
+
+
+def _datasets(data: Any) -> tuple[Any, Any]:
+    from kiln.compress.loading import spec_of
+
+    if callable(data) and not hasattr(data, "__getitem__"):
+        from kiln.compress.loading import call
+
+        data = call(data, "the dataset function", object, "a Dataset or {train, val}")
+    if isinstance(data, dict):
+        if "train" not in data:
+            raise KilnError(
+                f"the dataset dict has keys {sorted(data)}; expected 'train' (and 'val')."
+            )
+        return data["train"], data.get("val")
+    if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise KilnError(
+            f"the dataset {spec_of(data)} is a {type(data).__name__}; expected a map-style "
+            "Dataset (__getitem__, __len__) of (input, target) pairs, or {'train', 'val'}."
+        )
+    return data, None
+
+
+def _first_sample(dataset: Any) -> Any:
+    if len(dataset) == 0:
+        raise KilnError("the training dataset is empty.")
+    sample = dataset[0]
+    if not isinstance(sample, tuple | list) or len(sample) != 2:
+        raise KilnError(
+            f"the dataset's samples are {type(sample).__name__}s; expected (input, target) "
+            "pairs, e.g. return x, y from __getitem__."
+        )
+    for part, what in zip(sample, ("input", "target"), strict=True):
+        if not isinstance(part, torch.Tensor | int | float):
+            raise KilnError(
+                f"the dataset's {what} is a {type(part).__name__}; expected a tensor or a "
+                "number."
+            )
+    return sample
+
+
+def _collate_example(dataset: Any, micro_batch: int) -> tuple[Any, Any]:
+    """One micro-batch, collated as the loader will: the pipeline traces its stages on it."""
+    from torch.utils.data import default_collate
+
+    count = min(micro_batch, len(dataset))
+    if count < micro_batch:
+        raise KilnError(
+            f"the training dataset has {len(dataset)} samples, fewer than one micro_batch "
+            f"({micro_batch}); lower micro_batch."
+        )
+    return default_collate([dataset[i] for i in range(count)])
+
+
+def _tokens(sample: Any) -> int | None:
+    """Tokens per sample where the input is a sequence of ids (an integer tensor, 1-D)."""
+    x = sample[0]
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() == 1:
+        return int(x.numel())
+    return None
+
+
+@torch.no_grad()
+def _validate(prepared: Prepared, val: Any, loss_fn: Any) -> dict[str, float] | None:
+    """Mean loss (and accuracy, for class or token targets) over the whole validation set,
+    every rank over all of it (FSDP2's forward needs every rank)."""
+    if prepared.pipeline is not None:
+        return prepared.pipeline.evaluate(val, loss_fn, prepared.config.micro_batch)
+    from torch.utils.data import DataLoader
+
+    model = prepared.model
+    model.eval()
+    total, correct, count, seen = 0.0, 0, 0, 0
+    for x, y in DataLoader(val, batch_size=prepared.config.micro_batch):
+        with prepared.autocast():
+            out = model(x)
+        total += float(loss_fn(out, y)) * len(x)
+        seen += len(x)
+        if out.dim() >= 2 and not y.is_floating_point() and out.shape[:-1] == y.shape:
+            correct += int((out.argmax(-1) == y).sum())
+            count += y.numel()
+    model.train()
+    if not seen:
+        return None
+    return {"loss": total / seen, **({"accuracy": correct / count} if count else {})}
+
+
+def _resume(run: Run, prepared: Prepared) -> int:
+    if not (run.resume and run.checkpoint):
+        return 0
+    from kiln.train import checkpoint
+
+    found = checkpoint.latest(run.checkpoint)
+    if found is None:
+        raise KilnError(f"--resume: no checkpoint in {run.checkpoint} to continue from.")
+    step, extra = checkpoint.load(found, prepared.model, prepared.optimizer)
+    prepared.load_state(extra)
+    return step
+
+
+def _save(run: Run, prepared: Prepared, step: int) -> Path:
+    from kiln.train import checkpoint
+
+    assert run.checkpoint is not None
+    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer,
+                           prepared.state())  # fmt: skip
+
+
+def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[str, Any]:
+    """A few more steps under the step profiler, written as the HTML report."""
+    from kiln.train.profile import diagnose, profile_steps, write_report
+
+    stream = batches(loader)
+
+    def one_step() -> None:
+        for _ in range(prepared.config.accumulation):
+            with phase("data"):
+                inputs, targets = next(stream)
+            prepared.train_step(inputs, targets, loss_fn)
+
+    found = profile_steps(one_step, model=prepared.model, precision=prepared.config.precision,
+                          samples_per_step=prepared.config.global_batch)  # fmt: skip
+    findings = diagnose(found)
+    assert run.profile is not None
+    write_report(found, findings, run.profile)
+    return {"report": run.profile, **found.to_json(),
+            "findings": [f.to_json() if hasattr(f, "to_json") else asdict(f) for f in findings]}

@@ -1,0 +1,153 @@
+"""Activation checkpointing, and the peak resident memory a training process reaches.
+
+Checkpointing wraps a model's *blocks* — the children of its largest nn.ModuleList or
+nn.Sequential of like modules (a transformer's layers, a CNN's stages) — in PyTorch's
+non-reentrant `checkpoint_wrapper`, as torchtitan does: a wrapped block keeps only its input
+for backward and recomputes the rest. Which blocks is `Checkpointing.policy`: all (`full`),
+every k-th (`every`), those of named module types (`selective`), or as few as keep a measured
+peak under a budget (`budget`, decided by `blocks_for_budget` from two probes).
+
+Peak memory is the kernel's high-water mark of this process's resident set (VmHWM), reset by
+writing 5 to /proc/self/clear_refs, so one process can measure several phases in turn; on
+CPUs PyTorch's allocator keeps no peak of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+from kiln.errors import KilnError
+from kiln.train.config import Checkpointing
+
+Block = tuple[str, nn.Module]
+
+
+def find_blocks(model: nn.Module) -> list[Block]:
+    """The qualified names and modules of the model's repeated blocks: the children of its
+    largest nn.ModuleList / nn.Sequential whose children (≥ 2) are all of one type; [] when
+    the model has none."""
+    best: list[Block] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(module.named_children())
+        kinds = {type(child) for _, child in children}
+        if len(children) >= 2 and len(kinds) == 1 and len(children) > len(best):
+            prefix = f"{name}." if name else ""
+            best = [(prefix + child_name, child) for child_name, child in children]
+    return best
+
+
+def chosen_blocks(model: nn.Module, policy: Checkpointing) -> list[Block]:
+    """The blocks `policy` checkpoints (before any budget probe: `budget` → all of them)."""
+    if policy.policy == "none":
+        return []
+    if policy.policy == "selective":
+        wanted = set(policy.modules)
+        found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in wanted and n]
+        if not found:
+            kinds = sorted({type(m).__name__ for _, m in model.named_modules()})
+            raise KilnError(
+                f"checkpointing.modules {sorted(wanted)}: no module of those types in the "
+                f"model; its module types are {', '.join(kinds)}."
+            )
+        return _outermost(found)
+    blocks = find_blocks(model)
+    if not blocks:
+        raise KilnError(
+            f"checkpointing.policy {policy.policy}: the model has no repeated blocks (an "
+            "nn.ModuleList or nn.Sequential of like modules) to checkpoint; use policy "
+            "selective with checkpointing.modules naming the module types to recompute."
+        )
+    if policy.policy == "every":
+        return blocks[policy.every - 1 :: policy.every]
+    return blocks
+
+
+def apply_checkpointing(model: nn.Module, blocks: list[Block]) -> int:
+    """Wrap each block in place in a non-reentrant checkpoint wrapper; how many were wrapped.
+    The wrapper keeps the block's state-dict keys (it strips its own prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    for name, block in blocks:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if isinstance(parent, nn.ModuleList | nn.Sequential) and child.isdigit():
+            parent[int(child)] = wrapped
+        else:
+            setattr(parent, child, wrapped)
+    return len(blocks)
+
+
+def blocks_for_budget(
+    blocks: list[Block], peak_without: float, peak_with_all: float, budget_mib: float
+) -> list[Block]:
+    """The fewest blocks (spread evenly) whose checkpointing brings the measured peak under
+    `budget_mib`, assuming each block holds an equal share of the activations the two probes
+    differ by. KilnError when even checkpointing every block does not fit."""
+    if peak_without <= budget_mib:
+        return []
+    if peak_with_all > budget_mib:
+        raise KilnError(
+            f"memory budget {budget_mib:.0f} MiB: even with every block checkpointed the "
+            f"step peaks at {peak_with_all:.0f} MiB (without: {peak_without:.0f} MiB); lower "
+            "micro_batch (and raise accumulation) or raise the budget."
+        )
+    share = (peak_without - peak_with_all) / len(blocks)
+    count = min(len(blocks), math.ceil((peak_without - budget_mib) / max(share, 1e-9)))
+    stride = len(blocks) / count
+    return [blocks[int(i * stride)] for i in range(count)]
+
+
+def reset_peak() -> bool:
+    """Restart this process's resident high-water mark; False where the kernel cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_mib() -> float:
+    """This process's resident high-water mark since the last reset (MiB)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    scale = 2**20 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (MiB)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def measure_peak(run: Callable[[], object]) -> float:
+    """The resident peak (MiB) reached while `run` runs, above what was resident before."""
+    before = resident_mib()
+    reset_peak()
+    run()
+    return max(0.0, peak_mib() - before)
+
+
+def _outermost(found: list[Block]) -> list[Block]:
+    """Drop modules nested inside another found one: it is recomputed with its parent."""
+    names = [n for n, _ in found]
+    return [(n, m) for n, m in found if not any(n.startswith(p + ".") for p in names if p != n)]

@@ -1,0 +1,309 @@
+"""`prepare(model, optimizer, config) -> Prepared`: a TrainConfig applied to a user's own loop.
+
+A tutorial loop changes in four lines: the model and loader come from `prepared`, the forward
+runs in `prepared.autocast()`, `loss.backward()` becomes `prepared.backward(loss)` and
+`optimizer.step(); optimizer.zero_grad()` becomes `prepared.step()`:
+
+    prepared = prepare(model, optimizer, config)
+    for x, y in prepared.loader(dataset):
+        with prepared.autocast():
+            loss = loss_fn(prepared.model(x), y)
+        prepared.backward(loss)
+        prepared.step()          # steps once every `accumulation` calls; False while it waits
+
+What each does: `backward` divides the loss by the accumulation steps, multiplies it by the
+loss scale (fp16) and turns gradient synchronisation off for every micro-step but the last
+(DDP's `require_backward_grad_sync`, FSDP2's `set_requires_gradient_sync`); `step` unscales,
+clips, steps unless the gradients overflowed, updates the scale and zeroes the gradients. A
+pipeline runs forward and backward together: `prepared.train_step(x, y, loss_fn)` works for
+every strategy and is what `kiln.train.fit` uses.
+
+The optimizer may be an instance or a function of the parameters. Where the parameters change
+(FSDP2 shards them into DTensors; a pipeline rank holds only its stage) an instance is rebuilt
+with its class, hyperparameters and parameter groups (matched by parameter name), as
+torchtitan builds optimizers after sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.errors import KilnError
+from kiln.train import memory, parallel, precision
+from kiln.train.config import TrainConfig
+from kiln.train.phases import phase
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer]
+Loss = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class ScaleEvent:
+    """A change of the fp16 loss scale: at which optimizer step, to what, and why."""
+
+    step: int
+    scale: float
+    event: str  # "overflow" (step skipped, scale backed off) or "growth"
+
+
+@dataclass
+class Prepared:
+    """A model, optimizer and config ready for a training loop (see the module docstring)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    config: TrainConfig
+    dist: parallel.Dist
+    scaler: Any
+    checkpointed: list[str] = field(default_factory=list)  # blocks recomputed in backward
+    kept_fp32: list[str] = field(default_factory=list)
+    pipeline: Any = None  # parallel.PipelineRunner where the strategy is pipeline
+    steps: int = 0  # optimizer steps taken
+    skipped: int = 0  # optimizer steps skipped on overflow
+    scale_events: list[ScaleEvent] = field(default_factory=list)
+    _micro: int = 0  # backward calls since the last optimizer step
+    _wrapped: nn.Module | None = None  # the DDP/FSDP2 module under torch.compile
+
+    # ---------------------------------------------------------------- the loop's four calls
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's precision context (bf16/fp16 autocast; nothing for fp32)."""
+        return precision.autocast(self.config, self.dist.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss: divided by the accumulation steps, scaled
+        (fp16), gradients synchronised across ranks only on the last micro-step."""
+        if self.pipeline is not None:
+            raise KilnError(
+                "parallel.strategy pipeline runs forward and backward together: call "
+                "prepared.train_step(inputs, targets, loss_fn) instead of backward()."
+            )
+        self._micro += 1
+        self.scaler.scale(loss / self.config.accumulation).backward()
+        # The *next* forward decides DDP's sync (its reducer is armed in forward).
+        self._sync(self._micro + 1 >= self.config.accumulation)
+
+    def step(self) -> bool:
+        """The optimizer step, once every `accumulation` backward calls: unscale, clip,
+        skip on overflow, update the scale, zero the gradients. Whether it stepped."""
+        if self._micro < self.config.accumulation:
+            return False
+        self._micro = 0
+        if self.config.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+        before = self.loss_scale
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=self.config.set_to_none)
+        self._sync(self.config.accumulation == 1)
+        return self._account(before)
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Loss) -> torch.Tensor | None:
+        """One micro-batch through every strategy, pipeline included: forward (under
+        autocast), backward, and the optimizer step when the accumulation is complete. The
+        loss (None on pipeline ranks other than the last)."""
+        if self.pipeline is not None:
+            with phase("forward"), self.autocast():  # forward and backward, interleaved
+                loss = self.pipeline.step(inputs, targets)
+            self._micro += 1
+        else:
+            with phase("forward"), self.autocast():
+                loss = loss_fn(self.model(inputs), targets)
+            with phase("backward"):
+                self.backward(loss)
+        with phase("optimizer"):
+            self.step()
+        return loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale now (None where there is none: fp32, bf16)."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None
+
+    def loader(self, dataset: Any, **overrides: Any) -> Any:
+        """A DataLoader of `dataset` with the config's micro-batch and loader settings, and
+        under data-parallel ranks a DistributedSampler that gives each rank its share (and a
+        new shuffle each epoch). `overrides` go to the DataLoader (e.g. collate_fn)."""
+        from kiln.train.loader import make_loader
+
+        return make_loader(dataset, self.config, self.dist, **overrides)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps besides the weights: steps and the loss scaler."""
+        return {"steps": self.steps, "skipped": self.skipped,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}  # fmt: skip
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.steps, self.skipped = int(state.get("steps", 0)), int(state.get("skipped", 0))
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    # ---------------------------------------------------------------- inside
+
+    def _sync(self, enabled: bool) -> None:
+        module = self._wrapped
+        if module is None:
+            return
+        if hasattr(module, "require_backward_grad_sync"):  # DDP
+            module.require_backward_grad_sync = enabled
+        elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+            module.set_requires_gradient_sync(enabled)
+
+    def _account(self, before: float | None) -> bool:
+        after = self.loss_scale
+        self.steps += 1
+        if before is not None and after is not None and after < before:
+            self.skipped += 1
+            self.scale_events.append(ScaleEvent(self.steps, after, "overflow"))
+            return False
+        if before is not None and after is not None and after > before:
+            self.scale_events.append(ScaleEvent(self.steps, after, "growth"))
+        return True
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: TrainConfig | None = None,
+    *,
+    loss_fn: Loss | None = None,
+    example: Any = None,
+) -> Prepared:
+    """`model` and `optimizer` made ready for `config` (default TrainConfig()): joined to the
+    ranks torchrun started, fp32 modules pinned, blocks checkpointed, wrapped for DDP/FSDP2
+    or split into this rank's pipeline stage, compiled. A pipeline needs `loss_fn` and an
+    `example` micro-batch input (the stages are traced on it)."""
+    config = config or TrainConfig()
+    _check_model(model)
+    dist = parallel.setup(config)
+    torch.manual_seed(config.seed)
+    model = model.to(dist.device)
+    kept = precision.keep_in_fp32(model, config.keep_fp32, dist.device)
+    blocks = memory.chosen_blocks(model, config.checkpointing)
+    if config.checkpointing.policy == "budget":
+        raise KilnError(
+            "checkpointing.policy budget is decided from measured probes of real steps: use "
+            "kiln train (kiln.train.fit), or choose full / every / selective here."
+        )
+    memory.apply_checkpointing(model, blocks)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = _groups(optimizer, names)
+    runner, wrapped = None, None
+    strategy = config.parallel.strategy
+    if strategy == "pipeline":
+        if loss_fn is None or example is None:
+            raise KilnError(
+                "parallel.strategy pipeline splits the model by tracing it: pass "
+                "prepare(..., loss_fn=..., example=one micro-batch of inputs)."
+            )
+        runner = parallel.pipeline(model, config, dist, loss_fn, example)
+        model = runner.module
+    elif strategy in ("ddp", "fsdp2"):
+        model = wrapped = parallel.wrap(model, config, dist)
+    if config.compile is not None:
+        model = torch.compile(model, mode=config.compile)
+    optimizer = _optimizer(optimizer, groups, model, config, rebuild=strategy in (
+        "fsdp2", "pipeline"))  # fmt: skip
+    scaler = precision.grad_scaler(config, dist.device, sharded=strategy == "fsdp2")
+    prepared = Prepared(model, optimizer, config, dist, scaler, [n for n, _ in blocks], kept,
+                        runner, _wrapped=wrapped)  # fmt: skip
+    prepared._sync(config.accumulation == 1)
+    return prepared
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise KilnError(f"prepare: the model is a {type(model).__name__}; expected an nn.Module.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise KilnError("prepare: the model has no trainable parameters (requires_grad).")
+
+
+def _groups(optimizer: OptimizerArg, names: dict[int, str]) -> list[dict[str, Any]] | None:
+    """The optimizer's parameter groups with parameters as names (to rebuild it after the
+    parameters change); None for an optimizer factory."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise KilnError(
+                f"prepare: the optimizer is a {type(optimizer).__name__}; expected a "
+                "torch.optim.Optimizer or a function of the parameters that returns one."
+            )
+        return None
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise KilnError(
+                "prepare: the optimizer holds parameters that are not the model's; build it "
+                "from model.parameters()."
+            )
+        groups.append({**group, "params": [names[id(p)] for p in group["params"]]})
+    return groups
+
+
+def _optimizer(
+    optimizer: OptimizerArg,
+    groups: list[dict[str, Any]] | None,
+    model: nn.Module,
+    config: TrainConfig,
+    rebuild: bool,
+) -> torch.optim.Optimizer:
+    """The optimizer over the parameters the model now has, with the config's foreach/fused."""
+    impl = {k: v for k, v in (("foreach", config.foreach), ("fused", config.fused))
+            if v is not None}  # fmt: skip
+    if groups is None:  # a factory: called on the parameters as they are now
+        made = optimizer(list(model.parameters()))
+        if not isinstance(made, torch.optim.Optimizer):
+            raise KilnError(
+                f"prepare: the optimizer function returned a {type(made).__name__}; expected "
+                "a torch.optim.Optimizer."
+            )
+        optimizer, groups, rebuild = made, None, bool(impl)
+        if not rebuild:
+            return made
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = [{**g, "params": [names[id(p)] for p in g["params"]]}
+                  for g in made.param_groups]  # fmt: skip
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    if not rebuild and not impl:
+        return optimizer
+    if not rebuild:
+        for group in optimizer.param_groups:  # what the constructor would have stored
+            group.update(impl)
+        return optimizer
+    now = {_plain(n): p for n, p in model.named_parameters()}
+    rebuilt = []
+    for group in groups or []:
+        params = [now[_plain(n)] for n in group["params"] if _plain(n) in now]
+        if params:  # a pipeline stage holds only some groups' parameters
+            rebuilt.append({**group, **impl, "params": params})
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in impl}
+    return type(optimizer)(rebuilt, **defaults, **impl)
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (torch.compile, checkpointing)."""
+    for prefix in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def batches(loader: Any) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch, without end (fit counts steps itself)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise KilnError(
+                "the dataset gave no batch: it holds fewer samples than one micro_batch "
+                "(with drop_last); lower micro_batch or give more data."
+            )
