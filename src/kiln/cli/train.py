@@ -88,8 +88,41 @@ def train(
                      "optimizer, communication; FLOP/s and MFU; memory) into this HTML "
                      "report."),  # fmt: skip
     ] = None,
+    tune: Annotated[
+        bool,
+        typer.Option("--tune", help="Search the fastest TrainConfig at this --batch instead of "
+                     "training: each trial trains --steps steps (default 20) in a process of "
+                     "its own, must train as well as the config given and is confirmed against "
+                     "it; -o writes the tuned config, which --config reads."),  # fmt: skip
+    ] = False,
+    trials: Annotated[
+        int | None, typer.Option(help="With --tune: configurations to measure (default 12).")
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(help="With --tune: the peak memory a trial's processes may reach, "
+                     "with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB; a trial past it is "
+                     "stopped."),  # fmt: skip
+    ] = None,
+    target_loss: Annotated[
+        float | None,
+        typer.Option(help="With --tune: minimise the time to reach this training loss instead "
+                     "of maximising samples/s."),  # fmt: skip
+    ] = None,
+    storage: Annotated[
+        str | None,
+        typer.Option(help="With --tune: study and strategy-library database URL (default: "
+                     "sqlite under KILN_HOME), as kiln tune."),  # fmt: skip
+    ] = None,
+    study: Annotated[
+        str | None,
+        typer.Option(help="With --tune: the study's name (default: from the model, data, "
+                     "batch, objective and limits); reuse it to resume."),  # fmt: skip
+    ] = None,
     record: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write the training record here.")
+        Path | None,
+        typer.Option("-o", "--output", help="Write the training record here (with --tune: "
+                     "the tuned config)."),  # fmt: skip
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -100,17 +133,26 @@ def train(
 
     Several ranks: --nproc 2 --strategy ddp (or fsdp2, pipeline). The record (-o, --json)
     holds the config, per-step loss, samples/s, loss-scale events and peak memory per rank.
+    With --tune (--time, --trials, --max-memory, --target-loss) the flags give the config to
+    beat, and -o writes the one that beat it.
     """
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise KilnError("kiln train needs PyTorch: pip install torch.") from None
+    from kiln.train import require_torch
+
+    require_torch("kiln train")
     from kiln.compress.loading import load_callable
     from kiln.train.config import TrainConfig, read_config
 
+    tuning = {"--trials": trials, "--max-memory": max_memory, "--target-loss": target_loss,
+              "--storage": storage, "--study": study}  # fmt: skip
+    _check_tuning(tune, tuning, {"--epochs": epochs, "--checkpoint": checkpoint,
+                                 "--resume": resume or None, "--profile": profile})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
     chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, nproc)
     seconds = parse_duration(time) if time else None
+    if tune:
+        specs = {"model": model, "data": data, "loss": loss, "optimizer": optimizer}
+        _tune(specs, chosen, batch, steps, seconds, tuning, record, as_json)
+        return
     functions = {
         "model": load_callable(model, "model"),
         "data": load_callable(data, "--data"),
@@ -129,6 +171,70 @@ def train(
         emit_json(result)
     else:
         _table(result, record)
+
+
+def _check_tuning(tune: bool, tuning: dict[str, Any], training: dict[str, Any]) -> None:
+    """Tuning flags only with --tune; flags of a training run not with it."""
+    given = [flag for flag, value in tuning.items() if value is not None]
+    if given and not tune:
+        raise KilnError(f"{given[0]} is a flag of kiln train --tune: add --tune, or drop it.")
+    given = [flag for flag, value in training.items() if value is not None]
+    if given and tune:
+        raise KilnError(f"{given[0]} is for training runs, not --tune: tune first (-o FILE), then "
+                        "train with --config FILE.")  # fmt: skip
+
+
+def _tune(specs: dict[str, str | None], base: Any, batch: int, steps: int | None,
+          seconds: float | None, tuning: dict[str, Any], output: Path | None,
+          as_json: bool) -> None:  # fmt: skip
+    """--tune: search, write the tuned config (-o), show the trials and the pick."""
+    from kiln.cli.console import progress
+    from kiln.train.tune import PROBE_STEPS, TRIALS, tune
+    from kiln.tune.objectives import parse_constraint
+
+    limit = tuning["--max-memory"]
+    cap = parse_constraint("max_memory", limit).bound if limit is not None else None
+    with progress() as bar:
+        task = bar.add_task(f"tuning {specs['model']}")
+        result = tune(specs["model"], specs["data"], loss=specs["loss"],
+                      optimizer=specs["optimizer"], base=base, global_batch=batch,
+                      seconds=seconds, trials=tuning["--trials"] or TRIALS,
+                      max_memory_mib=cap, target_loss=tuning["--target-loss"],
+                      storage=tuning["--storage"], study=tuning["--study"],
+                      probe_steps=steps or PROBE_STEPS, output=output,
+                      progress=lambda msg: bar.update(task, description=msg))  # fmt: skip
+    if as_json:
+        emit_json(result)
+    else:
+        _tune_table(result, output)
+
+
+def _tune_table(result: dict[str, Any], output: Path | None) -> None:
+    from rich.table import Table
+
+    from kiln.train.config import TrainConfig
+    from kiln.train.tune import describe
+
+    table = Table(title=f"{result['model']} on {result['data']}, global batch "
+                  f"{result['global_batch']}: study {result['study']}")  # fmt: skip
+    for column in ("trial", "config", "samples/s", "peak MiB", "loss", "state"):
+        table.add_column(column, justify="right" if column != "config" else "left")
+    for row in result["trials"]:
+        if row["duplicate_of"] is not None:
+            continue
+        config = describe(TrainConfig.from_json(row["config"])) if row["config"] else ""
+        figures = [f"{row[k]:{f}}" if row[k] is not None else "" for k, f in
+                   (("samples_per_s", ".1f"), ("peak_mib", ".0f"), ("loss", ".4f"))]  # fmt: skip
+        state = "measured" if row["state"] == "COMPLETE" else row["reason"] or row["state"]
+        table.add_row(str(row["trial"]), config, *figures, state)
+    console.print(table)
+    speed = result["speedup"]
+    gain = f" ({speed['value']:.2f}×, {speed['low']:.2f}–{speed['high']:.2f})" if speed else ""
+    kept = "adopted" if result["adopted"] else "the base is kept"
+    pick = describe(TrainConfig.from_json(result["config"]))
+    console.print(f"pick: {pick} — {result['verdict']}{gain}; {kept}", highlight=False)
+    if output is not None:
+        console.print(f"tuned config: {output} (kiln train --config {output})", highlight=False)
 
 
 def _config(base: Any, batch: int, precision: str | None, accumulation: int | None,

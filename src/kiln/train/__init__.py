@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.errors import KilnError
 from kiln.train.config import (
     Checkpointing,
     Loader,
@@ -37,7 +38,16 @@ __all__ = [
     "fit",
     "prepare",
     "read_config",
+    "require_torch",
 ]
+
+
+def require_torch(what: str) -> None:
+    """KilnError naming `what` when PyTorch is not installed (it is an optional extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise KilnError(f"{what} needs PyTorch: pip install torch.")
 
 
 def __getattr__(name: str) -> Any:

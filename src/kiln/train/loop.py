@@ -379,7 +379,7 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[st
 
     found = profile_steps(one_step, model=prepared.model, precision=prepared.config.precision,
                           samples_per_step=prepared.config.global_batch)  # fmt: skip
-    findings = diagnose(found)
+    findings = diagnose(found, prepared.config)
     assert run.profile is not None
     write_report(found, findings, run.profile)
     return {"report": run.profile, **found.to_json(),

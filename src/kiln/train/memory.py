@@ -7,6 +7,13 @@ for backward and recomputes the rest. Which blocks is `Checkpointing.policy`: al
 every k-th (`every`), those of named module types (`selective`), or as few as keep a measured
 peak under a budget (`budget`, decided by `blocks_for_budget` from two probes).
 
+Checkpointing saves memory only if the freed activations leave the process: glibc's malloc
+raises its mmap threshold to the largest block ever freed (up to 32 MiB), after which a step's
+activations come from heap arenas that it keeps — the resident peak of a checkpointed step then
+falls by a fraction of what the live tensors do (byte_lm_small, batch 8 × 256: 14 % instead of
+44 %). `give_back_large_frees` fixes the threshold so that large blocks are mapped and unmapped,
+and is set where checkpointing is on: the user traded time for memory.
+
 Peak memory is the kernel's high-water mark of this process's resident set (VmHWM), reset by
 writing 5 to /proc/self/clear_refs, so one process can measure several phases in turn; on
 CPUs PyTorch's allocator keeps no peak of its own.
@@ -104,6 +111,28 @@ def blocks_for_budget(
     count = min(len(blocks), math.ceil((peak_without - budget_mib) / max(share, 1e-9)))
     stride = len(blocks) / count
     return [blocks[int(i * stride)] for i in range(count)]
+
+
+MMAP_THRESHOLD_BYTES = 64 * 1024  # blocks above this go back to the OS when freed
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def give_back_large_frees() -> bool:
+    """Make glibc return every freed block over 64 KiB to the OS (a fixed mmap threshold, no
+    dynamic raise); False off glibc, where nothing is changed."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    )
 
 
 def reset_peak() -> bool:

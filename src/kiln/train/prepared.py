@@ -111,8 +111,12 @@ class Prepared:
         autocast), backward, and the optimizer step when the accumulation is complete. The
         loss (None on pipeline ranks other than the last)."""
         if self.pipeline is not None:
-            with phase("forward"), self.autocast():  # forward and backward, interleaved
-                loss = self.pipeline.step(inputs, targets)
+            # The schedule runs forward and backward together: the loss is scaled inside it
+            # (fp16's scale, divided by the accumulation steps, as backward() does).
+            scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+            with phase("forward"), self.autocast():
+                loss = self.pipeline.step(inputs, targets,
+                                          loss_scale=scale / self.config.accumulation)  # fmt: skip
             self._micro += 1
         else:
             with phase("forward"), self.autocast():
@@ -194,6 +198,8 @@ def prepare(
             "kiln train (kiln.train.fit), or choose full / every / selective here."
         )
     memory.apply_checkpointing(model, blocks)
+    if blocks:  # the memory recompute saves must leave the process (see kiln.train.memory)
+        memory.give_back_large_frees()
     names = {id(p): n for n, p in model.named_parameters()}
     groups = _groups(optimizer, names)
     runner, wrapped = None, None

@@ -1,0 +1,231 @@
+"""Training checkpoints with torch.distributed.checkpoint: each rank writes its own shards
+(DDP, FSDP2 and pipeline stages alike; one process without a group too), and a checkpoint
+exists only once it is whole.
+
+    directory/step-00000200/   .metadata, the ranks' shards, extra.pt, kiln-checkpoint.json
+    directory/.step-00000300.partial/   being written (a crash leaves it; it is never read)
+
+Every rank calls `save` and `load`; rank 0 writes the small files, renames the finished
+checkpoint into place and keeps the newest `KEEP`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from kiln.errors import KilnError
+
+KEEP = 2  # complete checkpoints kept; older ones are deleted after each save
+MARKER = "kiln-checkpoint.json"  # written last: its presence means the checkpoint is whole
+EXTRA = "extra.pt"
+FORMAT = 1
+_NAME = re.compile(r"step-(\d{8,})")
+_PARTIAL = re.compile(r"\.step-(\d{8,})\.(partial|old)")
+
+
+def save(
+    directory: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any],
+) -> Path:
+    """Write `directory/step-{step:08d}` from every rank; return its path.
+
+    `extra` (tensors, numbers, strings and lists/dicts of them: the loss scaler, the sampler,
+    RNG states) is kept by rank 0 and given back by `load`."""
+    directory = Path(directory)
+    final = directory / f"step-{step:08d}"
+    partial = directory / f".step-{step:08d}.partial"
+    main = _rank() == 0
+    if main:
+        _prepare(directory, partial)
+    _barrier()  # the partial directory is fresh before any rank writes into it
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    try:
+        with _one_process_is_meant():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+        if main:
+            _save_extra(extra, partial / EXTRA)
+            (partial / MARKER).write_text(json.dumps({"step": step, "format": FORMAT}))
+    except (OSError, CheckpointException) as exc:  # CheckpointException: a rank's write failed
+        raise KilnError(f"{directory}: cannot write the checkpoint ({_cause(exc)}).") from None
+    _barrier()  # every rank's shards are written: the checkpoint is whole
+    if main:
+        _publish(partial, final)
+        _prune(directory)
+    _barrier()  # no rank reads `final` before it is in place
+    return final
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `directory` (partial ones ignored), or None."""
+    found = _complete(Path(directory))
+    return found[-1][1] if found else None
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[int, dict[str, Any]]:
+    """Restore `model` and `optimizer` (wrapped as when saved: same strategy and ranks) from
+    a checkpoint, or from the newest one of a directory; return (step, extra)."""
+    path = _resolve(Path(path))
+    step = _read_marker(path)
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        with _one_process_is_meant():
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model,
+            _optimizers(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        extra = torch.load(path / EXTRA, weights_only=True)
+    # DCP and torch.load fail in many ways (missing files, keys, shapes, pickles); each is a
+    # checkpoint this model cannot take. CheckpointException is a BaseException.
+    except (Exception, CheckpointException) as exc:
+        raise KilnError(
+            f"{path}: damaged, or not a checkpoint of this model and optimizer "
+            f"({_cause(exc)}); load another checkpoint, or train from the start."
+        ) from None
+    return step, extra
+
+
+def _save_extra(extra: dict[str, Any], path: Path) -> None:
+    """torch.save, refusing what `load` could not read back (it loads with weights_only)."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f"a {found.group(1)}" if found else "an object torch.load(weights_only) refuses"
+        raise KilnError(
+            f"checkpoint extra holds {what}; keep tensors, numbers, strings and lists/dicts "
+            "of them there (e.g. a state_dict())."
+        ) from None
+    path.write_bytes(buffer.getvalue())
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process: here that is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _cause(exc: BaseException) -> str:
+    """One line: the first rank's own error inside DCP's CheckpointException (whose text is
+    every rank's traceback), else the exception itself."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    return [] if optimizer is None else [optimizer]
+
+
+def _rank() -> int:
+    return torch_dist.get_rank() if torch_dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+def _prepare(directory: Path, partial: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash while saving this step
+        partial.mkdir()
+    except OSError as exc:
+        raise KilnError(
+            f"{directory}: cannot write checkpoints here ({exc.strerror or exc})."
+        ) from None
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename the whole checkpoint into place; one saved before at this step goes after."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    _sync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync(directory: Path) -> None:
+    # The renames are durable once the directory entry is on disk, not merely in the cache.
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _prune(directory: Path) -> None:
+    for _, path in _complete(directory)[:-KEEP]:
+        shutil.rmtree(path, ignore_errors=True)
+    for child in directory.iterdir():  # partials of other steps: crashed saves of earlier runs
+        if _PARTIAL.fullmatch(child.name) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _complete(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _NAME.fullmatch(child.name)
+        if match and (child / MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _resolve(path: Path) -> Path:
+    if (path / MARKER).is_file():
+        return path
+    if not path.exists():
+        raise KilnError(f"{path}: no such checkpoint or checkpoint directory.")
+    if _NAME.fullmatch(path.name):
+        raise KilnError(f"{path}: an incomplete checkpoint (no {MARKER}); load another.")
+    found = latest(path)
+    if found is None:
+        raise KilnError(f"{path}: no complete checkpoint (step-NNNNNNNN) in this directory.")
+    return found
+
+
+def _read_marker(path: Path) -> int:
+    missing = [name for name in (".metadata", EXTRA) if not (path / name).is_file()]
+    if missing:
+        raise KilnError(f"{path}: damaged checkpoint ({missing[0]} is missing); load another.")
+    try:
+        data = json.loads((path / MARKER).read_text())
+        return int(data["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KilnError(f"{path}: damaged checkpoint record {MARKER} ({exc}).") from None

@@ -1,0 +1,221 @@
+"""kiln.train.tune and `kiln train --tune`: trials in processes of their own, a watchdog that
+stops a trial over --max-memory without harming the tuner, the loss check against the base,
+the interleaved confirmation, and a tuned config that `read_config` reads back and trains.
+
+Every end-to-end test narrows the space to one or two knobs (the rest held at the base's
+values), so its trials are known: a test measures what it names in a few child runs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+psutil = pytest.importorskip("psutil")
+
+import kiln.train.tune as train_tune  # noqa: E402
+from kiln.cli import main  # noqa: E402
+from kiln.train import TrainConfig, fit, read_config  # noqa: E402
+from kiln.train.tune import (  # noqa: E402
+    LOSS_TOLERANCE,
+    PREDICT_MARGIN,
+    Space,
+    predict_peak,
+    predicted_over,
+    study_name,
+    training_class,
+    tune,
+)
+from kiln.tune.library import Library  # noqa: E402
+from kiln.tune.signature import hardware  # noqa: E402
+
+MODEL, DATA, OPTIMIZER = (f"train_tune_helpers:{n}" for n in ("wide_net", "blobs", "adamw"))
+KNOBS = ("precision", "micro_batch", "checkpointing", "compile", "parallel", "threads", "workers")
+ONLY_BASE = {knob: [] for knob in KNOBS}  # each knob held at the base's value
+BATCH = 512
+STEPS = 6  # 2 warm-up + 4 measured
+
+
+def run_tune(base: TrainConfig, space: dict, trials: int, **kwargs) -> dict:
+    return tune(MODEL, DATA, optimizer=OPTIMIZER, base=base, global_batch=BATCH, trials=trials,
+                probe_steps=STEPS, space={**ONLY_BASE, **space}, seed=0, **kwargs)  # fmt: skip
+
+
+def kiln(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """`kiln ARGS` in this process: exit code, stdout, stderr."""
+    monkeypatch.setattr(sys, "argv", ["kiln", *args])
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main()
+    finally:
+        for signum, handler in handlers.items():  # main() installs its own
+            signal.signal(signum, handler)
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+def no_children() -> bool:
+    """No trial process (or rank) outlived its trial. Other tests' helpers (multiprocessing's
+    resource tracker, started by spawned ranks) are not trials."""
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            left += [] if "resource_tracker" in " ".join(child.cmdline()) else [child]
+        except psutil.Error:  # gone meanwhile
+            pass
+    return not left
+
+
+# ------------------------------------------------------------------------------ no child runs
+
+
+def test_the_memory_model_fits_a_line_per_group_and_never_predicts_below_a_measure():
+    group = ("fp32", "none", 1)
+    points = [(group, 64, 400.0), (group, 512, 560.0)]
+    assert predict_peak(points, group, 256) == pytest.approx(400 + 160 / 448 * 192)
+    assert predict_peak(points, ("bf16", "none", 1), 256) is None  # another group: unknown
+    assert predict_peak([(group, 64, 400.0)], group, 128) == 400.0  # more samples, ≥ the peak
+    assert predict_peak([(group, 64, 400.0)], group, 32) is None
+    falling = [(group, 64, 500.0), (group, 512, 450.0)]  # noise: the slope is kept ≥ 0
+    assert predict_peak(falling, group, 1024) == pytest.approx(500.0)
+    config = TrainConfig(micro_batch=512)
+    cap = 560.0 / PREDICT_MARGIN - 1
+    assert "predicted to peak at 560 MiB" in predicted_over(points, config, cap)
+    assert predicted_over(points, config, 560.0 / PREDICT_MARGIN + 1) is None
+    assert predicted_over(points, config, None) is None
+
+
+def test_different_limits_and_objectives_name_different_studies():
+    specs = {"model": MODEL, "data": DATA, "loss": None, "optimizer": OPTIMIZER}
+    rest = {"base": TrainConfig().to_json(), "steps": STEPS}
+    names = {study_name(specs, BATCH, objective, limit, rest)
+             for objective in ("samples_per_s", "time_to_loss1.5", "time_to_loss2")
+             for limit in (None, 1024.0, 2048.0)}  # fmt: skip
+    assert len(names) == 9
+    assert study_name(specs, BATCH, "samples_per_s", 1024.0, rest) == study_name(
+        specs, BATCH, "samples_per_s", 1024.0, rest
+    )
+
+
+def test_every_point_of_the_space_keeps_the_global_batch_and_the_base_is_its_own():
+    base = TrainConfig(micro_batch=12)
+    space = Space.build(base, 12, cores=4, features=["avx512_bf16"], blocks=3)
+    assert space.config(space.base_params) is base
+    assert "bf16" in space.choices["precision"] and "ddp-2" in space.choices["parallel"]
+    names = [n for n in space.choices if n != "prefetch"]
+    for values in itertools.product(*(space.choices[n] for n in names)):
+        config = space.config({**dict(zip(names, values, strict=True)), "prefetch": 2})
+        assert config.global_batch == 12
+        assert config.threads() * config.parallel.ranks <= 4
+    plain = Space.build(base, 12, cores=1, features=["avx2"], blocks=0)
+    assert plain.choices["precision"] == ("fp32", "fp16")  # no bf16 kernels: not searched
+    assert plain.choices["parallel"] == ("single-1",) and plain.choices["checkpointing"] == (
+        "none",
+    )
+
+
+def test_tuning_flags_are_refused_without_tune(monkeypatch, capsys):
+    for flags, named in ((["--max-memory", "2GB"], "--max-memory"),
+                         (["--trials", "3"], "--trials"),
+                         (["--tune", "--epochs", "1"], "--epochs")):  # fmt: skip
+        code, _out, err = kiln(monkeypatch, capsys, "train", MODEL, "--data", DATA, "--batch",
+                               "8", "--steps", "1", *flags)  # fmt: skip
+        assert code == 2 and err.startswith("error:") and named in err
+        assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ child runs
+
+
+def test_a_memory_limit_below_the_base_ends_with_a_config_that_fits(tmp_path):
+    # Measure the base (micro-batch 512) and its lean variant (64 × 8) alone, then cap
+    # between them: the base's trial must be stopped, the lean one must fit.
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    heavy, narrow = TrainConfig(micro_batch=BATCH), {"micro_batch": [64]}
+    free = run_tune(heavy, narrow, trials=1, storage=f"sqlite:///{tmp_path / 'free.db'}")
+    lean = run_tune(TrainConfig(micro_batch=64, accumulation=8), {}, trials=1, storage=url)
+    heavy_peak, lean_peak = free["trials"][0]["peak_mib"], lean["trials"][0]["peak_mib"]
+    assert lean_peak < heavy_peak  # the helper's activations follow the micro-batch
+    cap = (heavy_peak + lean_peak) / 2
+    output = tmp_path / "tuned.json"
+    capped = run_tune(heavy, narrow, trials=2, storage=url, max_memory_mib=cap, output=output)
+
+    killed, fitted = capped["trials"][0], capped["trials"][1]
+    assert killed["state"] == "PRUNED" and killed["reason"].startswith("over the memory limit")
+    assert killed["peak_mib"] > cap and no_children()  # the tree was killed, the tuner lives
+    assert fitted["state"] == "COMPLETE" and fitted["peak_mib"] <= cap
+    assert capped["adopted"] and capped["verdict"].startswith("the base did not qualify: over")
+    assert capped["study"] != free["study"]  # another limit, another study
+    # The lean run's pick warm-started the capped study; inference studies never see it.
+    assert capped["warm_start"] == [f"{MODEL} (distance 0.00)"]
+    library = Library(url)
+    assert len(library.records(training_class()["class"], kind="study")) == 2
+    assert library.records(hardware()["class"]) == []
+    config = read_config(output)
+    assert (config.micro_batch, config.accumulation) == (64, 8)
+    torch.manual_seed(0)
+    from train_tune_helpers import adamw, blobs, wide_net
+
+    record = fit(wide_net, blobs, optimizer=adamw, config=config, steps=2, validate=False)
+    assert record["steps"] == 2 and all(v == v for v in record["loss"])  # trains, finite
+
+
+def test_nothing_under_the_limit_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    code, out, err = kiln(monkeypatch, capsys, "train", MODEL, "--data", DATA, "--optimizer",
+                          OPTIMIZER, "--batch", str(BATCH), "--tune", "--trials", "2",
+                          "--steps", "4", "--max-memory", "1MB",
+                          "-o", str(tmp_path / "tuned.json"))  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.startswith("error: no configuration fit --max-memory 1 MiB in 2 trials")
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "tuned.json").exists() and no_children()
+
+
+def test_a_trial_that_trains_worse_than_the_base_is_rejected_with_both_figures():
+    # fp16 with a loss scale of 2^100 overflows every step: each is skipped, nothing learnt.
+    base = TrainConfig(micro_batch=BATCH, loss_scale={"initial": 2.0**100})
+    result = run_tune(base, {"precision": ["fp16"]}, trials=2)
+    rows = {row["params"]["precision"]: row for row in result["trials"] if row["ran"]}
+    worse, plain = rows["fp16"], rows["fp32"]
+    assert worse["state"] == "PRUNED" and worse["reason"].startswith("trains worse")
+    assert worse["loss"] > plain["loss"] * (1 + LOSS_TOLERANCE)
+    assert f"{worse['loss']:.4f}" in worse["reason"] and f"{plain['loss']:.4f}" in worse["reason"]
+    assert result["tolerance"] == LOSS_TOLERANCE and result["reference"]["trial"] == 0
+    assert result["config"] == base.to_json() and not result["adopted"]
+
+
+def test_the_pick_is_confirmed_against_the_base_in_alternating_runs(monkeypatch):
+    # Whichever measured faster in its trial, the other config is picked here: a pick that
+    # is not the base is always raced against it.
+    monkeypatch.setattr(train_tune, "best_trial", lambda study, _minimize: study.trials[-1])
+    base = TrainConfig(micro_batch=128, accumulation=4)
+    result = run_tune(base, {"micro_batch": [BATCH]}, trials=2)
+    runs, speed = result["confirmation"], result["speedup"]
+    assert runs["order"] == ["base", "pick", "pick", "base"]
+    assert len(runs["base"]) == len(runs["pick"]) == 2
+    assert all(len(steps) == STEPS - 2 for steps in runs["base"] + runs["pick"])
+    assert speed["low"] <= speed["value"] <= speed["high"]
+    assert result["adopted"] == (speed["low"] > 1)  # faster beyond the spread, or the base
+    expected = BATCH if result["adopted"] else 128
+    assert result["config"]["micro_batch"] == expected and no_children()
+
+
+def test_kiln_train_tune_writes_a_config_that_kiln_train_reads_back(monkeypatch, capsys, tmp_path):
+    output = tmp_path / "tuned.json"
+    task = ["kiln.train.examples:byte_lm_tiny", "--data", "kiln.train.examples:stdlib_text_tiny",
+            "--loss", "kiln.train.examples:lm_loss", "--batch", "8"]  # fmt: skip
+    code, out, _err = kiln(monkeypatch, capsys, "train", *task, "--tune", "--trials", "1",
+                           "--steps", "4", "-o", str(output), "--json")  # fmt: skip
+    assert code == 0
+    result = json.loads(out)
+    assert [row["state"] for row in result["trials"]] == ["COMPLETE"]
+    assert result["verdict"] == "the base measured best"
+    assert read_config(output).global_batch == 8
+    code, out, _err = kiln(monkeypatch, capsys, "train", *task, "--config", str(output),
+                           "--steps", "2", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["steps"] == 2
