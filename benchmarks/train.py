@@ -67,8 +67,10 @@ def row_config(feature: str, batch: int, bf16_kernels: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------- one row, in a child
 
 
-def run_row(task: str, feature: str, samples: int, warmup: int) -> dict[str, Any]:
-    """Train one row; its figures (this runs in a process of its own)."""
+def run_row(task: str, feature: str, samples: int, warmup: int,
+            tuned: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train one row; its figures (this runs in a process of its own). `tuned`: the config
+    file `kiln train --tune -o FILE` wrote, for the row "tuned"."""
     spec = TASKS[task]
     steps = max(warmup + 2, samples // spec["batch"])
     if feature == "plain":
@@ -79,7 +81,14 @@ def run_row(task: str, feature: str, samples: int, warmup: int) -> dict[str, Any
 
     features = cpu_info().features
     bf16 = bool({"avx512_bf16", "amx_bf16"} & set(features))
-    config = TrainConfig().replace(**row_config(feature, spec["batch"], bf16))
+    if feature == "tuned":
+        from kiln.train import read_config
+
+        config = read_config(tuned) if tuned else None
+        if config is None or config.global_batch != spec["batch"]:
+            raise SystemExit(f"row tuned: give --tuned-{task} FILE of global batch {spec['batch']}")
+    else:
+        config = TrainConfig().replace(**row_config(feature, spec["batch"], bf16))
     record = fit(load_callable(spec["model"], "model"), load_callable(spec["data"], "data"),
                  config=config, steps=steps)  # fmt: skip
     return _figures(record["step_seconds"], spec["batch"], warmup, record["peak_mib"],
@@ -142,9 +151,11 @@ def _figures(times: list[float], batch: int, warmup: int, peak: dict, train_peak
 # ------------------------------------------------------------------------- the parent
 
 
-def child(task: str, feature: str, samples: int, warmup: int, timeout: float) -> dict[str, Any]:
+def child(task: str, feature: str, samples: int, warmup: int, timeout: float,
+          tuned: str | None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, __file__, "--row", f"{task}:{feature}", "--samples-lm",
-               str(samples), "--samples-cnn", str(samples), "--warmup", str(warmup)]  # fmt: skip
+               str(samples), "--samples-cnn", str(samples), "--warmup", str(warmup),
+               *(["--tuned-lm", tuned] if tuned else [])]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -166,12 +177,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default="results/train.json")
+    parser.add_argument("--tuned-lm", help="kiln train --tune -o FILE for the lm task")
+    parser.add_argument("--tuned-cnn", help="kiln train --tune -o FILE for the cnn task")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row in this process
     args = parser.parse_args()
     if args.row:
         task, feature = args.row.split(":")
         samples = args.samples_lm if task == "lm" else args.samples_cnn
-        print(json.dumps(run_row(task, feature, samples, args.warmup)))
+        print(json.dumps(run_row(task, feature, samples, args.warmup, args.tuned_lm)))
         return
     import torch
 
@@ -191,14 +204,16 @@ def main() -> None:
     print(result["command"])
     print(f"{cpu.model}, {cpu.logical_cores} cores, {' '.join(cpu.features)}")
     print(f"kiln {kiln.__version__}, torch {torch.__version__}")
-    rows = args.rows.split(",")
     for task in args.tasks.split(","):
+        tuned = getattr(args, f"tuned_{task}")
+        rows = args.rows.split(",") + (["tuned"] if tuned else [])
         samples = args.samples_lm if task == "lm" else args.samples_cnn
         runs: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
         for round_ in range(args.rounds):  # rows interleaved: round after round
             order = rows[round_ % len(rows) :] + rows[: round_ % len(rows)]
             for feature in order:
-                runs[feature].append(child(task, feature, samples, args.warmup, args.timeout))
+                runs[feature].append(child(task, feature, samples, args.warmup, args.timeout,
+                                           tuned))  # fmt: skip
                 print(f"  {task} {feature} round {round_ + 1}: {_short(runs[feature][-1])}",
                       flush=True)  # fmt: skip
         result["tasks"][task] = {"samples": samples, "batch": TASKS[task]["batch"],

@@ -119,6 +119,20 @@ def test_every_point_of_the_space_keeps_the_global_batch_and_the_base_is_its_own
     )
 
 
+def test_a_short_study_first_measures_the_changes_that_pay_most_often():
+    from kiln.train.tune import seeds
+
+    base = TrainConfig(micro_batch=12)
+    space = Space.build(base, 12, cores=2, features=["amx_bf16"], blocks=3)
+    configs = [space.config(p) for p in seeds(space)]
+    assert [(c.precision, c.compile, c.parallel.strategy) for c in configs] == [
+        ("bf16", None, "single"), ("fp32", "default", "single"), ("bf16", "default", "single"),
+        ("bf16", None, "ddp")]  # fmt: skip
+    assert all(c.global_batch == 12 for c in configs)
+    plain = Space.build(base, 12, cores=1, features=["avx2"], blocks=3)
+    assert [space.config(p).compile for p in seeds(plain)] == ["default"]  # no bf16, no ranks
+
+
 def test_tuning_flags_are_refused_without_tune(monkeypatch, capsys):
     for flags, named in ((["--max-memory", "2GB"], "--max-memory"),
                          (["--trials", "3"], "--trials"),

@@ -74,6 +74,16 @@ def train(
         typer.Option(help="Ranks on this machine, started by torchrun's launcher (gloo on "
                      "CPUs, NCCL on GPUs); default the config's ranks."),  # fmt: skip
     ] = None,
+    nnodes: Annotated[
+        str,
+        typer.Option(help="Machines taking part, torchrun's N or MIN:MAX (each runs this same "
+                     "command; the world is --nproc × nodes)."),  # fmt: skip
+    ] = "1",
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(help="host:port where the machines meet (torchrun's c10d rendezvous); "
+                     "needed with --nnodes above 1."),  # fmt: skip
+    ] = None,
     checkpoint: Annotated[
         Path | None,
         typer.Option(help="Directory for torch.distributed.checkpoint checkpoints (every 50 "
@@ -147,7 +157,11 @@ def train(
     _check_tuning(tune, tuning, {"--epochs": epochs, "--checkpoint": checkpoint,
                                  "--resume": resume or None, "--profile": profile})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
-    chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, nproc)
+    nodes = nnodes.split(":")[-1]
+    if not nodes.isdigit() or int(nodes) < 1:
+        raise KilnError(f"--nnodes {nnodes}: give N or MIN:MAX, e.g. 2 or 1:4.")
+    world = nproc * int(nodes) if nproc is not None else None
+    chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, world)
     seconds = parse_duration(time) if time else None
     if tune:
         specs = {"model": model, "data": data, "loss": loss, "optimizer": optimizer}
@@ -161,7 +175,8 @@ def train(
     }
     if record is not None and record.is_dir():
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
-    result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile)
+    result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
+                  {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint})  # fmt: skip
     result = {"model": model, "data": data, **result}
     if record is not None:
         from kiln.home import atomic_write_json
@@ -269,7 +284,7 @@ def _config(base: Any, batch: int, precision: str | None, accumulation: int | No
 
 def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: float | None,
          seconds: float | None, checkpoint: Path | None, resume: bool,
-         profile: Path | None) -> dict[str, Any]:  # fmt: skip
+         profile: Path | None, nodes: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kiln.train import fit
@@ -293,6 +308,7 @@ def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: floa
         return fit(functions["model"], functions["data"], loss=functions["loss"],
                    optimizer=functions["optimizer"], config=config, steps=steps, epochs=epochs,
                    seconds=seconds, checkpoint=checkpoint, resume=resume, profile=profile,
+                   **nodes,
                    progress=tick)  # fmt: skip
 
 

@@ -74,9 +74,13 @@ def fit(
     profile: str | Path | None = None,
     validate: bool = True,
     progress: Progress | None = None,
+    nnodes: str = "1",
+    rdzv_endpoint: str | None = None,
 ) -> dict[str, Any]:
     """Train; the training record (see `train_rank` for its fields). Exactly one of `steps`
-    (optimizer steps), `epochs` or `seconds` bounds the run."""
+    (optimizer steps), `epochs` or `seconds` bounds the run. Several machines: `nnodes`
+    (torchrun's "N" or "MIN:MAX") and the `rdzv_endpoint` host:port all of them meet at; the
+    config's ranks are then the whole world, shared out evenly over the nodes."""
     config = config or TrainConfig()
     given = [n for n, v in (("steps", steps), ("epochs", epochs), ("seconds", seconds)) if v]
     if len(given) != 1:
@@ -87,11 +91,16 @@ def fit(
     if resume and not checkpoint:
         raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
     ranks = config.parallel.ranks
+    nodes = int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else 0
+    if nodes < 1 or ranks % nodes:
+        raise KilnError(f"--nnodes {nnodes}: the {ranks} ranks must share out evenly over the "
+                        "nodes (give N or MIN:MAX with ranks a multiple of MAX).")  # fmt: skip
     if ranks == 1:
         return train_rank(run, progress)
     from kiln.train.launch import launch
 
-    results = launch(train_rank, (run, None), ranks)
+    results = launch(train_rank, (run, None), ranks // nodes, nnodes=nnodes,
+                     rdzv_endpoint=rdzv_endpoint)  # fmt: skip
     return merge(results)
 
 
