@@ -203,6 +203,7 @@ def test_a_trial_that_trains_worse_than_the_base_is_rejected_with_both_figures()
     assert result["config"] == base.to_json() and not result["adopted"]
 
 
+@pytest.mark.slow  # ~25 s of child runs on 2 cores; the default run stays under CI's budget
 def test_the_pick_is_confirmed_against_the_base_in_alternating_runs(monkeypatch):
     # Whichever measured faster in its trial, the other config is picked here: a pick that
     # is not the base is always raced against it.

@@ -132,7 +132,9 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     train, val = _datasets(run.data)
     example = _first_sample(train)
     loss_fn = run.loss if run.loss is not None else cross_entropy
-    inputs, _ = _collate_example(train, config.micro_batch)
+    inputs, targets = _collate_example(train, config.micro_batch)
+    if config.checkpointing.policy == "budget":
+        config = budget_policy(module, (inputs, targets), loss_fn, config)
     prepared = prepare(module, run.optimizer or adamw, config, loss_fn=loss_fn, example=inputs)
     start_step = _resume(run, prepared)
     loader = prepared.loader(train)
@@ -144,6 +146,7 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     record["peak_mib"] = {str(prepared.dist.rank): peak}
     record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
     record["val"] = _validate(prepared, val, loss_fn) if run.validate and val is not None else None
+    record["config"] = config.to_json()  # a budget policy as it was resolved
     record["tokens_per_sample"] = _tokens(example)
     if record["tokens_per_sample"]:
         record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
@@ -159,6 +162,10 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, t
           progress: Progress | None) -> dict[str, Any]:  # fmt: skip
     config, dist = prepared.config, prepared.dist
     stream = batches(loader)
+    # A resumed run goes on with the batches the interrupted one had not reached: the same
+    # shuffles (the loader's generator is seeded), drawn past what the steps consumed.
+    for _ in range(start * config.accumulation):
+        next(stream)
     losses: list[float] = []
     times: list[float] = []  # seconds since the loop started, at each optimizer step
     deadline = time.monotonic() + run.seconds if run.seconds else None
@@ -204,6 +211,51 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, t
                   "skipped": prepared.skipped, "final": prepared.loss_scale},  # fmt: skip
         "checkpoint": str(saved) if saved else None,
     }
+
+
+def budget_policy(module: nn.Module, batch: tuple[Any, Any], loss_fn: Any,
+                  config: TrainConfig) -> TrainConfig:  # fmt: skip
+    """`checkpointing.policy budget` resolved from two measured probes — one training step
+    (forward, backward, AdamW) of a copy of the model without checkpointing and one with every
+    block checkpointed — into the sparsest `every` policy whose predicted peak above the
+    resident baseline (train_peak_mib) is under `checkpointing.budget_mib`."""
+    import copy
+
+    if config.parallel.ranks > 1:
+        raise KilnError("checkpointing.policy budget is probed in one process: with "
+                        "several ranks choose full or every (kiln train --tune measures "
+                        "them).")  # fmt: skip
+    blocks = memory.chosen_blocks(module, config.checkpointing)
+    memory.give_back_large_frees()  # probes measure live memory, not the allocator's keep
+    peaks = []
+    for policy in ("none", "full"):
+        probe = copy.deepcopy(module)
+        memory.apply_checkpointing(probe, memory.chosen_blocks(probe, config.checkpointing)
+                                   if policy == "full" else [])  # fmt: skip
+        optimizer = adamw(probe.parameters())
+
+        def step(model: nn.Module = probe, opt: Any = optimizer) -> None:
+            with precision_context(config, next(model.parameters()).device):
+                loss = loss_fn(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+
+        peaks.append(memory.measure_peak(step))
+        del probe, optimizer
+    budget = config.checkpointing.budget_mib
+    assert budget is not None
+    chosen = memory.blocks_for_budget(blocks, peaks[0], peaks[1], budget)
+    if not chosen:
+        return config.replace(checkpointing={"policy": "none"})
+    every = max(1, len(blocks) // len(chosen))
+    return config.replace(checkpointing={"policy": "full" if every == 1 else "every",
+                                         "every": every})  # fmt: skip
+
+
+def precision_context(config: TrainConfig, device: torch.device) -> Any:
+    from kiln.train.precision import autocast
+
+    return autocast(config, device)
 
 
 def _stop(step: int, total: int | None, deadline: float | None, dist: Any) -> bool:

@@ -195,7 +195,8 @@ def prepare(
     if config.checkpointing.policy == "budget":
         raise KilnError(
             "checkpointing.policy budget is decided from measured probes of real steps: use "
-            "kiln train (kiln.train.fit), or choose full / every / selective here."
+            "kiln.train.fit (kiln train), or kiln.train.loop.budget_policy(model, batch, "
+            "loss_fn, config) to resolve it first."
         )
     memory.apply_checkpointing(model, blocks)
     if blocks:  # the memory recompute saves must leave the process (see kiln.train.memory)
