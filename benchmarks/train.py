@@ -40,6 +40,7 @@ TASKS = {
     "cnn": {"model": "kiln.train.examples:digits_cnn_wide", "data": "kiln.train.examples:digits",
             "batch": 64, "metric": "accuracy"},  # fmt: skip
 }
+VAL_SAMPLES = 512  # validation windows/images every row is judged on
 ROWS = ("plain", "fp32", "bf16", "fp16", "compile", "accumulation", "checkpointing", "ddp",
         "fsdp2", "pipeline", "loader", "combined")  # fmt: skip
 
@@ -89,8 +90,7 @@ def run_row(task: str, feature: str, samples: int, warmup: int,
             raise SystemExit(f"row tuned: give --tuned-{task} FILE of global batch {spec['batch']}")
     else:
         config = TrainConfig().replace(**row_config(feature, spec["batch"], bf16))
-    record = fit(load_callable(spec["model"], "model"), load_callable(spec["data"], "data"),
-                 config=config, steps=steps)  # fmt: skip
+    record = fit(load_callable(spec["model"], "model"), _data(spec), config=config, steps=steps)
     return _figures(record["step_seconds"], spec["batch"], warmup, record["peak_mib"],
                     record["train_peak_mib"], record.get("val") or {})  # fmt: skip
 
@@ -105,7 +105,7 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = load_callable(spec["model"], "model")()
-    data = load_callable(spec["data"], "data")()
+    data = _data(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(data["train"], batch_size=spec["batch"], shuffle=True)
     memory.reset_peak()
@@ -137,6 +137,17 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
 
     val = _validate(_Plain(), data["val"], cross_entropy)  # type: ignore[arg-type]
     return _figures(times, spec["batch"], warmup, {"0": peak}, {"0": peak - resident}, val or {})
+
+
+def _data(spec: dict[str, Any]) -> dict[str, Any]:
+    """The task's splits, validation cut to its first VAL_SAMPLES (the same for every row)."""
+    from torch.utils.data import Subset
+
+    from kiln.compress.loading import load_callable
+
+    data = load_callable(spec["data"], "data")()
+    val = data["val"]
+    return {"train": data["train"], "val": Subset(val, range(min(len(val), VAL_SAMPLES)))}
 
 
 def _figures(times: list[float], batch: int, warmup: int, peak: dict, train_peak: dict,

@@ -283,6 +283,25 @@ class PipelineRunner:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
+    def evaluate(self, dataset: Any, loss_fn: Callable[..., torch.Tensor],
+                 micro_batch: int) -> dict[str, float] | None:  # fmt: skip
+        """The mean loss over `dataset` (whole micro-batches), forward only through the
+        schedule; every rank takes part, the last stage's rank has the figure (None elsewhere,
+        and where the dataset holds no whole micro-batch)."""
+        from torch.utils.data import DataLoader
+
+        total, count = 0.0, 0
+        self._scale = 1.0
+        for inputs, targets in DataLoader(dataset, batch_size=micro_batch, drop_last=True):
+            losses: list[torch.Tensor] = []
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            self.schedule.eval(*(args if self.is_first else ()),
+                               target=targets if self.is_last else None, losses=losses)  # fmt: skip
+            if self.is_last:
+                total += float(torch.stack([loss.detach() for loss in losses]).sum())
+                count += 1
+        return {"loss": total / count} if self.is_last and count else None
+
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # Scaled here rather than by the schedule's scale_grads, which divides every .grad
         # after the step and so would also divide gradients accumulated by earlier steps.
