@@ -107,8 +107,9 @@ def fit(
 def merge(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's record (the last stage's losses for a pipeline) with every rank's peak."""
     record = dict(results[0])
-    with_loss = [r for r in results.values() if r.get("loss")]
-    if with_loss and not record.get("loss"):
+    # A pipeline's losses exist on its last stage only (NaN on the others).
+    with_loss = [r for r in results.values() if any(math.isfinite(v) for v in r.get("loss", []))]
+    if with_loss and with_loss[-1] is not results[0]:
         source = with_loss[-1]
         for key in ("loss", "final_loss", "val"):
             record[key] = source.get(key)
