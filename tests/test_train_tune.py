@@ -7,6 +7,7 @@ values), so its trials are known: a test measures what it names in a few child r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import signal
@@ -64,10 +65,8 @@ def no_children() -> bool:
     resource tracker, started by spawned ranks) are not trials."""
     left = []
     for child in psutil.Process().children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
             left += [] if "resource_tracker" in " ".join(child.cmdline()) else [child]
-        except psutil.Error:  # gone meanwhile
-            pass
     return not left
 
 
