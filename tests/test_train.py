@@ -237,3 +237,18 @@ def test_a_memory_budget_checkpoints_the_fewest_blocks_that_fit():
     config = TrainConfig(micro_batch=8, checkpointing={"policy": "budget", "budget_mib": 1e6})
     resolved = budget_policy(_model(), (x, y), nn.functional.cross_entropy, config)
     assert resolved.checkpointing.policy == "none"  # everything fits a terabyte
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_fit_reports_the_last_stages_loss_and_validation():
+    from kiln.train import fit
+
+    parallel = {"strategy": "pipeline", "ranks": 2, "threads_per_rank": 1, "microbatches": 2}
+    config = TrainConfig(micro_batch=8, parallel=parallel)
+    record = fit(_model, _pipeline_data, config=config, steps=2)
+    assert len(record["loss"]) == 2 and all(v == v for v in record["loss"])  # no NaN
+    assert record["val"]["loss"] > 0 and set(record["peak_mib"]) == {"0", "1"}
+
+
+def _pipeline_data() -> dict:
+    return {"train": _data(32), "val": _data(16, seed=2)}
