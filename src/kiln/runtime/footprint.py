@@ -116,7 +116,7 @@ def _child(args: list[str], timeout_s: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------- the child process
 
 
-def _peak_mib() -> float:
+def peak_rss_mib() -> float:
     """This process's peak RSS: Linux's VmHWM, the high-water mark of its own address space.
     Not `ru_maxrss`, which Linux carries across exec from the process that spawned this one
     (a tuner holding 160 MiB would make every child's peak at least that)."""
@@ -131,7 +131,7 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
@@ -156,15 +156,15 @@ def _measure(argv: list[str]) -> dict[str, Any]:
     dims = {k: int(v) for k, v in (p.split("=") for p in args.dims.split(",") if p)}
     if args.mode == "baseline":
         get_backend(args.engine).describe()  # the engine's library loaded, as a session does
-        return {"peak_mib": _peak_mib(), "rss_mib": _rss_mib()}
+        return {"peak_mib": peak_rss_mib(), "rss_mib": rss_mib()}
     session = Session(args.model, backend=args.backend)
-    load_peak = _peak_mib()
+    load_peak = peak_rss_mib()
     feeds = feeds if feeds is not None else synthesize(session.interface, dims=dims)
     for _ in range(args.runs):
         session.run(None, feeds)
     engine = session.artifact.manifest.backend.name if session.artifact else args.backend
-    return {"engine": engine or "ort", "load_peak_mib": load_peak, "peak_mib": _peak_mib(),
-            "rss_mib": _rss_mib()}  # fmt: skip
+    return {"engine": engine or "ort", "load_peak_mib": load_peak, "peak_mib": peak_rss_mib(),
+            "rss_mib": rss_mib()}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from torch import nn
 
 from kiln.errors import KilnError
+from kiln.runtime.footprint import peak_rss_mib, rss_mib
 from kiln.train.config import Checkpointing
 
 Block = tuple[str, nn.Module]
@@ -147,25 +148,12 @@ def reset_peak() -> bool:
 
 def peak_mib() -> float:
     """This process's resident high-water mark since the last reset (MiB)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-    import sys
-
-    scale = 2**20 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+    return peak_rss_mib()
 
 
 def resident_mib() -> float:
     """This process's resident memory now (MiB)."""
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
+    return rss_mib()
 
 
 def measure_peak(run: Callable[[], object]) -> float:
