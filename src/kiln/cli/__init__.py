@@ -28,6 +28,7 @@ from kiln.cli import (
     zoo,
 )
 from kiln.cli.console import err
+from kiln.cli.stopped import Stopped
 from kiln.errors import KilnError
 
 app = typer.Typer(
@@ -74,17 +75,6 @@ app.command()(train.train)
 app.add_typer(strategies.app, name="strategies")
 
 
-class Stopped(BaseException):
-    """SIGINT or SIGTERM. A BaseException of Kiln's own: the CLI framework turns a plain
-    KeyboardInterrupt into its own "Aborted!" before Kiln could say anything, and SIGTERM's
-    default action would skip every cleanup (a hidden temporary artifact left behind). Raised
-    instead, it unwinds through the `finally` blocks that remove partial work."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _stop(signum: int, _frame: object) -> None:
     raise Stopped(signum)
 
@@ -105,7 +95,8 @@ def main() -> None:
     except (Stopped, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         what = "interrupted" if signum == signal.SIGINT else "terminated"
-        err.print(f"{what}; nothing was written.", highlight=False)
+        said = exc.said if isinstance(exc, Stopped) else "nothing was written."
+        err.print(f"{what}; {said}", highlight=False, soft_wrap=True)
         sys.exit(128 + signum)
     except Exception as exc:  # a bug in Kiln: the backstop, never the fix
         where = _crash_report(exc)

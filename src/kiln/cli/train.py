@@ -4,12 +4,14 @@ final table and a JSON training record."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from kiln.cli.console import JsonOpt, console, emit_json, err
+from kiln.cli.stopped import Stopped
 from kiln.cli.tune import parse_duration
 from kiln.errors import KilnError
 
@@ -86,9 +88,13 @@ def train(
     ] = None,
     checkpoint: Annotated[
         Path | None,
-        typer.Option(help="Directory for torch.distributed.checkpoint checkpoints (every 50 "
-                     "steps and at the end; written whole or not at all)."),  # fmt: skip
+        typer.Option(help="Directory for torch.distributed.checkpoint checkpoints (every "
+                     "--checkpoint-every steps and at the end; written whole or not at all, so "
+                     "Ctrl-C or a killed job leaves the newest one loadable)."),  # fmt: skip
     ] = None,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=1, help="Optimizer steps between checkpoints.")
+    ] = 50,
     resume: Annotated[
         bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint.")
     ] = False,
@@ -175,8 +181,13 @@ def train(
     }
     if record is not None and record.is_dir():
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
-    result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
-                  {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint})  # fmt: skip
+    options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
+               "checkpoint_every": checkpoint_every}  # fmt: skip
+    try:
+        result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
+                      options)  # fmt: skip
+    except (Stopped, KeyboardInterrupt) as exc:
+        raise _stopped(exc, checkpoint) from None
     result = {"model": model, "data": data, **result}
     if record is not None:
         from kiln.home import atomic_write_json
@@ -186,6 +197,19 @@ def train(
         emit_json(result)
     else:
         _table(result, record)
+
+
+def _stopped(exc: Stopped | KeyboardInterrupt, checkpoint: Path | None) -> Stopped:
+    """The stop, saying which checkpoint survived it: a checkpoint is renamed into place
+    only when whole, so the newest one is loadable whatever the moment of the signal."""
+    signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+    from kiln.train.checkpoint import latest
+
+    found = latest(checkpoint) if checkpoint is not None and checkpoint.is_dir() else None
+    if found is None:
+        return Stopped(signum, "no checkpoint was written.")
+    return Stopped(signum, f"the newest checkpoint, {found}, is whole: run the same command "
+                           "with --resume to continue from it.")  # fmt: skip
 
 
 def _check_tuning(tune: bool, tuning: dict[str, Any], training: dict[str, Any]) -> None:
@@ -284,7 +308,7 @@ def _config(base: Any, batch: int, precision: str | None, accumulation: int | No
 
 def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: float | None,
          seconds: float | None, checkpoint: Path | None, resume: bool,
-         profile: Path | None, nodes: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+         profile: Path | None, options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kiln.train import fit
@@ -308,7 +332,7 @@ def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: floa
         return fit(functions["model"], functions["data"], loss=functions["loss"],
                    optimizer=functions["optimizer"], config=config, steps=steps, epochs=epochs,
                    seconds=seconds, checkpoint=checkpoint, resume=resume, profile=profile,
-                   **nodes,
+                   **options,
                    progress=tick)  # fmt: skip
 
 
