@@ -146,6 +146,41 @@ def test_checkpointing_policies_choose_their_blocks_and_keep_the_gradients():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+def test_a_cnn_with_pooling_between_its_conv_blocks_checkpoints_them_and_keeps_batchnorm():
+    """The conv blocks between parameter-free pooling are the blocks; a checkpointed step
+    gives the same gradients and batch-norm running statistics as an unwrapped one (the
+    recomputation must not update them a second time)."""
+    from kiln.train import prepare
+    from kiln.train.memory import find_blocks
+
+    def block(inputs: int, outputs: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(inputs, outputs, 3, padding=1), nn.BatchNorm2d(outputs),
+                             nn.ReLU())  # fmt: skip
+
+    def cnn() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(block(1, 4), block(4, 4), nn.MaxPool2d(2),
+                                           block(4, 8), nn.MaxPool2d(2)),
+                             nn.Flatten(), nn.Linear(8 * 4 * 4, 3))  # fmt: skip
+
+    assert [n for n, _ in find_blocks(cnn())] == ["0.0", "0.1", "0.3"]
+    x, y = torch.randn(6, 1, 16, 16), torch.tensor([0, 1, 2, 0, 1, 2])
+    results = []
+    for policy in ("none", "full"):
+        model = cnn()
+        prepared = prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           TrainConfig(checkpointing={"policy": policy}))  # fmt: skip
+        nn.functional.cross_entropy(prepared.model(x), y).backward()
+        grads = [p.grad.clone() for p in prepared.model.parameters()]
+        results.append((grads, prepared.model.state_dict()))
+    (grads_none, state_none), (grads_full, state_full) = results
+    for a, b in zip(grads_none, grads_full, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert state_none.keys() == state_full.keys()
+    for key, value in state_none.items():
+        torch.testing.assert_close(state_full[key], value, atol=0, rtol=0, msg=key)
+
+
 def test_kept_fp32_modules_run_in_fp32_under_bf16_autocast():
     from kiln.train import prepare
 

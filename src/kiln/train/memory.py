@@ -1,7 +1,8 @@
 """Activation checkpointing, and the peak resident memory a training process reaches.
 
 Checkpointing wraps a model's *blocks* — the children of its largest nn.ModuleList or
-nn.Sequential of like modules (a transformer's layers, a CNN's stages) — in PyTorch's
+nn.Sequential of like modules (a transformer's layers, a CNN's conv blocks between its
+parameter-free pooling) — in PyTorch's
 non-reentrant `checkpoint_wrapper`, as torchtitan does: a wrapped block keeps only its input
 for backward and recomputes the rest. Which blocks is `Checkpointing.policy`: all (`full`),
 every k-th (`every`), those of named module types (`selective`), or as few as keep a measured
@@ -21,9 +22,13 @@ CPUs PyTorch's allocator keeps no peak of its own.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
+import torch
 from torch import nn
 
 from kiln.errors import KilnError
@@ -35,18 +40,23 @@ Block = tuple[str, nn.Module]
 
 def find_blocks(model: nn.Module) -> list[Block]:
     """The qualified names and modules of the model's repeated blocks: the children of its
-    largest nn.ModuleList / nn.Sequential whose children (≥ 2) are all of one type; [] when
-    the model has none."""
+    largest nn.ModuleList / nn.Sequential whose children that hold parameters (≥ 2) are all of
+    one type; [] when the model has none. Children without parameters (a CNN's pooling
+    between stages, an activation) are not blocks and are not recomputed."""
     best: list[Block] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue
-        children = list(module.named_children())
+        children = [(n, c) for n, c in module.named_children() if _has_parameters(c)]
         kinds = {type(child) for _, child in children}
         if len(children) >= 2 and len(kinds) == 1 and len(children) > len(best):
             prefix = f"{name}." if name else ""
             best = [(prefix + child_name, child) for child_name, child in children]
     return best
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def chosen_blocks(model: nn.Module, policy: Checkpointing) -> list[Block]:
@@ -77,7 +87,9 @@ def chosen_blocks(model: nn.Module, policy: Checkpointing) -> list[Block]:
 
 def apply_checkpointing(model: nn.Module, blocks: list[Block]) -> int:
     """Wrap each block in place in a non-reentrant checkpoint wrapper; how many were wrapped.
-    The wrapper keeps the block's state-dict keys (it strips its own prefix)."""
+    The wrapper keeps the block's state-dict keys (it strips its own prefix). A block's
+    batch-norm running statistics are updated once per step, as without checkpointing: the
+    recomputation puts them back as it found them."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
@@ -86,12 +98,37 @@ def apply_checkpointing(model: nn.Module, blocks: list[Block]) -> int:
     for name, block in blocks:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        wrapped = checkpoint_wrapper(
+            block,
+            checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+            context_fn=functools.partial(_contexts, block),
+        )
         if isinstance(parent, nn.ModuleList | nn.Sequential) and child.isdigit():
             parent[int(child)] = wrapped
         else:
             setattr(parent, child, wrapped)
     return len(blocks)
+
+
+def _contexts(block: nn.Module) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """torch.utils.checkpoint's (forward, recompute) contexts for `block`."""
+    return contextlib.nullcontext(), _statistics_kept(block)
+
+
+@contextlib.contextmanager
+def _statistics_kept(block: nn.Module) -> Iterator[None]:
+    """Run the recomputation with the block's batch-norm buffers restored afterwards: a
+    training-mode BatchNorm recomputed would otherwise move its running mean and variance a
+    second time per step (and count the batch twice)."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [{k: b.detach().clone() for k, b in m.named_buffers(recurse=False)} for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, buffers in zip(norms, saved, strict=True):
+                for key, value in buffers.items():
+                    getattr(norm, key).copy_(value)
 
 
 def blocks_for_budget(
