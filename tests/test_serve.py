@@ -92,9 +92,11 @@ def _stop(server: Server) -> None:
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("serve-home")
+    # A batching delay (the default is none) so concurrent requests reliably share batches.
     server = _start(
-        home, f"zoo:{BERT}", "--buckets", "batch=1,4,8 seq=16,32", "--max-request-mb", "1"
-    )
+        home, f"zoo:{BERT}", "--buckets", "batch=1,4,8 seq=16,32", "--max-request-mb", "1",
+        "--max-delay-ms", "5",
+    )  # fmt: skip
     yield server
     _stop(server)
 
@@ -269,7 +271,8 @@ def test_oversize_unknown_model_and_metrics(bert: Server) -> None:
     assert response.status_code == 404
     assert response.json() == {"error": "unknown model 'nope'; this server serves 'bert-tiny'"}
     assert httpx.get(f"{bert.base}/v2/models/nope/ready").status_code == 404
-    assert httpx.get(f"{bert.base}/v2").json()["extensions"] == ["binary_tensor_data"]
+    extensions = httpx.get(f"{bert.base}/v2").json()["extensions"]
+    assert sorted(extensions) == ["binary_tensor_data", "model_configuration", "statistics"]
 
     text = httpx.get(f"{bert.base}/metrics").text
     for name in [

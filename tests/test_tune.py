@@ -125,7 +125,7 @@ def test_a_served_study_hands_its_batcher_settings_to_kiln_serve(tmp_path):
     out = str(tmp_path / "served.kiln")
     assert batcher_settings(out, None, None) == (serving["max_batch"], serving["max_delay_ms"])
     assert batcher_settings(out, 3, None)[0] == 3  # a flag wins over the tuned value
-    assert batcher_settings("zoo:resnet-tiny", None, None) == (16, 5.0)
+    assert batcher_settings("zoo:resnet-tiny", None, None) == (16, 0.0)  # no delay by default
 
 
 TRAFFIC = [{"seq": s} for s in (3, 5, 6, 8, 9, 11, 12, 14, 15, 16) * 3]

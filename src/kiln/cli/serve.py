@@ -44,7 +44,8 @@ def serve(
         float | None,
         typer.Option(
             help="Longest a request waits for others to batch with (ms). Default: what kiln "
-            "tune --clients picked for this artifact, else 5."
+            "tune --clients picked for this artifact, else 0: batches form from the requests "
+            "already waiting, and a lone request runs at once."
         ),
     ] = None,
     max_queue: Annotated[
@@ -153,8 +154,7 @@ def serve(
             else:
                 sizes = session.buckets
                 err.print(
-                    f"serving '{served}' on {where}, batches of up to {max_batch} within "
-                    f"{max_delay_ms:g} ms"
+                    f"serving '{served}' on {where}, {batching_text(max_batch, max_delay_ms)}"
                     + (f", buckets {format_buckets(sizes)}" if sizes else "")
                     + " (Ctrl-C to stop)",
                     highlight=False,
@@ -179,7 +179,8 @@ def batcher_settings(
     model: str, max_batch: int | None, max_delay_ms: float | None
 ) -> tuple[int, float]:
     """The flags where given; else what `kiln tune --clients` measured best for this artifact
-    (its manifest's tune → serving); else 16 samples and 5 ms."""
+    (its manifest's tune → serving); else 16 samples and no delay, as Triton's dynamic batcher
+    by default: a lone request is not held back for company that may never come."""
     tuned: dict = {}
     if (max_batch is None or max_delay_ms is None) and Path(model, "manifest.json").is_file():
         from kiln.artifact import read_artifact
@@ -190,5 +191,12 @@ def batcher_settings(
         except KilnError:
             tuned = {}  # the load that follows names what is wrong with it
     batch = max_batch if max_batch is not None else int(tuned.get("max_batch", 16))
-    delay = max_delay_ms if max_delay_ms is not None else float(tuned.get("max_delay_ms", 5.0))
+    delay = max_delay_ms if max_delay_ms is not None else float(tuned.get("max_delay_ms", 0.0))
     return batch, delay
+
+
+def batching_text(max_batch: int, max_delay_ms: float) -> str:
+    """The batcher's settings for the 'serving' line."""
+    if max_delay_ms == 0:
+        return f"batches of up to {max_batch} from the requests already waiting"
+    return f"batches of up to {max_batch} within {max_delay_ms:g} ms"

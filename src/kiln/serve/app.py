@@ -1,4 +1,6 @@
-"""The HTTP application: KServe v2 endpoints over one `kiln.Session`, with dynamic batching.
+"""The HTTP application: KServe v2 endpoints over one `kiln.Session`, with dynamic batching,
+and the extensions Triton's clients call: model_configuration (`/config`, Triton's ModelConfig)
+and statistics (`/stats`, Triton's statistics, the same counts /metrics exports).
 
 Every error is answered in KServe's form, `{"error": "..."}`: 400 for a request the protocol or
 the model cannot take (the message names the input and what was expected), 404 for an unknown
@@ -28,7 +30,7 @@ from kiln import __version__
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher, Closed, Overloaded
 from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
-from kiln.serve.metrics import ServeMetrics
+from kiln.serve.metrics import ServeMetrics, TimedFeeds
 from kiln.serve.protocol import (
     ProtocolError,
     RequestTooLarge,
@@ -37,11 +39,14 @@ from kiln.serve.protocol import (
     decompress,
     encode_response,
     header_length,
+    model_config,
     parse_request,
 )
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 VERSION = "1"  # one model, one version: the protocol wants a version string to name
+# The protocol extensions served (GET /v2 lists them): each one a client may rely on.
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
 
 # Nginx's code for "the client closed the connection before the answer": counted, never sent.
@@ -70,24 +75,26 @@ def create_app(
     name: str,
     *,
     max_batch: int = 16,
-    max_delay_ms: float = 5.0,
+    max_delay_ms: float = 0.0,
     max_queue: int = 256,
     max_request_bytes: int = 64 << 20,
     body_timeout_s: float = 30.0,
 ) -> FastAPI:
-    """A FastAPI app serving `session` (a `kiln.Session`) as model `name`. A request body must
-    arrive whole within `body_timeout_s` of its headers."""
-    metrics = ServeMetrics(name, session.stats)
+    """A FastAPI app serving `session` (a `kiln.Session`) as model `name`. Requests are batched
+    up to `max_batch` samples; `max_delay_ms` 0 batches only what is already waiting, so a lone
+    request runs at once. A request body must arrive whole within `body_timeout_s` of its
+    headers."""
+    metrics = ServeMetrics(name, session.stats, VERSION)
     batcher = Batcher(
-        session.run_batch,
+        metrics.executions(session.run_batch),
         max_batch=max_batch,
         max_delay=max_delay_ms / 1000,
         max_queue=max_queue,
-        observe=metrics.observe_batch,
     )
     metrics.queue_depth.set_function(lambda: batcher.depth)
     inputs = {spec["name"]: spec for spec in session.inputs}
     output_names = list(session.output_names)
+    batch_axis = _has_batch_axis(session)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -140,7 +147,31 @@ def create_app(
 
     @app.get("/v2")
     async def server_metadata() -> dict[str, Any]:
-        return {"name": "kiln", "version": __version__, "extensions": ["binary_tensor_data"]}
+        return {"name": "kiln", "version": __version__, "extensions": EXTENSIONS}
+
+    # Before /v2/models/{model}, which would take "stats" for a model's name.
+    @app.get("/v2/models/stats")
+    async def all_statistics() -> dict[str, Any]:
+        return {"model_stats": [metrics.statistics.to_json()]}
+
+    @app.get("/v2/models/{model}/stats")
+    @app.get("/v2/models/{model}/versions/{version}/stats")
+    async def statistics(model: str, version: str | None = None) -> dict[str, Any]:
+        check_model(model, version)
+        return {"model_stats": [metrics.statistics.to_json()]}
+
+    @app.get("/v2/models/{model}/config")
+    @app.get("/v2/models/{model}/versions/{version}/config")
+    async def configuration(model: str, version: str | None = None) -> dict[str, Any]:
+        check_model(model, version)
+        platform, backend, kind = _engine(session.get_providers())
+        return model_config(
+            name, list(session.inputs), list(session.outputs),
+            platform=platform, backend=backend, kind=kind,
+            # The batcher's settings as they are now, read at each call.
+            max_batch_size=batcher.max_batch if batch_axis else 0,
+            max_delay_s=batcher.max_delay,
+        )  # fmt: skip
 
     @app.get("/v2/models/{model}")
     @app.get("/v2/models/{model}/versions/{version}")
@@ -149,7 +180,7 @@ def create_app(
         return {
             "name": name,
             "versions": [VERSION],
-            "platform": "kiln",
+            "platform": _engine(session.get_providers())[0],  # as /config says, as Triton does
             "inputs": list(session.inputs),
             "outputs": list(session.outputs),
         }
@@ -166,7 +197,9 @@ def create_app(
         check_model(model, version)
         started = time.perf_counter()
         metrics.requests.inc()
-        failure, body = None, b""
+        failure, body, feeds = None, b"", None
+        # Until the answer is made: a request cut off (cancelled) is counted as the client's.
+        status: int | None = CLIENT_CLOSED
         try:
             if batcher.full():  # refuse before reading a body we could not queue anyway
                 raise Overloaded(
@@ -174,30 +207,36 @@ def create_app(
                     "kiln serve --max-queue); retry later"
                 )
             body = await _read_body(request, max_request_bytes, body_timeout_s)
+            read = time.perf_counter()
             decoded = await run_in_threadpool(_decode, body, request.headers, max_request_bytes)
             _check_inputs(decoded.inputs, inputs)
             # The model's own checks (dims within its limits) before queueing: a request the
             # engine would fail on must neither run nor fail the batch it would have joined.
-            feeds = session.check_feeds(decoded.inputs)
+            feeds = TimedFeeds(session.check_feeds(decoded.inputs))
             unknown = sorted(set(decoded.outputs) - set(output_names))
             if unknown:
                 raise ApiError(
                     400,
                     f"unknown output {clip(unknown[0])}; the model's outputs are {output_names}",
                 )
+            feeds.submitted = time.perf_counter()
+            feeds.decode_s = feeds.submitted - read
             values = await asyncio.wrap_future(batcher.submit(feeds))
             outputs = dict(zip(output_names, values, strict=True))
+            answered = time.perf_counter()
             content, json_length = await run_in_threadpool(
                 encode_response, name, decoded, outputs, VERSION
             )
+            feeds.encode_s = time.perf_counter() - answered
+            status = None
         except Exception as exc:
             status, message = _status_of(exc)
-            metrics.failure(status)
             if status == 500:  # not the client's fault: keep the traceback for the operator
                 log.exception("inference failed")
             failure = ApiError(status, message, close=isinstance(exc, BodyTimeout))
         finally:
-            metrics.latency.observe(time.perf_counter() - started)
+            # Counted before the answer leaves: a client holding it finds it in /stats.
+            metrics.answered(time.perf_counter() - started, status, feeds)
         if failure is not None:  # raised here, past the except: no frame keeps the request
             if len(body) >= TRIM_ABOVE_BYTES:
                 body = decoded = feeds = None  # noqa: F841 (dropped before the trim)
@@ -314,6 +353,27 @@ def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]
         raise ApiError(
             400, f"inputs disagree on the batch size (dim 0): {batched}; give them all the same"
         )
+
+
+_GPU_PROVIDERS = (":GPU", "CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+def _has_batch_axis(session: Any) -> bool:
+    """Whether every input and output leads with the model's batch dim: what Triton's
+    max_batch_size > 0 says of a model (its `dims` then leave that dim out)."""
+    batch = set(session.batch_dims)
+    values = [*session.get_inputs(), *session.get_outputs()]
+    return bool(batch) and all(v.shape and v.shape[0] in batch for v in values)
+
+
+def _engine(providers: list[str]) -> tuple[str, str, str]:
+    """Triton's platform, backend and instance kind for the engine a session runs on, from its
+    providers (["CPUExecutionProvider"], ["OpenVINO:CPU"], ...)."""
+    gpu = any(p.endswith(_GPU_PROVIDERS) for p in providers)
+    kind = "KIND_GPU" if gpu else "KIND_CPU"
+    if any(p.startswith("OpenVINO") for p in providers):
+        return "openvino", "openvino", kind
+    return "onnxruntime_onnx", "onnxruntime", kind
 
 
 def _status_of(exc: Exception) -> tuple[int, str]:

@@ -1,18 +1,25 @@
-"""Prometheus metrics for one server: a registry of its own (so two apps in one process, as in
-tests, never share counters), request and batch figures recorded as they happen, and the
-session's runtime figures (bucket hits and misses, padding waste, recompiles, swaps) read from
-`session.stats()` at scrape time, so they are never stale and never double-counted."""
+"""What one server counts, in two views: Prometheus metrics (a registry of its own, so two apps
+in one process, as in tests, never share counters) and Triton's statistics JSON (the
+`statistics` extension). Both are fed by the same two recording points, so they agree:
+`answered` once per inference request, and the `executions` wrapper around the session's
+`run_batch` once per batch run. The session's runtime figures (bucket hits and misses, padding
+waste, recompiles, swaps) are read from `session.stats()` at scrape time, so they are never stale
+and never double-counted."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kiln.runtime.batcher import BatchRecord
+from kiln.runtime.batcher import Feeds, RunBatch, samples_of
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -20,9 +27,104 @@ _LATENCY_BUCKETS = (
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class TimedFeeds(dict):
+    """A request's feeds on their way through the batcher, stamped with the phases Triton's
+    statistics count per request: the app stamps its own (decoding, queueing, encoding), the
+    `executions` wrapper the run of the batch the request joined. The stamps ride on the feeds
+    because the feeds are all the batcher hands to `run_batch`."""
+
+    __slots__ = ("decode_s", "submitted", "run_start", "run_s", "encode_s")
+
+    def __init__(self, feeds: Feeds) -> None:
+        super().__init__(feeds)
+        self.decode_s = self.encode_s = self.run_s = 0.0
+        self.submitted = self.run_start = 0.0  # time.perf_counter() readings
+
+
+@dataclass
+class Duration:
+    """Triton's StatisticDuration: how many, and their nanoseconds summed."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, times: int = 1) -> None:
+        # Floored per event: a request's phases then never sum past its whole.
+        self.count += times
+        self.ns += int(seconds * 1e9) * times
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+class ModelStatistics:
+    """Triton's statistics for one model version (its ModelStatistics message, as JSON).
+
+    Per request, as Triton counts them: `success` and `fail` the whole time from receiving the
+    request to answering it; for a success, `queue` the wait in the batcher, `compute_input`
+    decoding the body into tensors and checking them, `compute_infer` the run of the batch it
+    joined (the whole batch's time, for each request in it), `compute_output` encoding the
+    answer. Per run: `execution_count` successful batch runs, `inference_count` the samples
+    (batch rows) they answered, `batch_stats` runs and their time per batch size (inputs and
+    outputs are prepared per request, so their per-batch figures stay 0).
+
+    Thread-safe: the batcher's worker records runs while the event loop records answers.
+    """
+
+    def __init__(self, name: str, version: str) -> None:
+        self.name, self.version = name, version
+        self._lock = threading.Lock()
+        self._phases = {phase: Duration() for phase in PHASES}
+        self._batches: dict[int, Duration] = {}
+        self._inferences = self._executions = self._last_ms = 0
+
+    def executed(self, samples: int, seconds: float) -> None:
+        """One successful batch run of `samples` rows."""
+        with self._lock:
+            self._executions += 1
+            self._inferences += samples
+            self._batches.setdefault(samples, Duration()).add(seconds)
+            self._last_ms = time.time_ns() // 1_000_000
+
+    def succeeded(self, seconds: float, feeds: TimedFeeds) -> None:
+        with self._lock:
+            p = self._phases
+            p["success"].add(seconds)
+            p["queue"].add(max(feeds.run_start - feeds.submitted, 0.0))
+            p["compute_input"].add(feeds.decode_s)
+            p["compute_infer"].add(feeds.run_s)
+            p["compute_output"].add(feeds.encode_s)
+
+    def failed(self, seconds: float) -> None:
+        with self._lock:
+            self._phases["fail"].add(seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            unprepared = Duration().to_json()
+            batches = [
+                {"batch_size": size, "compute_input": unprepared,
+                 "compute_infer": runs.to_json(), "compute_output": unprepared}
+                for size, runs in sorted(self._batches.items())
+            ]  # fmt: skip
+            return {
+                "name": self.name,
+                "version": self.version,
+                "last_inference": self._last_ms,
+                "inference_count": self._inferences,
+                "execution_count": self._executions,
+                "inference_stats": {k: d.to_json() for k, d in self._phases.items()},
+                "batch_stats": batches,
+            }
+
+
 class ServeMetrics:
-    def __init__(self, model: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model: str, stats: Callable[[], dict[str, Any]], version: str) -> None:
         self.model = model
+        self.statistics = ModelStatistics(model, version)
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model"]
         self.requests = Counter(
@@ -34,7 +136,7 @@ class ServeMetrics:
             ["model", "code"],
             registry=r,
         )
-        self.latency = Histogram(
+        self._latency = Histogram(
             "kiln_request_latency_seconds",
             "Time from receiving an inference request to sending its answer",
             labels,
@@ -43,7 +145,7 @@ class ServeMetrics:
         ).labels(model)
         self._queue_time = Histogram(
             "kiln_queue_time_seconds",
-            "Time a request waited in the batching queue",
+            "Time an answered request waited in the batching queue",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -68,16 +170,39 @@ class ServeMetrics:
         ).labels(model)
         r.register(SessionStats(model, stats))
 
-    def failure(self, code: int) -> None:
-        self._failures.labels(self.model, str(code)).inc()
+    def answered(self, seconds: float, status: int | None, feeds: TimedFeeds | None) -> None:
+        """One inference request answered after `seconds`: `status` None for a success (then
+        `feeds` holds its stamps), else the HTTP status it was refused with."""
+        self._latency.observe(seconds)
+        if status is None and feeds is not None:
+            self._queue_time.observe(max(feeds.run_start - feeds.submitted, 0.0))
+            self.statistics.succeeded(seconds, feeds)
+        else:
+            self._failures.labels(self.model, str(status)).inc()
+            self.statistics.failed(seconds)
 
-    def observe_batch(self, record: BatchRecord) -> None:
-        """Called by the batcher's worker after each batch."""
-        self._batch_samples.observe(record.samples)
-        self._batch_requests.observe(record.requests)
-        self._run_time.observe(record.run_time)
-        for wait in record.queue_times:
-            self._queue_time.observe(wait)
+    def executions(self, run_batch: RunBatch) -> RunBatch:
+        """`run_batch`, recording each call as one batch run (the time of a failed one too, in
+        /metrics; Triton counts successful ones only) and stamping its requests' feeds."""
+
+        def run(requests: list[Feeds]) -> list[list[np.ndarray]]:
+            start = time.perf_counter()
+            samples = sum(samples_of(feeds) for feeds in requests)
+            try:
+                outputs = run_batch(requests)
+            finally:
+                seconds = time.perf_counter() - start
+                self._run_time.observe(seconds)
+                self._batch_samples.observe(samples)
+                self._batch_requests.observe(len(requests))
+            # Before the batcher answers: a client holding its answer finds it counted.
+            self.statistics.executed(samples, seconds)
+            for feeds in requests:
+                if isinstance(feeds, TimedFeeds):
+                    feeds.run_start, feeds.run_s = start, seconds
+            return outputs
+
+        return run
 
 
 class SessionStats(Collector):

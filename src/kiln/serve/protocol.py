@@ -10,6 +10,9 @@ BYTES tensors (ONNX strings) are JSON strings in `data`; in binary, each element
 little-endian length and its bytes, as tritonclient's `serialize_byte_tensor` writes them. The
 engines take ONNX strings as Python str, so elements must be UTF-8 text.
 
+`model_config` is the model_configuration extension: a model described as Triton's ModelConfig
+JSON, field names and types as its `model_config.proto` has them.
+
 Everything here is parsed as untrusted input: a request the protocol cannot take raises
 `ProtocolError` (HTTP 400) naming what is wrong, whatever the bytes, never another exception.
 """
@@ -387,3 +390,54 @@ def _binary(array: np.ndarray) -> bytes:
         raw = item.encode("utf-8", "surrogatepass") if isinstance(item, str) else bytes(item)
         parts += [struct.pack("<I", len(raw)), raw]
     return b"".join(parts)
+
+
+# ---------------------------------------------------------------- model_configuration
+
+
+def triton_type(datatype: str) -> str:
+    """Triton's ModelConfig data type for a KServe datatype: FP32 → TYPE_FP32, BYTES →
+    TYPE_STRING (the one whose name differs)."""
+    return "TYPE_STRING" if datatype == BYTES else f"TYPE_{datatype}"
+
+
+def model_config(
+    name: str,
+    inputs: list[dict[str, Any]],
+    outputs: list[dict[str, Any]],
+    *,
+    platform: str,
+    backend: str,
+    kind: str,
+    max_batch_size: int,
+    max_delay_s: float,
+) -> dict[str, Any]:
+    """Triton's ModelConfig for a model whose `inputs` and `outputs` are KServe metadata
+    ({name, datatype, shape}, -1 for a dynamic dim). With `max_batch_size` > 0 every shape
+    leads with the batch dim, which Triton leaves out of `dims`, and requests are batched
+    within `max_delay_s` (0: from what is already waiting)."""
+    batched = max_batch_size > 0
+    config: dict[str, Any] = {
+        "name": name,
+        "platform": platform,
+        "backend": backend,
+        "max_batch_size": max_batch_size,
+        "input": [_tensor_config(spec, batched) for spec in inputs],
+        "output": [_tensor_config(spec, batched) for spec in outputs],
+        "instance_group": [{"kind": kind, "count": 1}],  # one session, one batcher
+    }
+    if batched:  # Triton refuses dynamic batching without a batch dim
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": round(max_delay_s * 1e6)}
+    return config
+
+
+def _tensor_config(spec: dict[str, Any], batched: bool) -> dict[str, Any]:
+    dims = list(spec["shape"][1:] if batched else spec["shape"])
+    tensor: dict[str, Any] = {
+        "name": spec["name"],
+        "data_type": triton_type(spec["datatype"]),
+        "dims": dims or [1],
+    }
+    if not dims:  # one value per batch row: Triton writes it as [1], reshaped to none
+        tensor["reshape"] = {"shape": []}
+    return tensor

@@ -225,7 +225,7 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
     return params
 
 
-SERVE_DEFAULTS = {"serve.max_batch": 16, "serve.max_delay_ms": 5.0}  # kiln serve's own
+SERVE_DEFAULTS = {"serve.max_batch": 16, "serve.max_delay_ms": 0.0}  # kiln serve's own
 BUCKETED = 4  # sizes per dim of the bucketed seeds: the traffic's quartiles
 
 
