@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import onnx
 import onnx_ir as ir
 
 from kiln import __version__
@@ -27,6 +28,9 @@ from kiln.profile.roofline import mixed_peak, place, roofs
 from kiln.profile.target import feed_dims, load_target, target_feeds
 from kiln.profile.traffic import Traffic
 from kiln.timing import stats
+
+if TYPE_CHECKING:
+    from kiln.cost.shapes import Tensors
 
 
 def profile_model(
@@ -57,7 +61,9 @@ def profile_model(
     measured = measure(target, feeds, runs=runs, rounds=min(rounds, runs), say=say)
     say("aggregating and diagnosing")
     nodes = per_node(measured.records, NodeMatcher(target.model), target.provenance)
-    cost_note = _attach_costs(nodes, target.model, feed_dims(target, feeds))
+    proto, dims = ir.to_proto(target.model), feed_dims(target, feeds)
+    tensors, shape_error = _known_tensors(proto, dims)  # for the costs and the memory plan
+    cost_note = _attach_costs(nodes, proto, dims, tensors)
     for node in nodes:
         place(node, peaks)
     latency = stats(measured.latency_s, batch)
@@ -114,6 +120,7 @@ def profile_model(
         "cores": measured.cores,
         "idle_fraction": measured.idle_fraction,
         "memory": measured.memory,
+        "memory_plan": _memory_plan(proto, tensors, shape_error, measured.memory),
         "findings": [f.to_json() for f in findings],
         "nodes": nodes,
         "op_types": per_op_type(nodes),
@@ -128,21 +135,63 @@ def profile_model(
     }
 
 
-def _attach_costs(nodes: list[dict], model: ir.Model, dims: dict[str, int]) -> str | None:
-    """FLOPs and bytes per kernel from kiln.cost; a model it cannot cost is still profiled."""
-    from kiln.cost import node_costs
+def _known_tensors(proto: onnx.ModelProto, dims: dict[str, int]) -> tuple[Tensors | None, str]:
+    """Every tensor's shape, inferred once for the cost model and the memory plan (it is the
+    slow part of both); else None and why."""
     from kiln.cost.shapes import known_tensors, resolve_dims
 
-    proto = ir.to_proto(model)
+    try:
+        return known_tensors(proto, resolve_dims(proto, dims)), ""
+    except KilnError as exc:
+        return None, str(exc)
+
+
+def _attach_costs(
+    nodes: list[dict], proto: onnx.ModelProto, dims: dict[str, int], tensors: Tensors | None
+) -> str | None:
+    """FLOPs and bytes per kernel from kiln.cost; a model it cannot cost is still profiled."""
+    from kiln.cost import node_costs
+
     try:
         costs = node_costs(proto, dims)
-        # Boundary bytes are only needed for kernels whose engine does not report its own.
-        needs_traffic = any(n.get("bytes_from") != "engine" for n in nodes if n["graph_nodes"])
-        tensors = known_tensors(proto, resolve_dims(proto, dims)) if needs_traffic else None
     except KilnError as exc:
         return f"no roofline: {exc}"
-    attach_costs(nodes, costs, Traffic(proto, tensors) if tensors is not None else None)
+    # Boundary bytes are only needed for kernels whose engine does not report its own.
+    needs_traffic = any(n.get("bytes_from") != "engine" for n in nodes if n["graph_nodes"])
+    traffic = Traffic(proto, tensors) if needs_traffic and tensors is not None else None
+    attach_costs(nodes, costs, traffic)
     return None
+
+
+def _memory_plan(
+    proto: onnx.ModelProto, tensors: Tensors | None, shape_error: str, memory: dict[str, Any]
+) -> dict[str, Any]:
+    """The activation floor from tensor lifetimes (kiln.cost), beside what the engine grew by.
+
+    The measured figure is the RSS growth over the first run: activations and the engine's
+    arena together (ONNX Runtime does not report its arena). `run_peak_growth_mib` is the
+    growth to the highest RSS sampled while warming up and timing, which also catches memory
+    freed before a run returned."""
+    from kiln.cost.memory_plan import plan_memory
+
+    if tensors is None:
+        return {"note": f"no memory plan: {shape_error}"}
+    plan = plan_memory(proto, tensors=tensors)
+    notes = []
+    if plan.unknown:
+        notes.append(
+            f"{len(plan.unknown)} tensor(s) of unknown shape not counted, e.g. " + plan.unknown[0]
+        )
+    if plan.control_flow:
+        notes.append(
+            f"{plan.control_flow} control-flow node(s): their bodies' own tensors are not counted"
+        )
+    return {
+        **plan.to_json(top=10),
+        "measured_peak_mib": memory["first_run_growth_mib"],
+        "run_peak_growth_mib": memory["model_peak_mib"] - memory["after_compile_mib"],
+        "note": "; ".join(notes) or None,
+    }
 
 
 def _whole_model(nodes: list[dict], p50_ms: float, peaks: Any, note: str | None) -> dict:

@@ -31,6 +31,13 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
         "roofline · "
         f"peak RSS {result['memory']['model_peak_mib']:.0f} MiB"
     )
+    plan = result.get("memory_plan") or {}
+    if "live_peak_mib" in plan:
+        console.print(
+            f"activation peak (plan) {mib(plan['live_peak_mib'])} MiB, greedy arena "
+            f"{mib(plan['greedy_arena_mib'])} MiB, measured {mib(plan['measured_peak_mib'])} MiB "
+            "(first-run growth)"
+        )
     if roof.get("note"):
         console.print(f"[yellow]{escape(roof['note'])}[/yellow]")
     table = Table(title="top bottlenecks", show_lines=True)
@@ -64,6 +71,13 @@ def print_profile(result: dict[str, Any], console: Console) -> None:
         ]
         nodes.add_row(*cells, *[escape(module_and_source(node))] * traced)
     console.print(nodes)
+
+
+def mib(value: float) -> str:
+    """MiB with the digits a size needs: a tiny model's tensors are a few KiB."""
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3f}"
 
 
 def module_and_source(row: dict[str, Any], most: int = 3) -> str:
