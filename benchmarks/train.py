@@ -8,11 +8,14 @@ Python standard library's own source (split by file), global batch 8; `cnn` —
 kiln.train.examples:digits_cnn_wide on scikit-learn's bundled digits, global batch 64.
 
 Rows: `plain` is the loop the PyTorch tutorials write (fp32, one process, DataLoader with its
-defaults, AdamW lr 1e-3 wd 0.01, no checkpointing); every other row is `kiln.train.fit` with
+defaults, no checkpointing; AdamW lr 1e-3 wd 0.01 for the CNN, and for the LM AdamW lr 3e-4
+with gradients clipped at norm 1, as PyTorch's word-language-model example clips — the same
+recipe in every row); every other row is `kiln.train.fit` with
 one feature of TrainConfig changed (bf16 autocast, fp16 + loss scaling, torch.compile,
 accumulation, full activation checkpointing, DDP / FSDP2 / 1F1B pipeline on 2 gloo ranks,
 loader workers + prefetch) and `combined` (bf16 + compile where the CPU has bf16 kernels, else
-compile). Every row trains the same number of samples from the same seed, each in a process of
+compile). Every row trains the same number of samples from the same seed (unless `--row-samples
+fp16=320` shortens a row that would take hours: its figures then say so), each in a process of
 its own (so one row's memory never counts against another), rows interleaved over `--rounds`.
 Reported per row: samples/s in steady state (after `--warmup` steps, the median over rounds,
 with the range), its ratio to plain, peak resident memory per rank and the part the training
@@ -35,10 +38,13 @@ from pathlib import Path
 from typing import Any
 
 TASKS = {
+    # The LM's recipe (AdamW lr 3e-4, gradients clipped at norm 1) is the task's, the same
+    # in every row; see kiln.train.examples.lm_optimizer for why not the default lr 1e-3.
     "lm": {"model": "kiln.train.examples:byte_lm_small",
-           "data": "kiln.train.examples:stdlib_text_small", "batch": 8, "metric": "val_loss"},
+           "data": "kiln.train.examples:stdlib_text_small", "batch": 8, "metric": "val_loss",
+           "optimizer": "kiln.train.examples:lm_optimizer", "clip": 1.0},
     "cnn": {"model": "kiln.train.examples:digits_cnn_wide", "data": "kiln.train.examples:digits",
-            "batch": 64, "metric": "accuracy"},  # fmt: skip
+            "batch": 64, "metric": "accuracy", "optimizer": None, "clip": None},  # fmt: skip
 }
 VAL_SAMPLES = 512  # validation windows/images every row is judged on
 ROWS = ("plain", "fp32", "bf16", "fp16", "compile", "accumulation", "checkpointing", "ddp",
@@ -54,7 +60,7 @@ def row_config(feature: str, batch: int, bf16_kernels: bool) -> dict[str, Any]:
         "fp16": {"precision": "fp16"},
         "compile": {"compile": "default"},
         "accumulation": {"micro_batch": batch // 2, "accumulation": 2},
-        "checkpointing": {"checkpointing": {"policy": "full"}},
+        "checkpointing": {"checkpointing": {"policy": "full"}},  # the model's repeated blocks
         "ddp": {"micro_batch": batch // 2, "parallel": {"strategy": "ddp", **two}},
         "fsdp2": {"micro_batch": batch // 2, "parallel": {"strategy": "fsdp2", **two}},
         "pipeline": {"parallel": {"strategy": "pipeline", "microbatches": 4, **two}},
@@ -90,7 +96,10 @@ def run_row(task: str, feature: str, samples: int, warmup: int,
             raise SystemExit(f"row tuned: give --tuned-{task} FILE of global batch {spec['batch']}")
     else:
         config = TrainConfig().replace(**row_config(feature, spec["batch"], bf16))
-    record = fit(load_callable(spec["model"], "model"), _data(spec), config=config, steps=steps)
+    config = config.replace(clip_grad_norm=spec["clip"])  # the task's recipe, not a decision
+    optimizer = load_callable(spec["optimizer"], "optimizer") if spec["optimizer"] else None
+    record = fit(load_callable(spec["model"], "model"), _data(spec), optimizer=optimizer,
+                 config=config, steps=steps)  # fmt: skip
     return _figures(record["step_seconds"], spec["batch"], warmup, record["peak_mib"],
                     record["train_peak_mib"], record.get("val") or {})  # fmt: skip
 
@@ -106,7 +115,10 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = load_callable(spec["model"], "model")()
     data = _data(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if spec["optimizer"]:
+        optimizer = load_callable(spec["optimizer"], "optimizer")(model.parameters())
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(data["train"], batch_size=spec["batch"], shuffle=True)
     memory.reset_peak()
     resident = memory.resident_mib()
@@ -115,6 +127,8 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
         for x, y in loader:
             loss = cross_entropy(model(x), y)
             loss.backward()
+            if spec["clip"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
             optimizer.step()
             optimizer.zero_grad()
             step += 1
@@ -154,7 +168,8 @@ def _figures(times: list[float], batch: int, warmup: int, peak: dict, train_peak
              val: dict) -> dict[str, Any]:  # fmt: skip
     steady = times[-1] - times[warmup - 1] if warmup > 0 else times[-1]
     counted = len(times) - warmup
-    return {"samples_per_s": counted * batch / steady, "steps": len(times), "seconds": times[-1],
+    return {"samples_per_s": counted * batch / steady, "steps": len(times),
+            "samples": len(times) * batch, "seconds": times[-1],
             "peak_mib": peak, "train_peak_mib": train_peak,
             "val_loss": val.get("loss"), "accuracy": val.get("accuracy")}  # fmt: skip
 
@@ -166,7 +181,7 @@ def child(task: str, feature: str, samples: int, warmup: int, timeout: float,
           tuned: str | None) -> dict[str, Any]:  # fmt: skip
     command = [sys.executable, __file__, "--row", f"{task}:{feature}", "--samples-lm",
                str(samples), "--samples-cnn", str(samples), "--warmup", str(warmup),
-               *(["--tuned-lm", tuned] if tuned else [])]  # fmt: skip
+               *([f"--tuned-{task}", tuned] if tuned else [])]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -190,12 +205,16 @@ def main() -> None:
     parser.add_argument("--json", default="results/train.json")
     parser.add_argument("--tuned-lm", help="kiln train --tune -o FILE for the lm task")
     parser.add_argument("--tuned-cnn", help="kiln train --tune -o FILE for the cnn task")
+    parser.add_argument("--row-samples", default="",
+                        help="FEATURE=N,...: train these rows on N samples only (e.g. fp16 "
+                        "on CPUs without fp16 kernels); their accuracy is not comparable")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row in this process
     args = parser.parse_args()
     if args.row:
         task, feature = args.row.split(":")
         samples = args.samples_lm if task == "lm" else args.samples_cnn
-        print(json.dumps(run_row(task, feature, samples, args.warmup, args.tuned_lm)))
+        tuned = getattr(args, f"tuned_{task}")
+        print(json.dumps(run_row(task, feature, samples, args.warmup, tuned)))
         return
     import torch
 
@@ -219,12 +238,14 @@ def main() -> None:
         tuned = getattr(args, f"tuned_{task}")
         rows = args.rows.split(",") + (["tuned"] if tuned else [])
         samples = args.samples_lm if task == "lm" else args.samples_cnn
+        shortened = {f: int(n) for f, _, n in (item.partition("=") for item in
+                                                args.row_samples.split(",") if item)}  # fmt: skip
         runs: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
         for round_ in range(args.rounds):  # rows interleaved: round after round
             order = rows[round_ % len(rows) :] + rows[: round_ % len(rows)]
             for feature in order:
-                runs[feature].append(child(task, feature, samples, args.warmup, args.timeout,
-                                           tuned))  # fmt: skip
+                runs[feature].append(child(task, feature, shortened.get(feature, samples),
+                                           args.warmup, args.timeout, tuned))  # fmt: skip
                 print(f"  {task} {feature} round {round_ + 1}: {_short(runs[feature][-1])}",
                       flush=True)  # fmt: skip
         result["tasks"][task] = {"samples": samples, "batch": TASKS[task]["batch"],
@@ -251,6 +272,7 @@ def _summarise(runs: dict[str, list[dict[str, Any]]], metric: str) -> list[dict[
             "feature": feature, "samples_per_s": rate, "range": [min(rates), max(rates)],
             "speedup": rate / base if base else None, "peak_mib": last["peak_mib"],
             "train_peak_mib": last["train_peak_mib"], metric: last.get(metric),
+            "samples": last.get("samples"),
         })  # fmt: skip
     return rows
 
@@ -277,8 +299,10 @@ def _print_task(task: str, summary: dict[str, Any], metric: str) -> None:
         train = "/".join(f"{v:.0f}" for v in row["train_peak_mib"].values())
         value = row.get(metric)
         shown = f"{value:.4f}" if isinstance(value, float) else "–"
+        short = f"  (after {row['samples']} samples)" if row.get("samples") != summary[
+            "samples"] and row.get("samples") else ""  # fmt: skip
         print(f"{row['feature']:14} {row['samples_per_s']:10.2f} {row['speedup'] or 0:7.2f} "
-              f"{peaks:>16} {train:>10} {shown:>9}")  # fmt: skip
+              f"{peaks:>16} {train:>10} {shown:>9}{short}")  # fmt: skip
 
 
 if __name__ == "__main__":
