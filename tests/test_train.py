@@ -181,6 +181,28 @@ def test_a_cnn_with_pooling_between_its_conv_blocks_checkpoints_them_and_keeps_b
         torch.testing.assert_close(state_full[key], value, atol=0, rtol=0, msg=key)
 
 
+def test_checkpointed_blocks_compile_and_train():
+    """torch.compile over checkpointed blocks (with and without batch norm) takes a step and
+    gives the eager gradients (compile refuses a recompute context that is not its own)."""
+    from kiln.train import prepare
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()) for _ in range(2))
+        return nn.Sequential(nn.Sequential(*blocks), nn.Linear(8, 3))
+
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 0, 1, 2])
+    grads = []
+    for compiled in (None, "default"):
+        eager = model()
+        config = TrainConfig(checkpointing={"policy": "full"}, compile=compiled)
+        prepared = prepare(eager, torch.optim.SGD(eager.parameters(), lr=0.1), config)
+        nn.functional.cross_entropy(prepared.model(x), y).backward()
+        grads.append([p.grad.clone() for p in eager.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_kept_fp32_modules_run_in_fp32_under_bf16_autocast():
     from kiln.train import prepare
 

@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,11 +86,13 @@ def chosen_blocks(model: nn.Module, policy: Checkpointing) -> list[Block]:
     return blocks
 
 
-def apply_checkpointing(model: nn.Module, blocks: list[Block]) -> int:
+def apply_checkpointing(model: nn.Module, blocks: list[Block], compiled: bool = False) -> int:
     """Wrap each block in place in a non-reentrant checkpoint wrapper; how many were wrapped.
     The wrapper keeps the block's state-dict keys (it strips its own prefix). A block's
     batch-norm running statistics are updated once per step, as without checkpointing: the
-    recomputation puts them back as it found them."""
+    recomputation puts them back as it found them — except where the model is then
+    `compiled`: torch.compile takes no recompute context but its own dispatch modes, and the
+    recomputation moves the statistics a second time."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
@@ -98,16 +101,19 @@ def apply_checkpointing(model: nn.Module, blocks: list[Block]) -> int:
     for name, block in blocks:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        wrapped = checkpoint_wrapper(
-            block,
-            checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            context_fn=functools.partial(_contexts, block),
-        )
+        options: dict[str, Any] = {}
+        if not compiled and _norms(block):
+            options["context_fn"] = functools.partial(_contexts, block)
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
         if isinstance(parent, nn.ModuleList | nn.Sequential) and child.isdigit():
             parent[int(child)] = wrapped
         else:
             setattr(parent, child, wrapped)
     return len(blocks)
+
+
+def _norms(block: nn.Module) -> list[nn.Module]:
+    return [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def _contexts(block: nn.Module) -> tuple[AbstractContextManager, AbstractContextManager]:
@@ -120,7 +126,7 @@ def _statistics_kept(block: nn.Module) -> Iterator[None]:
     """Run the recomputation with the block's batch-norm buffers restored afterwards: a
     training-mode BatchNorm recomputed would otherwise move its running mean and variance a
     second time per step (and count the batch twice)."""
-    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = _norms(block)
     saved = [{k: b.detach().clone() for k, b in m.named_buffers(recurse=False)} for m in norms]
     try:
         yield

@@ -198,7 +198,7 @@ def prepare(
             "kiln.train.fit (kiln train), or kiln.train.loop.budget_policy(model, batch, "
             "loss_fn, config) to resolve it first."
         )
-    memory.apply_checkpointing(model, blocks)
+    memory.apply_checkpointing(model, blocks, compiled=config.compile is not None)
     if blocks:  # the memory recompute saves must leave the process (see kiln.train.memory)
         memory.give_back_large_frees()
     names = {id(p): n for n, p in model.named_parameters()}
