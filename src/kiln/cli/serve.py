@@ -1,11 +1,11 @@
-"""`kiln serve`: a model over HTTP (KServe v2), dynamic batching, /metrics."""
+"""`kiln serve`: models over HTTP (KServe v2), dynamic batching, a model repository, /metrics."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,18 +20,40 @@ def model_name(model: str) -> str:
     return Path(model.rstrip("/")).stem
 
 
+ModelsArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="NAME.kiln artifacts, .onnx files or zoo:NAME; each served under its name (the "
+        "file's stem).",
+        metavar="MODEL",
+        show_default=False,
+    ),
+]
+
+
 def serve(
-    model: Annotated[str, typer.Argument(help="A NAME.kiln artifact, an .onnx file, or zoo:NAME.")],
+    models: ModelsArg = None,
+    model_repository: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-repository",
+            help="Serve a Triton-layout repository, DIR/NAME/VERSION/ holding an artifact or a "
+            "model.onnx (the highest VERSION), with load and unload while serving.",
+        ),
+    ] = None,
     port: Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")] = 8000,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
         "127.0.0.1"
     ),
     name: Annotated[
-        str | None, typer.Option(help="Model name in URLs (default: the model file's stem).")
+        str | None,
+        typer.Option(help="Model name in URLs, for one model (default: the file's stem)."),
     ] = None,
     buckets: Annotated[
         str | None,
-        typer.Option(help='Shape buckets per dynamic dim, e.g. "batch=1,4,8 seq=32,64".'),
+        typer.Option(
+            help='Shape buckets per dynamic dim, e.g. "batch=1,4,8 seq=32,64" (one model).'
+        ),
     ] = None,
     max_batch: Annotated[
         int | None,
@@ -61,9 +83,10 @@ def serve(
     feedback: Annotated[
         bool,
         typer.Option(
-            help="Tune from live traffic: windows of latency, batch sizes, padding, queue and "
-            "CPU feed a loop that proposes strategies, A/B-measures each on replayed requests "
-            "and hot-swaps it in only when it is --min-gain better (kiln strategies list)."
+            help="Tune from live traffic (one model): windows of latency, batch sizes, padding, "
+            "queue and CPU feed a loop that proposes strategies, A/B-measures each on replayed "
+            "requests and hot-swaps it in only when it is --min-gain better (kiln strategies "
+            "list)."
         ),
     ] = False,
     feedback_objective: Annotated[
@@ -86,21 +109,21 @@ def serve(
     ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Serve a model over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
+    """Serve models over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
 
-    Once it accepts requests it prints where (with --json: one line {"url", "host", "port",
-    "model"} on stdout). Ctrl-C or SIGTERM answers every queued request before exiting.
+    Each model has its own session, buckets and batcher. --model-repository DIR serves a
+    Triton-layout repository (each model's highest version) with load and unload while serving.
+
+    Once serving it prints where (with --json: one line on stdout, {"url", "host", "port",
+    "model"}, or "models" with several). Ctrl-C or SIGTERM answers every queued request first.
     """
     import signal
 
+    from kiln.serve.repository import Repository
     from kiln.serve.server import bind, http_server, url
 
-    max_batch, max_delay_ms = batcher_settings(model, max_batch, max_delay_ms)
-    for flag, value in [("--max-batch", max_batch), ("--max-queue", max_queue)]:
-        if value < 1:
-            raise KilnError(f"{flag} must be at least 1, got {value}.")
-    if max_delay_ms < 0 or max_request_mb <= 0:
-        raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
+    sources = _check_models(models or [], model_repository, name, buckets, feedback)
+    _check_settings(max_batch, max_delay_ms, max_queue, max_request_mb)
     loop_flags = {"--feedback-objective": feedback_objective, "--min-gain": min_gain,
                   "--feedback-interval": feedback_interval, "--storage": storage}  # fmt: skip
     given = [flag for flag, value in loop_flags.items() if value is not None]
@@ -113,54 +136,52 @@ def serve(
         raise KilnError("--feedback-interval must be > 0 and --min-gain in [0, 10).")
     if feedback_objective not in ("latency", "throughput"):
         raise KilnError(f"--feedback-objective {feedback_objective}: use latency or throughput.")
-    served = name or model_name(model)
-    # Bound before the model loads: a bad --port or --host is one line at once, and --port 0
+    # A missing repository is one line before anything else, as a bad port is.
+    repository = Repository(model_repository, _say) if model_repository else None
+    # Bound before the models load: a bad --port or --host is one line at once, and --port 0
     # knows its port. Closed on any error (load failures included).
     sock = bind(host, port)
     with sock:
         from kiln.runtime import Session  # seconds of engine imports: after the quick checks
-        from kiln.runtime.buckets import format_buckets
-        from kiln.serve.app import create_app
+        from kiln.serve.app import create_models_app
+        from kiln.serve.models import BatchSettings, ModelSet
 
-        session = Session(model, buckets=buckets, warmup=warmup, adaptive=adaptive,
-                          keep_requests=256 if feedback else 0)  # fmt: skip
-        app = create_app(
-            session,
-            served,
-            max_batch=max_batch,
-            max_delay_ms=max_delay_ms,
-            max_queue=max_queue,
-            max_request_bytes=int(max_request_mb * 2**20),
-        )
+        def settings(source: str) -> BatchSettings:
+            batch, delay = batcher_settings(source, max_batch, max_delay_ms)
+            return BatchSettings(batch, delay, max_queue)
+
+        def open_session(source: str) -> Session:
+            return Session(source, buckets=buckets, warmup=warmup, adaptive=adaptive,
+                           keep_requests=256 if feedback else 0)  # fmt: skip
+
+        served = ModelSet(open_session, settings, repository)
+        if repository is not None:
+            index = served.load_repository()
+        else:  # every file must open: a bad one is one line and exit 2, as with one model
+            for model, served_as in sources.items():
+                served.open(served_as, model)
+            index = served.index()
+        app = create_models_app(served, max_request_bytes=int(max_request_mb * 2**20))
         loop = None
         if feedback:
             from kiln.tune.feedback import FeedbackLoop
             from kiln.tune.storage import default_url
 
-            batcher = app.state.batcher
+            (only,) = served.served()
             loop = FeedbackLoop(
-                session, objective=feedback_objective, min_gain=min_gain,
+                only.session, objective=feedback_objective, min_gain=min_gain,
                 interval_s=feedback_interval, library_url=storage or default_url(),
-                queue_depth=lambda: batcher.depth, model=served,
-                say=lambda msg: err.print(msg, highlight=False, markup=False, soft_wrap=True),
+                queue_depth=lambda: only.depth, model=only.name, say=_say,
             ).start()  # fmt: skip
-        where = f"{url(host, sock.getsockname()[1])}/v2/models/{served}"
+        base = url(host, sock.getsockname()[1])
+        one = None if repository is not None or len(sources) > 1 else index[0]["name"]
 
         def announce() -> None:
             if json_:
-                line = {"url": where, "host": host, "port": sock.getsockname()[1], "model": served}
-                sys.stdout.write(json.dumps(line) + "\n")
-                sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
+                _ready_line(base, host, sock.getsockname()[1], one, index)
             else:
-                sizes = session.buckets
-                err.print(
-                    f"serving '{served}' on {where}, {batching_text(max_batch, max_delay_ms)}"
-                    + (f", buckets {format_buckets(sizes)}" if sizes else "")
-                    + " (Ctrl-C to stop)",
-                    highlight=False,
-                    markup=False,
-                    soft_wrap=True,
-                )
+                for text in _serving_lines(served, index, base):
+                    _say(text)
 
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight and queued are
         # answered), then re-raises the signal under the handlers found at start. These no-op
@@ -173,6 +194,82 @@ def serve(
             if loop is not None:
                 loop.stop()
     err.print("stopped; every queued request was answered.", highlight=False)
+
+
+def _say(message: str) -> None:
+    err.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+def _ready_line(base: str, host: str, port: int, one: str | None, index: list[dict]) -> None:
+    """`--json`'s line once serving: one model as before ({"url", "host", "port", "model"}),
+    several with the repository index's lines ({"url", "host", "port", "models"})."""
+    if one is not None:
+        line = {"url": f"{base}/v2/models/{one}", "host": host, "port": port, "model": one}
+    else:
+        line = {"url": base, "host": host, "port": port, "models": index}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
+
+
+def _check_models(
+    models: list[str], repository: Path | None, name: str | None, buckets: str | None,
+    feedback: bool,
+) -> dict[str, str]:  # fmt: skip
+    """Each model given → the name it is served as; KilnError, naming the flag, for what
+    cannot go together."""
+    if bool(models) == (repository is not None):
+        raise KilnError(
+            "give the models to serve (NAME.kiln, .onnx files, zoo:NAME) or "
+            "--model-repository DIR, one or the other."
+        )
+    several = repository is not None or len(models) > 1
+    for flag, value in [("--name", name), ("--buckets", buckets), ("--feedback", feedback)]:
+        if several and value:
+            raise KilnError(
+                f"{flag} applies to one model; with several, each is served under its file's "
+                "stem, with the buckets and batcher its artifact records."
+            )
+    names: dict[str, str] = {}
+    for model in models:
+        served = name or model_name(model)
+        if served in names.values():
+            other = next(m for m, n in names.items() if n == served)
+            raise KilnError(
+                f"{other} and {model} would both be served as '{served}'; rename one of them."
+            )
+        names[model] = served
+    return names
+
+
+def _check_settings(
+    max_batch: int | None, max_delay_ms: float | None, max_queue: int, max_request_mb: float
+) -> None:
+    for flag, value in [("--max-batch", max_batch), ("--max-queue", max_queue)]:
+        if value is not None and value < 1:
+            raise KilnError(f"{flag} must be at least 1, got {value}.")
+    if (max_delay_ms is not None and max_delay_ms < 0) or max_request_mb <= 0:
+        raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
+
+
+def _serving_lines(models: Any, index: list[dict[str, str]], base: str) -> list[str]:
+    """What a person reads once the server accepts requests: a line per model."""
+    from kiln.runtime.buckets import format_buckets
+
+    served = {m.name: m for m in models.served()}
+    lines = []
+    for row in index:
+        model = served.get(row["name"])
+        if model is None:
+            lines.append(f"'{row['name']}' is {row['state']}: {row['reason']}")
+            continue
+        batcher, sizes = model.batcher, model.session.buckets
+        lines.append(
+            f"serving '{model.name}' (version {model.version}) on {base}/v2/models/{model.name}, "
+            + batching_text(batcher.max_batch, batcher.max_delay * 1000)
+            + (f", buckets {format_buckets(sizes)}" if sizes else "")
+        )
+    extra = ", model control at /v2/repository" if models.repository is not None else ""
+    return [*lines, f"(Ctrl-C to stop{extra})"]
 
 
 def batcher_settings(

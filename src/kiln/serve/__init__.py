@@ -1,8 +1,11 @@
 """`kiln serve`: KServe v2 / Open Inference Protocol over HTTP, with dynamic batching and
-Prometheus metrics, on top of one `kiln.Session`.
+Prometheus metrics, for one model or several, each on its own `kiln.Session`.
 
-Modules, one idea each: `protocol` (JSON and binary tensors), `batcher` (dynamic batching),
-`metrics` (Prometheus), `app` (the FastAPI endpoints; `create_app(session, name)`), `server`
-(the listening socket and uvicorn around the app). The verb is `kiln.cli.serve`. Nothing is
-imported here, so `kiln --help` does not pay for FastAPI.
+Modules, one idea each: `protocol` (JSON and binary tensors), `metrics` (Prometheus and Triton's
+statistics), `repository` (a Triton-layout model repository on disk), `models` (the models
+served, each with its session and batcher; load, reload and unload while serving), `app` (the
+FastAPI endpoints; `create_app(session, name)` for one model, `create_models_app(models)` for a
+`ModelSet`), `server` (the listening socket and uvicorn around the app). The batcher is
+`kiln.runtime.batcher`; the verb is `kiln.cli.serve`. Nothing is imported here, so
+`kiln --help` does not pay for FastAPI.
 """

@@ -1,12 +1,15 @@
-"""The HTTP application: KServe v2 endpoints over one `kiln.Session`, with dynamic batching,
-and the extensions Triton's clients call: model_configuration (`/config`, Triton's ModelConfig)
-and statistics (`/stats`, Triton's statistics, the same counts /metrics exports).
+"""The HTTP application: KServe v2 endpoints over the models of a `ModelSet` (each a
+`kiln.Session` with its own batcher), and the extensions Triton's clients call:
+model_configuration (`/config`, Triton's ModelConfig), statistics (`/stats`, Triton's
+statistics, the same counts /metrics exports) and, serving a repository, model_repository
+(`v2/repository/index`, `.../load`, `.../unload`).
 
 Every error is answered in KServe's form, `{"error": "..."}`: 400 for a request the protocol or
-the model cannot take (the message names the input and what was expected), 404 for an unknown
-model, 408 for a body that stops arriving (the connection is then closed), 413 for a body over
-the size limit, 503 when the queue is full or the server is shutting down, 500 only for a
-failure inside Kiln itself, never for anything a client sends.
+the model cannot take (the message names the input and what was expected) or a load that
+failed, 404 for a model not served (unknown, or unloaded: Triton's NOT_FOUND), 408 for a body
+that stops arriving (the connection is then closed), 413 for a body over the size limit, 503
+when the queue is full, the model is on its first load or the server is shutting down, 500 only
+for a failure inside Kiln itself, never for anything a client sends.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from starlette.requests import ClientDisconnect
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.runtime.batcher import Batcher, Closed, Overloaded
+from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
-from kiln.serve.metrics import ServeMetrics, TimedFeeds
+from kiln.serve.metrics import TimedFeeds
+from kiln.serve.models import BatchSettings, ModelError, ModelSet, ServedModel
 from kiln.serve.protocol import (
     ProtocolError,
     RequestTooLarge,
@@ -39,12 +43,10 @@ from kiln.serve.protocol import (
     decompress,
     encode_response,
     header_length,
-    model_config,
     parse_request,
 )
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
-VERSION = "1"  # one model, one version: the protocol wants a version string to name
 # The protocol extensions served (GET /v2 lists them): each one a client may rely on.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
@@ -84,217 +86,270 @@ def create_app(
     up to `max_batch` samples; `max_delay_ms` 0 batches only what is already waiting, so a lone
     request runs at once. A request body must arrive whole within `body_timeout_s` of its
     headers."""
-    metrics = ServeMetrics(name, session.stats, VERSION)
-    batcher = Batcher(
-        metrics.executions(session.run_batch),
-        max_batch=max_batch,
-        max_delay=max_delay_ms / 1000,
-        max_queue=max_queue,
+    settings = BatchSettings(max_batch, max_delay_ms, max_queue)
+    models = ModelSet(settings=lambda source: settings)
+    models.add(name, session, name)
+    return create_models_app(
+        models, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout_s
     )
-    metrics.queue_depth.set_function(lambda: batcher.depth)
-    inputs = {spec["name"]: spec for spec in session.inputs}
-    output_names = list(session.output_names)
-    batch_axis = _has_batch_axis(session)
+
+
+def create_models_app(
+    models: ModelSet, *, max_request_bytes: int = 64 << 20, body_timeout_s: float = 30.0
+) -> FastAPI:
+    """A FastAPI app serving every model of `models`, each under its name; with a repository,
+    the model_repository extension too. Stopping the app drains and closes every model."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher.start()
         yield
         # uvicorn has already waited for requests in flight; this finishes anything still
-        # queued (nothing, normally) before the engine is released.
-        await run_in_threadpool(batcher.close)
-        close = getattr(session, "close", None)
-        if close is not None:
-            close()
+        # queued (nothing, normally) before the engines are released.
+        await run_in_threadpool(models.close)
 
-    app = FastAPI(title=f"kiln serve {name}", version=__version__, lifespan=lifespan)
-    app.state.session, app.state.batcher, app.state.metrics = session, batcher, metrics
+    app = FastAPI(title="kiln serve", version=__version__, lifespan=lifespan)
+    app.state.models = models
+    _errors(app, models)
+    _health_routes(app, models)
+    _model_routes(app, models)
+    _infer_route(app, models, max_request_bytes, body_timeout_s)
+    _kiln_routes(app, models, max_request_bytes)
+    _repository_routes(app, models)
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(models.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _errors(app: FastAPI, models: ModelSet) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         headers = {"Connection": "close"} if exc.close else None
         return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=headers)
 
+    @app.exception_handler(ModelError)
+    async def model_error(request: Request, exc: ModelError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown routes and wrong methods, in KServe's error form too, saying what exists.
         where = f"{request.method} {clip(request.url.path)}"
+        names = ", ".join(f"'{m.name}'" for m in models.served()) or "none now"
         message = {
-            404: f"no endpoint {where}; this server answers POST /v2/models/{name}/infer, "
-            f"GET /v2/models/{name} and the other KServe v2 paths, and /metrics",
+            404: f"no endpoint {where}; this server answers POST /v2/models/MODEL/infer, "
+            f"GET /v2/models/MODEL and the other KServe v2 paths for its models ({names}), "
+            "and /metrics",
             405: f"{where}: method not allowed; use {(exc.headers or {}).get('Allow', 'another')}",
         }.get(exc.status_code, str(exc.detail))
         return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
-    def check_model(model: str, version: str | None = None) -> None:
-        if model != name:
-            raise ApiError(404, f"unknown model {clip(model)}; this server serves '{name}'")
-        if version is not None and version != VERSION:
-            raise ApiError(
-                404, f"model '{name}' has no version {clip(version)}; it has '{VERSION}'"
-            )
 
-    def ready() -> bool:
-        return batcher.accepting
-
+def _health_routes(app: FastAPI, models: ModelSet) -> None:
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
         return {"live": True}
 
     @app.get("/v2/health/ready")
     async def server_ready() -> JSONResponse:
-        return JSONResponse({"ready": ready()}, status_code=200 if ready() else 503)
+        ready = models.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     @app.get("/v2")
     async def server_metadata() -> dict[str, Any]:
-        return {"name": "kiln", "version": __version__, "extensions": EXTENSIONS}
+        extensions = EXTENSIONS + (["model_repository"] if models.repository else [])
+        return {"name": "kiln", "version": __version__, "extensions": extensions}
 
+
+def _model_routes(app: FastAPI, models: ModelSet) -> None:
     # Before /v2/models/{model}, which would take "stats" for a model's name.
     @app.get("/v2/models/stats")
     async def all_statistics() -> dict[str, Any]:
-        return {"model_stats": [metrics.statistics.to_json()]}
+        return {"model_stats": [m.metrics.statistics.to_json() for m in models.served()]}
 
     @app.get("/v2/models/{model}/stats")
     @app.get("/v2/models/{model}/versions/{version}/stats")
     async def statistics(model: str, version: str | None = None) -> dict[str, Any]:
-        check_model(model, version)
-        return {"model_stats": [metrics.statistics.to_json()]}
+        return {"model_stats": [models.get(model, version).metrics.statistics.to_json()]}
 
     @app.get("/v2/models/{model}/config")
     @app.get("/v2/models/{model}/versions/{version}/config")
     async def configuration(model: str, version: str | None = None) -> dict[str, Any]:
-        check_model(model, version)
-        platform, backend, kind = _engine(session.get_providers())
-        return model_config(
-            name, list(session.inputs), list(session.outputs),
-            platform=platform, backend=backend, kind=kind,
-            # The batcher's settings as they are now, read at each call.
-            max_batch_size=batcher.max_batch if batch_axis else 0,
-            max_delay_s=batcher.max_delay,
-        )  # fmt: skip
+        return models.get(model, version).config()
 
     @app.get("/v2/models/{model}")
     @app.get("/v2/models/{model}/versions/{version}")
     async def model_metadata(model: str, version: str | None = None) -> dict[str, Any]:
-        check_model(model, version)
-        return {
-            "name": name,
-            "versions": [VERSION],
-            "platform": _engine(session.get_providers())[0],  # as /config says, as Triton does
-            "inputs": list(session.inputs),
-            "outputs": list(session.outputs),
-        }
+        return models.get(model, version).metadata()
 
     @app.get("/v2/models/{model}/ready")
     @app.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str | None = None) -> JSONResponse:
-        check_model(model, version)
-        return JSONResponse({"name": name, "ready": ready()}, status_code=200 if ready() else 503)
+        ready = models.get(model, version).accepting
+        return JSONResponse({"name": model, "ready": ready}, status_code=200 if ready else 503)
 
+
+def _infer_route(app: FastAPI, models: ModelSet, limit: int, body_timeout_s: float) -> None:
     @app.post("/v2/models/{model}/infer")
     @app.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str | None = None) -> Response:
-        check_model(model, version)
-        started = time.perf_counter()
-        metrics.requests.inc()
-        failure, body, feeds = None, b"", None
-        # Until the answer is made: a request cut off (cancelled) is counted as the client's.
-        status: int | None = CLIENT_CLOSED
-        try:
-            if batcher.full():  # refuse before reading a body we could not queue anyway
-                raise Overloaded(
-                    f"server overloaded: {batcher.depth} requests are queued (the limit, "
-                    "kiln serve --max-queue); retry later"
-                )
-            body = await _read_body(request, max_request_bytes, body_timeout_s)
-            read = time.perf_counter()
-            decoded = await run_in_threadpool(_decode, body, request.headers, max_request_bytes)
-            _check_inputs(decoded.inputs, inputs)
-            # The model's own checks (dims within its limits) before queueing: a request the
-            # engine would fail on must neither run nor fail the batch it would have joined.
-            feeds = TimedFeeds(session.check_feeds(decoded.inputs))
-            unknown = sorted(set(decoded.outputs) - set(output_names))
-            if unknown:
-                raise ApiError(
-                    400,
-                    f"unknown output {clip(unknown[0])}; the model's outputs are {output_names}",
-                )
-            feeds.submitted = time.perf_counter()
-            feeds.decode_s = feeds.submitted - read
-            values = await asyncio.wrap_future(batcher.submit(feeds))
-            outputs = dict(zip(output_names, values, strict=True))
-            answered = time.perf_counter()
-            content, json_length = await run_in_threadpool(
-                encode_response, name, decoded, outputs, VERSION
-            )
-            feeds.encode_s = time.perf_counter() - answered
-            status = None
-        except Exception as exc:
-            status, message = _status_of(exc)
-            if status == 500:  # not the client's fault: keep the traceback for the operator
-                log.exception("inference failed")
-            failure = ApiError(status, message, close=isinstance(exc, BodyTimeout))
-        finally:
-            # Counted before the answer leaves: a client holding it finds it in /stats.
-            metrics.answered(time.perf_counter() - started, status, feeds)
-        if failure is not None:  # raised here, past the except: no frame keeps the request
-            if len(body) >= TRIM_ABOVE_BYTES:
-                body = decoded = feeds = None  # noqa: F841 (dropped before the trim)
-                await run_in_threadpool(give_back_free_memory)
-            raise failure
-        if json_length is None:
-            return Response(content, media_type="application/json")
-        return Response(
-            content,
-            media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(json_length)},
-        )
+        # Held to the answer: an unload or a newer version waits for this request to finish.
+        with models.lease(model, version) as served:
+            return await _infer(served, request, limit, body_timeout_s)
 
+
+async def _infer(served: ServedModel, request: Request, limit: int, timeout: float) -> Response:
+    """One inference request on `served`, answered in KServe's form and counted in its
+    metrics."""
+    metrics, batcher = served.metrics, served.batcher
+    started = time.perf_counter()
+    metrics.requests.inc()
+    failure, body, feeds = None, b"", None
+    # Until the answer is made: a request cut off (cancelled) is counted as the client's.
+    status: int | None = CLIENT_CLOSED
+    try:
+        if batcher.full():  # refuse before reading a body we could not queue anyway
+            raise Overloaded(
+                f"server overloaded: {batcher.depth} requests are queued for model "
+                f"'{served.name}' (the limit, kiln serve --max-queue); retry later"
+            )
+        body = await _read_body(request, limit, timeout)
+        read = time.perf_counter()
+        decoded = await run_in_threadpool(_decode, body, request.headers, limit)
+        _check_inputs(decoded.inputs, served.inputs)
+        # The model's own checks (dims within its limits) before queueing: a request the
+        # engine would fail on must neither run nor fail the batch it would have joined.
+        feeds = TimedFeeds(served.session.check_feeds(decoded.inputs))
+        unknown = sorted(set(decoded.outputs) - set(served.output_names))
+        if unknown:
+            raise ApiError(
+                400,
+                f"unknown output {clip(unknown[0])}; the model's outputs are {served.output_names}",
+            )
+        feeds.submitted = time.perf_counter()
+        feeds.decode_s = feeds.submitted - read
+        values = await asyncio.wrap_future(batcher.submit(feeds))
+        outputs = dict(zip(served.output_names, values, strict=True))
+        answered = time.perf_counter()
+        content, json_length = await run_in_threadpool(
+            encode_response, served.name, decoded, outputs, served.version
+        )
+        feeds.encode_s = time.perf_counter() - answered
+        status = None
+    except Exception as exc:
+        status, message = _status_of(exc)
+        if status == 500:  # not the client's fault: keep the traceback for the operator
+            log.exception("inference failed")
+        failure = ApiError(status, message, close=isinstance(exc, BodyTimeout))
+    finally:
+        # Counted before the answer leaves: a client holding it finds it in /stats.
+        metrics.answered(time.perf_counter() - started, status, feeds)
+    if failure is not None:  # raised here, past the except: no frame keeps the request
+        if len(body) >= TRIM_ABOVE_BYTES:
+            body = decoded = feeds = None  # noqa: F841 (dropped before the trim)
+            await run_in_threadpool(give_back_free_memory)
+        raise failure
+    if json_length is None:
+        return Response(content, media_type="application/json")
+    return Response(
+        content,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(json_length)},
+    )
+
+
+def _kiln_routes(app: FastAPI, models: ModelSet, max_request_bytes: int) -> None:
     @app.post("/v2/models/{model}/swap")
     async def swap(model: str, request: Request) -> dict[str, Any]:
         """Kiln's admin extension: build a bucket set (the current one afresh, or `buckets`,
         e.g. {"buckets": "batch=1,4,8 seq=32,64"}) in the background, verify it and swap it in
         while serving. Answers once swapped, or at once with {"wait": false}."""
-        check_model(model)
-        body = await request.body()
-        try:
-            args = json.loads(body) if body.strip() else {}
-        except (ValueError, RecursionError) as exc:
-            raise ApiError(400, f"malformed JSON in the request: {exc}") from None
-        if (
-            not isinstance(args, dict)
-            or set(args) - {"buckets", "wait"}
-            or not isinstance(args.get("buckets"), str | dict | None)
-            or not isinstance(args.get("wait", True), bool)
-        ):
-            raise ApiError(
-                400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}'
-            )
-        swaps = session.stats()["swaps"]
-        try:
-            await run_in_threadpool(
-                lambda: session.swap(
-                    args.get("buckets"),
-                    wait=bool(args.get("wait", True)),
-                    max_bytes=max_request_bytes * max_batch,
+        args = _swap_args(await request.body())
+        with models.lease(model) as served:  # not retired while its buckets build
+            session = served.session
+            swaps = session.stats()["swaps"]
+            try:
+                await run_in_threadpool(
+                    lambda: session.swap(
+                        args.get("buckets"),
+                        wait=bool(args.get("wait", True)),
+                        max_bytes=max_request_bytes * served.batcher.max_batch,
+                    )
                 )
-            )
-        except (KilnError, TypeError, ValueError) as exc:  # TypeError: {"batch": 4}, not [4]
-            raise ApiError(400, str(exc)) from None
-        stats = session.stats()
-        return {"name": name, "swapped": stats["swaps"] > swaps, "stats": stats}
+            except (KilnError, TypeError, ValueError) as exc:  # TypeError: {"batch": 4}, not [4]
+                raise ApiError(400, str(exc)) from None
+            stats = session.stats()
+        return {"name": model, "swapped": stats["swaps"] > swaps, "stats": stats}
 
     @app.get("/v2/models/{model}/runtime")
     async def runtime(model: str) -> dict[str, Any]:
         """Kiln's extension: the session's buckets, per-bucket figures and every decision."""
-        check_model(model)
-        return session.stats()
+        return models.get(model).stats()
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+def _swap_args(body: bytes) -> dict[str, Any]:
+    try:
+        args = json.loads(body) if body.strip() else {}
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON in the request: {exc}") from None
+    if (
+        not isinstance(args, dict)
+        or set(args) - {"buckets", "wait"}
+        or not isinstance(args.get("buckets"), str | dict | None)
+        or not isinstance(args.get("wait", True), bool)
+    ):
+        raise ApiError(400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}')
+    return args
+
+
+def _repository_routes(app: FastAPI, models: ModelSet) -> None:
+    """Triton's model_repository extension: index, load, unload. Loads and unloads run in a
+    worker thread, so the event loop (every other model's requests) never waits on them."""
+
+    @app.post("/v2/repository/index")
+    async def index(request: Request) -> list[dict[str, str]]:
+        args = _repository_args(await request.body(), {"ready": bool}, "index")
+        models.need_repository("index")
+        return models.index(ready_only=bool(args.get("ready", False)))
+
+    @app.post("/v2/repository/models/{model}/load")
+    async def load(model: str, request: Request) -> JSONResponse:
+        params = _repository_args(await request.body(), {"parameters": dict}, "load")
+        unknown = sorted(set(params.get("parameters") or {}))
+        if unknown:  # Triton's "config" and "file:" overrides: a Kiln model brings its own
+            raise ApiError(
+                400,
+                f"load parameter {clip(unknown[0])} is not taken: kiln serve loads a model as "
+                "its repository folder holds it; change the folder and load again",
+            )
+        await run_in_threadpool(models.load, model)
+        return JSONResponse({})
+
+    @app.post("/v2/repository/models/{model}/unload")
+    async def unload(model: str, request: Request) -> JSONResponse:
+        params = _repository_args(await request.body(), {"parameters": dict}, "unload")
+        unknown = sorted(set(params.get("parameters") or {}) - {"unload_dependents"})
+        if unknown:
+            raise ApiError(400, f"unload parameter {clip(unknown[0])} is not taken")
+        await run_in_threadpool(models.unload, model)
+        return JSONResponse({})
+
+
+def _repository_args(body: bytes, fields: dict[str, type], call: str) -> dict[str, Any]:
+    """The optional JSON body of a repository call: an object with at most `fields`."""
+    try:
+        args = json.loads(body) if body.strip() else {}
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON in the {call} request: {exc}") from None
+    wrong = not isinstance(args, dict) or any(
+        key not in fields or not isinstance(value, fields[key]) for key, value in args.items()
+    )
+    if wrong:
+        shape = ", ".join(f'"{k}": {t.__name__}' for k, t in fields.items())
+        raise ApiError(400, f"the {call} request body must be empty or {{{shape}}}")
+    return args
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
@@ -355,29 +410,8 @@ def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]
         )
 
 
-_GPU_PROVIDERS = (":GPU", "CUDAExecutionProvider", "TensorrtExecutionProvider")
-
-
-def _has_batch_axis(session: Any) -> bool:
-    """Whether every input and output leads with the model's batch dim: what Triton's
-    max_batch_size > 0 says of a model (its `dims` then leave that dim out)."""
-    batch = set(session.batch_dims)
-    values = [*session.get_inputs(), *session.get_outputs()]
-    return bool(batch) and all(v.shape and v.shape[0] in batch for v in values)
-
-
-def _engine(providers: list[str]) -> tuple[str, str, str]:
-    """Triton's platform, backend and instance kind for the engine a session runs on, from its
-    providers (["CPUExecutionProvider"], ["OpenVINO:CPU"], ...)."""
-    gpu = any(p.endswith(_GPU_PROVIDERS) for p in providers)
-    kind = "KIND_GPU" if gpu else "KIND_CPU"
-    if any(p.startswith("OpenVINO") for p in providers):
-        return "openvino", "openvino", kind
-    return "onnxruntime_onnx", "onnxruntime", kind
-
-
 def _status_of(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, ApiError):
+    if isinstance(exc, ApiError | ModelError):
         return exc.status, str(exc)
     if isinstance(exc, ProtocolError | KilnError):
         return 400, str(exc)

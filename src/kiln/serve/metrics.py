@@ -1,10 +1,9 @@
-"""What one server counts, in two views: Prometheus metrics (a registry of its own, so two apps
-in one process, as in tests, never share counters) and Triton's statistics JSON (the
-`statistics` extension). Both are fed by the same two recording points, so they agree:
-`answered` once per inference request, and the `executions` wrapper around the session's
-`run_batch` once per batch run. The session's runtime figures (bucket hits and misses, padding
-waste, recompiles, swaps) are read from `session.stats()` at scrape time, so they are never stale
-and never double-counted."""
+"""What one server counts, in two views: Prometheus metrics (one registry per server, every
+family labelled by model) and Triton's statistics JSON (the `statistics` extension, per model).
+Both are fed by the same two recording points, so they agree: `answered` once per inference
+request, and the `executions` wrapper around the session's `run_batch` once per batch run. The
+sessions' runtime figures (bucket hits and misses, padding waste, recompiles, swaps) are read
+from `session.stats()` at scrape time, so they are never stale and never double-counted."""
 
 from __future__ import annotations
 
@@ -12,10 +11,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -121,54 +120,74 @@ class ModelStatistics:
             }
 
 
-class ServeMetrics:
-    def __init__(self, model: str, stats: Callable[[], dict[str, Any]], version: str) -> None:
-        self.model = model
-        self.statistics = ModelStatistics(model, version)
-        self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model"]
-        self.requests = Counter(
-            "kiln_requests", "Inference requests received", labels, registry=r
-        ).labels(model)
-        self._failures = Counter(
+class ServerMetrics:
+    """One server's Prometheus registry (its own, so two servers in one process, as in tests,
+    never share counters). Every family is labelled by `model`, so one scrape covers every model
+    the server holds; `model(name, version)` hands one model its view. The queue depth and the
+    session's runtime figures are read at scrape time from `live()`, the models served then: an
+    unloaded model's gauges leave with it, while its counters stay (a counter that vanished
+    and came back at 0 would read as a reset)."""
+
+    def __init__(self, live: Callable[[], list[Observed]]) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model"]
+        self.requests = Counter("kiln_requests", "Inference requests received", labels, registry=r)
+        self.failures = Counter(
             "kiln_request_failures",
             "Inference requests answered with an error, by HTTP status",
             ["model", "code"],
             registry=r,
         )
-        self._latency = Histogram(
+        self.latency = Histogram(
             "kiln_request_latency_seconds",
             "Time from receiving an inference request to sending its answer",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model)
-        self._queue_time = Histogram(
+        )
+        self.queue_time = Histogram(
             "kiln_queue_time_seconds",
             "Time an answered request waited in the batching queue",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model)
-        self._run_time = Histogram(
+        )
+        self.run_time = Histogram(
             "kiln_batch_run_seconds",
             "Time the engine took for one batch",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
-        ).labels(model)
-        self._batch_samples = Histogram(
+        )
+        self.batch_samples = Histogram(
             "kiln_batch_size", "Samples per executed batch", labels, buckets=_SIZE_BUCKETS,
             registry=r,
-        ).labels(model)  # fmt: skip
-        self._batch_requests = Histogram(
+        )  # fmt: skip
+        self.batch_requests = Histogram(
             "kiln_batch_requests", "Requests per executed batch", labels, buckets=_SIZE_BUCKETS,
             registry=r,
-        ).labels(model)  # fmt: skip
-        self.queue_depth = Gauge(
-            "kiln_queue_depth", "Requests waiting in the batching queue", labels, registry=r
-        ).labels(model)
-        r.register(SessionStats(model, stats))
+        )  # fmt: skip
+        r.register(LiveModels(live))
+
+    def model(self, name: str, version: str) -> ServeMetrics:
+        """What one model (one version of it) counts, under its `model` label."""
+        return ServeMetrics(self, name, version)
+
+
+class ServeMetrics:
+    """One model's view of the server's metrics, and its Triton statistics (per version, as
+    Triton keeps them)."""
+
+    def __init__(self, server: ServerMetrics, model: str, version: str) -> None:
+        self.model = model
+        self.statistics = ModelStatistics(model, version)
+        self._failures = server.failures
+        self.requests = server.requests.labels(model)
+        self._latency = server.latency.labels(model)
+        self._queue_time = server.queue_time.labels(model)
+        self._run_time = server.run_time.labels(model)
+        self._batch_samples = server.batch_samples.labels(model)
+        self._batch_requests = server.batch_requests.labels(model)
 
     def answered(self, seconds: float, status: int | None, feeds: TimedFeeds | None) -> None:
         """One inference request answered after `seconds`: `status` None for a success (then
@@ -205,8 +224,21 @@ class ServeMetrics:
         return run
 
 
-class SessionStats(Collector):
-    """The session's runtime figures (`Session.stats()`), read at scrape time."""
+class Observed(Protocol):
+    """What the scrape reads of a model served: its name, queue and session figures."""
+
+    name: str
+
+    @property
+    def depth(self) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class LiveModels(Collector):
+    """Per model served at scrape time: its queue depth and its session's runtime figures
+    (`Session.stats()`). Each family is built once across the models: a name may appear once
+    per scrape."""
 
     COUNTERS = {
         "hits": "Requests routed to a shape bucket",
@@ -215,42 +247,47 @@ class SessionStats(Collector):
         "swaps": "Bucket sets swapped in while serving",
     }
 
-    def __init__(self, model: str, stats: Callable[[], dict[str, Any]]) -> None:
-        self.model, self.stats = model, stats
+    def __init__(self, live: Callable[[], list[Observed]]) -> None:
+        self.live = live
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self.stats()
-        except Exception:  # a scrape must never fail because the session is busy
-            return
-        m = [self.model]
-        for key, doc in self.COUNTERS.items():
-            family = CounterMetricFamily(f"kiln_bucket_{key}", doc, labels=["model"])
-            family.add_metric(m, float(stats.get(key, 0)))
-            yield family
+        depth = GaugeMetricFamily(
+            "kiln_queue_depth", "Requests waiting in the batching queue", labels=["model"]
+        )
+        counters = {
+            key: CounterMetricFamily(f"kiln_bucket_{key}", doc, labels=["model"])
+            for key, doc in self.COUNTERS.items()
+        }
+        by_bucket = ["model", "bucket"]
         waste = GaugeMetricFamily(
             "kiln_padding_waste_ratio",
             "Share of executed input elements that were padding, overall and per bucket",
-            labels=["model", "bucket"],
+            labels=by_bucket,
         )
-        waste.add_metric([*m, "all"], float(stats.get("padding_waste", 0.0)))
         runs = CounterMetricFamily(
-            "kiln_bucket_runs",
-            "Engine runs per bucket ('dynamic': misses)",
-            labels=["model", "bucket"],
+            "kiln_bucket_runs", "Engine runs per bucket ('dynamic': misses)", labels=by_bucket
         )
         p99 = GaugeMetricFamily(
-            "kiln_bucket_p99_seconds",
-            "Engine P99 per bucket, recent runs",
-            labels=["model", "bucket"],
+            "kiln_bucket_p99_seconds", "Engine P99 per bucket, recent runs", labels=by_bucket
         )
-        for bucket, figures in sorted(stats.get("buckets", {}).items()):
-            waste.add_metric([*m, bucket], float(figures.get("padding_waste", 0.0)))
-            runs.add_metric([*m, bucket], float(figures.get("runs", 0)))
-            p99.add_metric([*m, bucket], float(figures.get("p99_ms", 0.0)) / 1e3)
-        yield from (waste, runs, p99)
         decisions = CounterMetricFamily(
             "kiln_runtime_decisions", "Decisions the adaptive runtime logged", labels=["model"]
         )
-        decisions.add_metric(m, float(len(stats.get("decisions", []))))
-        yield decisions
+        for model in self.live():
+            depth.add_metric([model.name], float(model.depth))
+            try:
+                stats = model.stats()
+            except Exception:  # a scrape must never fail because a session is busy
+                continue
+            m = [model.name]
+            for key, family in counters.items():
+                family.add_metric(m, float(stats.get(key, 0)))
+            waste.add_metric([*m, "all"], float(stats.get("padding_waste", 0.0)))
+            for bucket, figures in sorted(stats.get("buckets", {}).items()):
+                waste.add_metric([*m, bucket], float(figures.get("padding_waste", 0.0)))
+                runs.add_metric([*m, bucket], float(figures.get("runs", 0)))
+                p99.add_metric([*m, bucket], float(figures.get("p99_ms", 0.0)) / 1e3)
+            decisions.add_metric(m, float(len(stats.get("decisions", []))))
+        yield depth
+        yield from counters.values()
+        yield from (waste, runs, p99, decisions)
