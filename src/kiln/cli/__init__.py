@@ -18,6 +18,7 @@ from kiln.cli import (
     compress,
     debug,
     doctor,
+    export,
     optimize,
     profile,
     run,
@@ -72,6 +73,7 @@ app.command()(compare.compare)
 app.command()(compress.compress)
 app.command()(debug.debug)
 app.command()(train.train)
+app.command()(export.export)
 app.add_typer(strategies.app, name="strategies")
 
 

@@ -1,0 +1,102 @@
+"""Kiln's runtime as a Triton Python-backend model: `kiln export --runtime kiln` copies this
+file to REPO/NAME/VERSION/model.py, beside the artifact in artifact.kiln/.
+
+It runs only inside Triton (`triton_python_backend_utils` is Triton's), in the Python
+environment Triton starts the model in: the `python3` first on Triton's PATH, or the
+EXECUTION_ENV_PATH the config names. That environment needs Kiln (`pip install kiln-ml`), and,
+with Triton's stubs built against numpy 1.x (as nvidia-pytriton 0.7.0's), numpy < 2.
+
+Each request runs through one `kiln.Session` on the artifact, so its buckets, padding checks
+and engine settings go along. Triton's dynamic batcher hands `execute` the requests it
+gathered; the session merges them into one run where that is safe (Session.run_batch). A
+request the session refuses, or whose run fails, is answered with its error; the others are
+still answered.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+ARTIFACT = "artifact.kiln"
+
+
+class TritonPythonModel:
+    """The model Triton's Python backend loads from model.py."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        try:
+            import kiln
+        except ImportError as exc:
+            raise RuntimeError(
+                f"Kiln cannot be imported in the Python environment Triton runs this model in "
+                f"({exc}); install it there: pip install kiln-ml 'numpy<2'"
+            ) from None
+        config = json.loads(args["model_config"])
+        # args["model_repository"] is this model's directory, REPO/NAME.
+        artifact = Path(args["model_repository"]) / args["model_version"] / ARTIFACT
+        self.session = kiln.Session(str(artifact))
+        self.output_names = [spec["name"] for spec in config["output"]]
+        self.input_names = [spec["name"] for spec in config["input"]]
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        accepted: list[tuple[int, dict[str, np.ndarray]]] = []
+        for i, request in enumerate(requests):
+            try:  # checked one by one: a bad request must not fail the batch it came in
+                accepted.append((i, self.session.check_feeds(self._feeds(request))))
+            except Exception as exc:
+                responses[i] = _error(exc)
+        try:
+            results = self.session.run_batch([feeds for _, feeds in accepted], self.output_names)
+        except Exception:
+            results = None  # one bad request must not fail its neighbours: run each alone
+        for k, (i, feeds) in enumerate(accepted):
+            try:
+                outputs = results[k] if results is not None else self._run_alone(feeds)
+                responses[i] = self._response(requests[i], outputs)
+            except Exception as exc:
+                responses[i] = _error(exc)
+        return responses
+
+    def finalize(self) -> None:
+        self.session.close()
+
+    def _run_alone(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run_batch([feeds], self.output_names)[0]
+
+    def _feeds(self, request: Any) -> dict[str, np.ndarray]:
+        feeds = {}
+        for name in self.input_names:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:  # a missing input is named by the session's checks
+                feeds[name] = _text(tensor.as_numpy())
+        return feeds
+
+    def _response(self, request: Any, outputs: list[np.ndarray]) -> Any:
+        wanted = set(request.requested_output_names() or self.output_names)
+        tensors = [
+            pb_utils.Tensor(name, np.ascontiguousarray(value))
+            for name, value in zip(self.output_names, outputs, strict=True)
+            if name in wanted
+        ]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _text(array: np.ndarray) -> np.ndarray:
+    """Triton hands TYPE_STRING tensors over as bytes; the engines take ONNX strings as str."""
+    if array.dtype != np.object_:
+        return array
+    decoded = [x.decode("utf-8") if isinstance(x, bytes) else x for x in array.ravel()]
+    out = np.empty(len(decoded), dtype=object)
+    out[:] = decoded
+    return out.reshape(array.shape)
+
+
+def _error(exc: Exception) -> Any:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))

@@ -1,0 +1,240 @@
+"""`export_triton`: an artifact as an entry of a Triton model repository.
+
+    REPO/NAME/config.pbtxt               Triton's ModelConfig (see config.py)
+    REPO/NAME/VERSION/model.onnx         native: the artifact's model for Triton's own backend
+    REPO/NAME/VERSION/model.py           kiln: Kiln's runtime in Triton's Python backend ...
+    REPO/NAME/VERSION/artifact.kiln/     ... serving this copy of the artifact
+
+Everything is checked before anything is written, and written into a temporary directory
+beside its place and renamed into it: a failed export leaves the repository as it was.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.artifact import Artifact, read_artifact
+from kiln.artifact.store import ARTIFACT_FILES, DATA_FILE, MODEL_FILE
+from kiln.deploy.config import KILN, NATIVE, RUNTIMES, triton_backend, triton_config
+from kiln.deploy.pbtxt import config_text
+from kiln.errors import KilnError
+from kiln.home import atomic_write_text, output_problem
+
+CONFIG_FILE = "config.pbtxt"
+ARTIFACT_DIR = "artifact.kiln"  # as python_model.ARTIFACT, which cannot import Kiln
+_PYTHON_MODEL = Path(__file__).with_name("python_model.py")
+# A model name is a directory of the repository and a segment of Triton's URLs.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_BACKEND_LINE = re.compile(r'^backend:\s*"([^"]*)"', re.MULTILINE)
+
+
+@dataclass
+class TritonExport:
+    """What `export_triton` wrote."""
+
+    repository: Path
+    name: str
+    version: int
+    runtime: str  # "native" or "kiln"
+    backend: str  # Triton's backend: onnxruntime, openvino, python
+    config: dict[str, Any]  # the ModelConfig, as Triton's JSON
+    notes: list[str] = field(default_factory=list)  # what Kiln decided that Triton cannot say
+
+    @property
+    def path(self) -> Path:
+        return self.repository / self.name
+
+    @property
+    def version_path(self) -> Path:
+        return self.path / str(self.version)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repository": str(self.repository), "model": self.name, "version": self.version,
+            "runtime": self.runtime, "backend": self.backend, "path": str(self.path),
+            "config": self.config, "notes": self.notes,
+        }  # fmt: skip
+
+
+def export_triton(
+    artifact: str | Path,
+    repository: str | Path,
+    *,
+    name: str | None = None,
+    version: int = 1,
+    runtime: str = NATIVE,
+    force: bool = False,
+) -> TritonExport:
+    """Write `artifact` into the Triton model repository `repository` as model `name`
+    (default: the artifact's name), version `version`: for Triton's own ONNX Runtime or
+    OpenVINO backend (`runtime="native"`), or for Kiln's runtime in Triton's Python backend
+    (`runtime="kiln"`). An existing non-empty version directory is replaced only with
+    `force`. Raises KilnError, writing nothing, on bad input."""
+    if runtime not in RUNTIMES:
+        raise KilnError(f"unknown runtime '{runtime}'; use {' or '.join(RUNTIMES)}.")
+    name = default_name(artifact) if name is None else name
+    _check_name(name, given=True)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise KilnError(f"version {version!r}: Triton's versions are whole numbers from 1.")
+    source = read_artifact(artifact)
+    repository = Path(repository)
+    backend = triton_backend(source.manifest, runtime)
+    _check_destination(repository, name, version, backend, force)
+    config, notes = triton_config(source, name, runtime)
+    text = config_text(config, header=_header(source, backend, runtime, notes))
+    _install(repository, name, version, lambda into: _fill(into, source, runtime), text)
+    return TritonExport(repository, name, version, runtime, backend, config, notes)
+
+
+def default_name(artifact: str | Path) -> str:
+    """The artifact directory's name without `.kiln`, as `kiln serve` names it."""
+    stem = Path(str(artifact).rstrip("/")).stem
+    _check_name(stem, given=False)
+    return stem
+
+
+def _check_name(name: str, given: bool) -> None:
+    if not _NAME.fullmatch(name) or len(name) > 255:
+        fix = "choose one" if given else "pass --name"
+        raise KilnError(
+            f"model name {name!r}: a Triton model name is one directory of the repository: "
+            f"letters, digits, '_', '-' and '.', not starting with '.' or '-'; {fix}."
+        )
+
+
+def _check_destination(
+    repository: Path, name: str, version: int, backend: str, force: bool
+) -> None:
+    """Refuse, before any work, a repository entry that cannot take this export."""
+    if repository.exists() and not repository.is_dir():
+        raise KilnError(f"{repository}: exists and is not a directory; give a model repository.")
+    probe = repository / name if repository.is_dir() else repository
+    problem = output_problem(probe, directory=True)
+    if problem:
+        raise KilnError(f"{probe}: {problem}. Nothing was written.")
+    entry = repository / name
+    if entry.is_symlink() or (entry.exists() and not entry.is_dir()):
+        raise KilnError(f"{entry}: exists and is not a model directory; choose another --name.")
+    target = entry / str(version)
+    occupied = target.is_symlink() or target.is_file()
+    occupied = occupied or (target.is_dir() and any(target.iterdir()))
+    if occupied and not force:
+        raise KilnError(
+            f"{target}: model '{name}' already has version {version}; pass --version with a "
+            "new number, or --force to replace it."
+        )
+    _check_config_backend(entry, version, backend, force)
+
+
+def _check_config_backend(entry: Path, version: int, backend: str, force: bool) -> None:
+    """config.pbtxt is the model's, not a version's: refuse to switch the backend under the
+    other versions kept there."""
+    try:
+        existing = _BACKEND_LINE.search((entry / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError):
+        return
+    others = [p.name for p in entry.iterdir() if p.name.isdigit() and p.name != str(version)]
+    if existing and existing[1] != backend and others and not force:
+        raise KilnError(
+            f"{entry}: its config serves versions {', '.join(sorted(others))} with Triton's "
+            f"'{existing[1]}' backend; this export needs '{backend}'. Choose another --name, "
+            "or pass --force to replace the config."
+        )
+
+
+def _header(source: Artifact, backend: str, runtime: str, notes: list[str]) -> list[str]:
+    how = f"Triton's {backend} backend" + (", running Kiln's runtime" if runtime == KILN else "")
+    lines = [f"Written by kiln export (kiln {__version__}) from {source.path.resolve()}: {how}."]
+    return lines + [f"Note: {note}." for note in notes]
+
+
+def _fill(into: Path, source: Artifact, runtime: str) -> None:
+    """The version directory's files."""
+    into.mkdir(exist_ok=True)
+    if runtime == NATIVE:
+        for file in (MODEL_FILE, DATA_FILE):  # external weights sit beside the model
+            if (source.path / file).is_file():
+                shutil.copyfile(source.path / file, into / file)
+        return
+    shutil.copyfile(_PYTHON_MODEL, into / "model.py")
+    copy = into / ARTIFACT_DIR
+    copy.mkdir()
+    for file in sorted(ARTIFACT_FILES):  # Kiln's files only, not what else a user keeps there
+        if (source.path / file).is_file():
+            shutil.copyfile(source.path / file, copy / file)
+
+
+def _install(
+    repository: Path, name: str, version: int, fill: Callable[[Path], None], text: str
+) -> None:
+    """Build the entry (or, when the model exists, the version) beside its place and rename
+    it in; on any failure nothing is left behind and what was there stays."""
+    created = not repository.exists()
+    try:
+        repository.mkdir(exist_ok=True)
+        entry = repository / name
+        if entry.is_dir():
+            _install_version(entry, version, fill, text)
+        else:
+            _install_entry(entry, version, fill, text)
+    except OSError as exc:
+        if created:
+            shutil.rmtree(repository, ignore_errors=True)
+        raise KilnError(
+            f"{repository / name}: could not write the Triton model ({exc.strerror or exc}). "
+            "Nothing was written."
+        ) from None
+
+
+def _install_entry(entry: Path, version: int, fill: Callable[[Path], None], text: str) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model repository is read by a server
+        fill(tmp / str(version))
+        (tmp / CONFIG_FILE).write_text(text)
+        tmp.rename(entry)
+    finally:
+        _remove(tmp)
+
+
+def _install_version(entry: Path, version: int, fill: Callable[[Path], None], text: str) -> None:
+    target = entry / str(version)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=entry))
+    old = None
+    try:
+        tmp.chmod(0o755)
+        fill(tmp)
+        if target.exists() or target.is_symlink():
+            old = tmp.with_name(tmp.name + ".old")
+            target.rename(old)  # aside, so a failure can put it back
+        swapped = False
+        try:
+            tmp.rename(target)
+            swapped = True
+            atomic_write_text(entry / CONFIG_FILE, text)
+        except OSError:
+            if swapped:
+                target.rename(tmp)  # the new version out again (removed below)
+            if old is not None:
+                old.rename(target)
+                old = None
+            raise
+    finally:
+        _remove(tmp)
+        _remove(old)
+
+
+def _remove(path: Path | None) -> None:
+    if path is None or not (path.exists() or path.is_symlink()):
+        return
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
