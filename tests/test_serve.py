@@ -409,7 +409,7 @@ def test_port_0_json_prints_the_bound_port_when_ready(tmp_path) -> None:
     server = _start(tmp_path, f"zoo:{RESNET}")  # --port 0 --json
     try:
         ready = server.ready
-        assert set(ready) == {"url", "host", "port", "model"}
+        assert set(ready) == {"url", "host", "port", "grpc_port", "model"}
         assert ready["host"] == "127.0.0.1" and ready["model"] == RESNET and ready["port"] > 0
         assert ready["url"] == f"http://127.0.0.1:{ready['port']}/v2/models/{RESNET}"
         # Printed once serving: the server is ready at once, no polling needed.

@@ -1,9 +1,12 @@
-"""`kiln serve`: models over HTTP (KServe v2), dynamic batching, a model repository, /metrics."""
+"""`kiln serve`: models over HTTP and gRPC (KServe v2), dynamic batching, a model repository,
+/metrics."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,6 +14,8 @@ import typer
 
 from kiln.cli.console import JsonOpt, err
 from kiln.errors import KilnError
+
+GRPC_PORT = 8001  # Triton's, beside its HTTP 8000
 
 
 def model_name(model: str) -> str:
@@ -42,6 +47,15 @@ def serve(
         ),
     ] = None,
     port: Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")] = 8000,
+    grpc_port: Annotated[
+        int | None,
+        typer.Option(
+            help=f"Port of the KServe v2 gRPC service (what tritonclient.grpc calls). Default "
+            f"{GRPC_PORT}, as Triton, or any free port when --port is 0; 0: any free port; "
+            "-1: no gRPC.",
+            show_default=False,
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
         "127.0.0.1"
     ),
@@ -71,10 +85,17 @@ def serve(
         ),
     ] = None,
     max_queue: Annotated[
-        int, typer.Option(help="Requests allowed to wait; beyond this the server answers 503.")
+        int,
+        typer.Option(
+            help="Requests allowed to wait; beyond this the server answers 503 (gRPC: UNAVAILABLE)."
+        ),
     ] = 256,
     max_request_mb: Annotated[
-        float, typer.Option(help="Largest request body (MiB); beyond this the answer is 413.")
+        float,
+        typer.Option(
+            help="Largest request body or gRPC message (MiB); beyond this the answer is 413 "
+            "(gRPC: RESOURCE_EXHAUSTED)."
+        ),
     ] = 64.0,
     warmup: Annotated[bool, typer.Option(help="Compile every bucket before serving.")] = False,
     adaptive: Annotated[
@@ -109,13 +130,16 @@ def serve(
     ] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Serve models over HTTP: KServe v2 / Open Inference Protocol, dynamic batching, /metrics.
+    """Serve models over HTTP and gRPC: KServe v2 / Open Inference Protocol, dynamic batching,
+    /metrics.
 
-    Each model has its own session, buckets and batcher. --model-repository DIR serves a
-    Triton-layout repository (each model's highest version) with load and unload while serving.
+    Each model has its own session, buckets and batcher, shared by both protocols.
+    --model-repository DIR serves a Triton-layout repository (each model's highest version)
+    with load and unload while serving. --grpc-port -1 serves HTTP only.
 
     Once serving it prints where (with --json: one line on stdout, {"url", "host", "port",
-    "model"}, or "models" with several). Ctrl-C or SIGTERM answers every queued request first.
+    "grpc_port", "model"}, or "models" with several; grpc_port is null without gRPC). Ctrl-C or
+    SIGTERM answers every queued request first.
     """
     import signal
 
@@ -124,6 +148,8 @@ def serve(
 
     sources = _check_models(models or [], model_repository, name, buckets, feedback)
     _check_settings(max_batch, max_delay_ms, max_queue, max_request_mb)
+    grpc_port = _grpc_port(grpc_port, port)
+    max_request_bytes = int(max_request_mb * 2**20)
     loop_flags = {"--feedback-objective": feedback_objective, "--min-gain": min_gain,
                   "--feedback-interval": feedback_interval, "--storage": storage}  # fmt: skip
     given = [flag for flag, value in loop_flags.items() if value is not None]
@@ -138,10 +164,10 @@ def serve(
         raise KilnError(f"--feedback-objective {feedback_objective}: use latency or throughput.")
     # A missing repository is one line before anything else, as a bad port is.
     repository = Repository(model_repository, _say) if model_repository else None
-    # Bound before the models load: a bad --port or --host is one line at once, and --port 0
-    # knows its port. Closed on any error (load failures included).
+    # Bound before the models load: a bad --port, --grpc-port or --host is one line at once,
+    # and port 0 knows its port. Closed on any error (load failures included).
     sock = bind(host, port)
-    with sock:
+    with sock, _serving_grpc(host, grpc_port, max_request_bytes) as grpc_server:
         from kiln.runtime import Session  # seconds of engine imports: after the quick checks
         from kiln.serve.app import create_models_app
         from kiln.serve.models import BatchSettings, ModelSet
@@ -161,7 +187,13 @@ def serve(
             for model, served_as in sources.items():
                 served.open(served_as, model)
             index = served.index()
-        app = create_models_app(served, max_request_bytes=int(max_request_mb * 2**20))
+        app = create_models_app(
+            served,
+            max_request_bytes=max_request_bytes,
+            before_close=grpc_server.stop if grpc_server is not None else None,
+        )
+        if grpc_server is not None:  # the same models, batchers and metrics as HTTP
+            grpc_server.start(served)
         loop = None
         if feedback:
             from kiln.tune.feedback import FeedbackLoop
@@ -175,12 +207,13 @@ def serve(
             ).start()  # fmt: skip
         base = url(host, sock.getsockname()[1])
         one = None if repository is not None or len(sources) > 1 else index[0]["name"]
+        grpc_bound = grpc_server.port if grpc_server is not None else None
 
         def announce() -> None:
             if json_:
-                _ready_line(base, host, sock.getsockname()[1], one, index)
+                _ready_line(base, host, sock.getsockname()[1], grpc_bound, one, index)
             else:
-                for text in _serving_lines(served, index, base):
+                for text in _serving_lines(served, index, base, host, grpc_bound):
                     _say(text)
 
         # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight and queued are
@@ -200,13 +233,17 @@ def _say(message: str) -> None:
     err.print(message, highlight=False, markup=False, soft_wrap=True)
 
 
-def _ready_line(base: str, host: str, port: int, one: str | None, index: list[dict]) -> None:
-    """`--json`'s line once serving: one model as before ({"url", "host", "port", "model"}),
-    several with the repository index's lines ({"url", "host", "port", "models"})."""
+def _ready_line(
+    base: str, host: str, port: int, grpc_port: int | None, one: str | None, index: list[dict]
+) -> None:
+    """`--json`'s line once serving: one model as before ({"url", "host", "port", "grpc_port",
+    "model"}), several with the repository index's lines (... "models"). grpc_port is the gRPC
+    service's port, null without one."""
+    where = {"host": host, "port": port, "grpc_port": grpc_port}
     if one is not None:
-        line = {"url": f"{base}/v2/models/{one}", "host": host, "port": port, "model": one}
+        line = {"url": f"{base}/v2/models/{one}", **where, "model": one}
     else:
-        line = {"url": base, "host": host, "port": port, "models": index}
+        line = {"url": base, **where, "models": index}
     sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()  # a pipe is block-buffered: the reader waits on this line
 
@@ -241,6 +278,39 @@ def _check_models(
     return names
 
 
+def _grpc_port(grpc_port: int | None, http_port: int) -> int | None:
+    """The gRPC port to bind, None for none: Triton's 8001 unless told, or any free port
+    beside an HTTP --port 0 (tests and scripts that take what they get, several at a time)."""
+    if grpc_port is None:
+        return 0 if http_port == 0 else GRPC_PORT
+    if grpc_port == -1:
+        return None
+    if not 0 <= grpc_port <= 65535:
+        raise KilnError(
+            f"--grpc-port {grpc_port}: use a port from 1 to 65535, 0 for any free port, or -1 "
+            "for no gRPC."
+        )
+    if grpc_port == http_port != 0:
+        raise KilnError(f"--grpc-port {grpc_port} is --port too: give gRPC another port.")
+    return grpc_port
+
+
+@contextmanager
+def _serving_grpc(host: str, port: int | None, max_request_bytes: int) -> Iterator[Any]:
+    """The gRPC server, bound (a bad port is one line now, before any model loads) and
+    stopped on the way out whatever happens; None when there is to be none."""
+    if port is None:
+        yield None
+        return
+    from kiln.serve.grpc_service import GrpcServer
+
+    server = GrpcServer(host, port, max_request_bytes=max_request_bytes)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def _check_settings(
     max_batch: int | None, max_delay_ms: float | None, max_queue: int, max_request_mb: float
 ) -> None:
@@ -251,8 +321,10 @@ def _check_settings(
         raise KilnError("--max-delay-ms must be ≥ 0 and --max-request-mb > 0.")
 
 
-def _serving_lines(models: Any, index: list[dict[str, str]], base: str) -> list[str]:
-    """What a person reads once the server accepts requests: a line per model."""
+def _serving_lines(
+    models: Any, index: list[dict[str, str]], base: str, host: str, grpc_port: int | None
+) -> list[str]:
+    """What a person reads once the server accepts requests: a line per model, and gRPC's."""
     from kiln.runtime.buckets import format_buckets
 
     served = {m.name: m for m in models.served()}
@@ -268,6 +340,9 @@ def _serving_lines(models: Any, index: list[dict[str, str]], base: str) -> list[
             + batching_text(batcher.max_batch, batcher.max_delay * 1000)
             + (f", buckets {format_buckets(sizes)}" if sizes else "")
         )
+    if grpc_port is not None:
+        where = f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"
+        lines.append(f"gRPC (KServe v2 GRPCInferenceService) on {where}")
     extra = ", model control at /v2/repository" if models.repository is not None else ""
     return [*lines, f"(Ctrl-C to stop{extra})"]
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,44 +30,38 @@ from starlette.requests import ClientDisconnect
 
 from kiln import __version__
 from kiln.errors import KilnError
-from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
-from kiln.serve.metrics import TimedFeeds
 from kiln.serve.models import BatchSettings, ModelError, ModelSet, ServedModel
 from kiln.serve.protocol import (
-    ProtocolError,
+    InferRequest,
     RequestTooLarge,
     clip,
-    datatype_of,
     decompress,
     encode_response,
     header_length,
     parse_request,
 )
+from kiln.serve.service import (
+    CLIENT_CLOSED,
+    Refused,
+    check_load_parameters,
+    check_unload_parameters,
+    infer,
+    server_metadata,
+)
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
-# The protocol extensions served (GET /v2 lists them): each one a client may rely on.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+BODY_TIMEOUT = 408  # the one refusal after which the connection is closed: its body is unread
 
 
-# Nginx's code for "the client closed the connection before the answer": counted, never sent.
-CLIENT_CLOSED = 499
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, close: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.close = close  # answer with Connection: close (the body was not read to its end)
-
-
-class BodyTimeout(Exception):
+class BodyTimeout(Refused):
     """The request body stopped arriving; HTTP 408 and the connection is closed."""
 
     def __init__(self, seconds: float) -> None:
         super().__init__(
+            BODY_TIMEOUT,
             f"the request body did not arrive within {seconds:g} s of the headers (its "
-            "Content-Length promised more bytes than were sent); the connection is closed"
+            "Content-Length promised more bytes than were sent); the connection is closed",
         )
 
 
@@ -95,14 +88,22 @@ def create_app(
 
 
 def create_models_app(
-    models: ModelSet, *, max_request_bytes: int = 64 << 20, body_timeout_s: float = 30.0
+    models: ModelSet,
+    *,
+    max_request_bytes: int = 64 << 20,
+    body_timeout_s: float = 30.0,
+    before_close: Callable[[], None] | None = None,
 ) -> FastAPI:
     """A FastAPI app serving every model of `models`, each under its name; with a repository,
-    the model_repository extension too. Stopping the app drains and closes every model."""
+    the model_repository extension too. Stopping the app drains and closes every model, after
+    `before_close` (the gRPC server beside it stopping, so it takes no request the models
+    could no longer answer)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        if before_close is not None:
+            await run_in_threadpool(before_close)
         # uvicorn has already waited for requests in flight; this finishes anything still
         # queued (nothing, normally) before the engines are released.
         await run_in_threadpool(models.close)
@@ -124,9 +125,9 @@ def create_models_app(
 
 
 def _errors(app: FastAPI, models: ModelSet) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"Connection": "close"} if exc.close else None
+    @app.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused) -> JSONResponse:
+        headers = {"Connection": "close"} if exc.status == BODY_TIMEOUT else None
         return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(ModelError)
@@ -158,9 +159,8 @@ def _health_routes(app: FastAPI, models: ModelSet) -> None:
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     @app.get("/v2")
-    async def server_metadata() -> dict[str, Any]:
-        extensions = EXTENSIONS + (["model_repository"] if models.repository else [])
-        return {"name": "kiln", "version": __version__, "extensions": extensions}
+    async def metadata() -> dict[str, Any]:
+        return server_metadata(models)
 
 
 def _model_routes(app: FastAPI, models: ModelSet) -> None:
@@ -201,56 +201,36 @@ def _infer_route(app: FastAPI, models: ModelSet, limit: int, body_timeout_s: flo
 
 
 async def _infer(served: ServedModel, request: Request, limit: int, timeout: float) -> Response:
-    """One inference request on `served`, answered in KServe's form and counted in its
-    metrics."""
-    metrics, batcher = served.metrics, served.batcher
-    started = time.perf_counter()
-    metrics.requests.inc()
-    failure, body, feeds = None, b"", None
-    # Until the answer is made: a request cut off (cancelled) is counted as the client's.
-    status: int | None = CLIENT_CLOSED
-    try:
-        if batcher.full():  # refuse before reading a body we could not queue anyway
-            raise Overloaded(
-                f"server overloaded: {batcher.depth} requests are queued for model "
-                f"'{served.name}' (the limit, kiln serve --max-queue); retry later"
-            )
-        body = await _read_body(request, limit, timeout)
-        read = time.perf_counter()
-        decoded = await run_in_threadpool(_decode, body, request.headers, limit)
-        _check_inputs(decoded.inputs, served.inputs)
-        # The model's own checks (dims within its limits) before queueing: a request the
-        # engine would fail on must neither run nor fail the batch it would have joined.
-        feeds = TimedFeeds(served.session.check_feeds(decoded.inputs))
-        unknown = sorted(set(decoded.outputs) - set(served.output_names))
-        if unknown:
-            raise ApiError(
-                400,
-                f"unknown output {clip(unknown[0])}; the model's outputs are {served.output_names}",
-            )
-        feeds.submitted = time.perf_counter()
-        feeds.decode_s = feeds.submitted - read
-        values = await asyncio.wrap_future(batcher.submit(feeds))
-        outputs = dict(zip(served.output_names, values, strict=True))
-        answered = time.perf_counter()
-        content, json_length = await run_in_threadpool(
+    """One inference request on `served`, in KServe's HTTP form: the body read within
+    `timeout` and `limit`, decoded and encoded in a worker thread (they take milliseconds on
+    large tensors, which the event loop must not wait on)."""
+    size = 0
+
+    async def read() -> bytes:
+        nonlocal size
+        try:
+            body = await _read_body(request, limit, timeout)
+        except ClientDisconnect:
+            raise Refused(
+                CLIENT_CLOSED, "the client closed the connection before sending the whole body"
+            ) from None
+        size = len(body)
+        return body
+
+    async def decode(body: bytes) -> InferRequest:
+        return await run_in_threadpool(_decode, body, request.headers, limit)
+
+    async def encode(decoded: InferRequest, outputs: dict) -> tuple[bytes, int | None]:
+        return await run_in_threadpool(
             encode_response, served.name, decoded, outputs, served.version
         )
-        feeds.encode_s = time.perf_counter() - answered
-        status = None
-    except Exception as exc:
-        status, message = _status_of(exc)
-        if status == 500:  # not the client's fault: keep the traceback for the operator
-            log.exception("inference failed")
-        failure = ApiError(status, message, close=isinstance(exc, BodyTimeout))
-    finally:
-        # Counted before the answer leaves: a client holding it finds it in /stats.
-        metrics.answered(time.perf_counter() - started, status, feeds)
-    if failure is not None:  # raised here, past the except: no frame keeps the request
-        if len(body) >= TRIM_ABOVE_BYTES:
-            body = decoded = feeds = None  # noqa: F841 (dropped before the trim)
+
+    try:
+        content, json_length = await infer(served, read, decode, encode)
+    except Refused:
+        if size >= TRIM_ABOVE_BYTES:  # the request's arrays are gone: give their pages back
             await run_in_threadpool(give_back_free_memory)
-        raise failure
+        raise
     if json_length is None:
         return Response(content, media_type="application/json")
     return Response(
@@ -279,7 +259,7 @@ def _kiln_routes(app: FastAPI, models: ModelSet, max_request_bytes: int) -> None
                     )
                 )
             except (KilnError, TypeError, ValueError) as exc:  # TypeError: {"batch": 4}, not [4]
-                raise ApiError(400, str(exc)) from None
+                raise Refused(400, str(exc)) from None
             stats = session.stats()
         return {"name": model, "swapped": stats["swaps"] > swaps, "stats": stats}
 
@@ -293,14 +273,14 @@ def _swap_args(body: bytes) -> dict[str, Any]:
     try:
         args = json.loads(body) if body.strip() else {}
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"malformed JSON in the request: {exc}") from None
+        raise Refused(400, f"malformed JSON in the request: {exc}") from None
     if (
         not isinstance(args, dict)
         or set(args) - {"buckets", "wait"}
         or not isinstance(args.get("buckets"), str | dict | None)
         or not isinstance(args.get("wait", True), bool)
     ):
-        raise ApiError(400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}')
+        raise Refused(400, 'the body must be {} or {"buckets": "batch=1,4 seq=32", "wait": true}')
     return args
 
 
@@ -317,22 +297,14 @@ def _repository_routes(app: FastAPI, models: ModelSet) -> None:
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> JSONResponse:
         params = _repository_args(await request.body(), {"parameters": dict}, "load")
-        unknown = sorted(set(params.get("parameters") or {}))
-        if unknown:  # Triton's "config" and "file:" overrides: a Kiln model brings its own
-            raise ApiError(
-                400,
-                f"load parameter {clip(unknown[0])} is not taken: kiln serve loads a model as "
-                "its repository folder holds it; change the folder and load again",
-            )
+        check_load_parameters(list(params.get("parameters") or {}))
         await run_in_threadpool(models.load, model)
         return JSONResponse({})
 
     @app.post("/v2/repository/models/{model}/unload")
     async def unload(model: str, request: Request) -> JSONResponse:
         params = _repository_args(await request.body(), {"parameters": dict}, "unload")
-        unknown = sorted(set(params.get("parameters") or {}) - {"unload_dependents"})
-        if unknown:
-            raise ApiError(400, f"unload parameter {clip(unknown[0])} is not taken")
+        check_unload_parameters(list(params.get("parameters") or {}))
         await run_in_threadpool(models.unload, model)
         return JSONResponse({})
 
@@ -342,13 +314,13 @@ def _repository_args(body: bytes, fields: dict[str, type], call: str) -> dict[st
     try:
         args = json.loads(body) if body.strip() else {}
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"malformed JSON in the {call} request: {exc}") from None
+        raise Refused(400, f"malformed JSON in the {call} request: {exc}") from None
     wrong = not isinstance(args, dict) or any(
         key not in fields or not isinstance(value, fields[key]) for key, value in args.items()
     )
     if wrong:
         shape = ", ".join(f'"{k}": {t.__name__}' for k, t in fields.items())
-        raise ApiError(400, f"the {call} request body must be empty or {{{shape}}}")
+        raise Refused(400, f"the {call} request body must be empty or {{{shape}}}")
     return args
 
 
@@ -378,49 +350,3 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
 def _decode(body: bytes, headers: Any, limit: int):
     body = decompress(body, headers.get("content-encoding"), limit)
     return parse_request(body, header_length(headers.get("inference-header-content-length")))
-
-
-def _check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]) -> None:
-    """Names, datatypes, ranks and fixed dims against the model's inputs; 400 naming the input
-    and what it should be. Also one batch size across inputs, which batching relies on."""
-    unknown = sorted(set(feeds) - set(specs))
-    if unknown:
-        raise ApiError(
-            400, f"unknown input {clip(unknown[0])}; the model's inputs are {sorted(specs)}"
-        )
-    for spec in specs.values():
-        want = f"{spec['datatype']} with shape {spec['shape']} (-1: any size)"
-        array = feeds.get(spec["name"])
-        if array is None:
-            raise ApiError(400, f"missing input '{spec['name']}': expected {want}")
-        datatype = datatype_of(array)
-        if datatype != spec["datatype"]:
-            raise ApiError(400, f"input '{spec['name']}' has datatype {datatype}, expected {want}")
-        shape = spec["shape"]
-        if len(array.shape) != len(shape) or any(
-            w >= 0 and g != w for g, w in zip(array.shape, shape, strict=True)
-        ):
-            raise ApiError(
-                400, f"input '{spec['name']}' has shape {list(array.shape)}, expected {want}"
-            )
-    batched = {k: v.shape[0] for k, v in feeds.items() if v.ndim and specs[k]["shape"][0] < 0}
-    if len(set(batched.values())) > 1:
-        raise ApiError(
-            400, f"inputs disagree on the batch size (dim 0): {batched}; give them all the same"
-        )
-
-
-def _status_of(exc: Exception) -> tuple[int, str]:
-    if isinstance(exc, ApiError | ModelError):
-        return exc.status, str(exc)
-    if isinstance(exc, ProtocolError | KilnError):
-        return 400, str(exc)
-    if isinstance(exc, RequestTooLarge):
-        return 413, str(exc)
-    if isinstance(exc, BodyTimeout):
-        return 408, str(exc)
-    if isinstance(exc, ClientDisconnect):
-        return CLIENT_CLOSED, "the client closed the connection before sending the whole body"
-    if isinstance(exc, Overloaded | Closed):
-        return 503, str(exc)
-    return 500, f"inference failed: {type(exc).__name__}: {exc}"

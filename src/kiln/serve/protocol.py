@@ -13,6 +13,9 @@ engines take ONNX strings as Python str, so elements must be UTF-8 text.
 `model_config` is the model_configuration extension: a model described as Triton's ModelConfig
 JSON, field names and types as its `model_config.proto` has them.
 
+The gRPC service (grpc_service.py) reuses the shape and BYTES helpers: its raw tensors are laid
+out as the binary extension's.
+
 Everything here is parsed as untrusted input: a request the protocol cannot take raises
 `ProtocolError` (HTTP 400) naming what is wrong, whatever the bytes, never another exception.
 """
@@ -218,7 +221,7 @@ def _decode_input(spec: Any, blob: memoryview) -> tuple[np.ndarray, int]:
     if datatype != BYTES and (not isinstance(datatype, str) or datatype not in DATATYPES):
         known = ", ".join([*DATATYPES, BYTES])
         raise ProtocolError(f"{where}: unsupported datatype {clip(datatype)}; use {known}")
-    shape = _shape(where, spec.get("shape"))
+    shape = check_shape(where, spec.get("shape"))
     count = math.prod(shape)  # a Python int: a lying shape cannot overflow it
     size = _parameters(spec, where).get("binary_data_size")
     if size is not None:
@@ -228,7 +231,7 @@ def _decode_input(spec: Any, blob: memoryview) -> tuple[np.ndarray, int]:
                 f"of binary data left in the body, got {clip(size)}"
             )
         if datatype == BYTES:
-            values = _bytes_from_binary(where, blob[:size], count)
+            values = bytes_from_binary(where, blob[:size], count)
         else:
             dtype = DATATYPES[datatype]
             if size != count * dtype.itemsize:
@@ -256,7 +259,9 @@ def _decode_input(spec: Any, blob: memoryview) -> tuple[np.ndarray, int]:
         raise ProtocolError(f"{where}: shape {shape} cannot be a tensor ({exc})") from None
 
 
-def _shape(where: str, shape: Any) -> list[int]:
+def check_shape(where: str, shape: Any) -> list[int]:
+    """A tensor's shape as the protocol takes it (HTTP's JSON list, gRPC's int64s): dims from
+    0 to int64's largest, at most MAX_RANK of them."""
     # type() is int, not isinstance: true and false are not dims.
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
         raise ProtocolError(
@@ -311,10 +316,10 @@ def _bytes_from_json(where: str, data: Any) -> np.ndarray:
             item.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate, legal in JSON's \u escapes
             raise ProtocolError(f"{where}: element {i} is not valid Unicode text") from None
-    return _object_array(items)
+    return object_array(items)
 
 
-def _bytes_from_binary(where: str, data: memoryview, count: int) -> np.ndarray:
+def bytes_from_binary(where: str, data: memoryview, count: int) -> np.ndarray:
     """Length-prefixed elements (4-byte little-endian length, then the bytes), UTF-8 decoded."""
     items: list[str] = []
     offset = 0
@@ -337,10 +342,10 @@ def _bytes_from_binary(where: str, data: memoryview, count: int) -> np.ndarray:
                 "are UTF-8"
             ) from None
         offset += length
-    return _object_array(items)
+    return object_array(items)
 
 
-def _object_array(items: list[Any]) -> np.ndarray:
+def object_array(items: list[Any]) -> np.ndarray:
     array = np.empty(len(items), dtype=object)  # not np.array: it would nest lists, strip NULs
     array[:] = items
     return array
@@ -365,7 +370,7 @@ def encode_response(
         datatype = datatype_of(array)
         tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if binary:
-            blobs.append(_binary(array) if datatype == BYTES else array.tobytes())
+            blobs.append(binary_bytes(array) if datatype == BYTES else array.tobytes())
             tensor["parameters"] = {"binary_data_size": len(blobs[-1])}
         elif datatype == BYTES:
             tensor["data"] = [_text(x) for x in array.ravel()]
@@ -383,7 +388,7 @@ def _text(item: Any) -> str:
     return item if isinstance(item, str) else bytes(item).decode("utf-8", "replace")
 
 
-def _binary(array: np.ndarray) -> bytes:
+def binary_bytes(array: np.ndarray) -> bytes:
     """BYTES elements, each as its 4-byte little-endian length and its UTF-8 bytes."""
     parts = []
     for item in array.ravel():

@@ -25,11 +25,29 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kiln.errors import KilnError
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port); KilnError naming the flag
+def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port); KilnError naming `flag`
     when the port is out of range or taken, or the host does not resolve to this machine."""
+    family, kind, proto, address = resolve(host, port, flag)
+    sock = socket.socket(family, kind, proto)
+    # As uvicorn does: a restart can rebind at once. It does not share a port in use (Linux).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise KilnError(_bind_problem(host, port, exc, flag)) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def resolve(host: str, port: int, flag: str = "--port") -> tuple[int, int, int, Any]:
+    """The address host:port binds (family, type, proto, sockaddr): one, IPv4 first, as
+    clients asking for "localhost" mostly try 127.0.0.1. KilnError naming `flag` for a port
+    out of range, and for a host that does not resolve."""
     if not 0 <= port <= 65535:
-        raise KilnError(f"--port {port}: use a port from 1 to 65535, or 0 for any free port.")
+        raise KilnError(f"{flag} {port}: use a port from 1 to 65535, or 0 for any free port.")
     try:
         infos = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_ADDRCONFIG
@@ -40,30 +58,19 @@ def bind(host: str, port: int) -> socket.socket:
             f"--host {host}: cannot resolve it ({reason}); give an address of this machine, "
             "e.g. 127.0.0.1, or 0.0.0.0 for every interface."
         ) from None
-    # One address: IPv4 first, as clients asking for "localhost" mostly try 127.0.0.1.
     ipv4 = [info for info in infos if info[0] == socket.AF_INET]
     family, kind, proto, _, address = (ipv4 or infos)[0]
-    sock = socket.socket(family, kind, proto)
-    # As uvicorn does: a restart can rebind at once. It does not share a port in use (Linux).
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise KilnError(_bind_problem(host, port, exc)) from None
-    sock.set_inheritable(True)
-    return sock
+    return family, kind, proto, address
 
 
-def _bind_problem(host: str, port: int, exc: OSError) -> str:
+def _bind_problem(host: str, port: int, exc: OSError, flag: str) -> str:
     if exc.errno == errno.EADDRINUSE:
         return (
-            f"--port {port}: the port is in use on {host}; stop what holds it, pick another "
-            "port, or give --port 0 for any free one."
+            f"{flag} {port}: the port is in use on {host}; stop what holds it, pick another "
+            f"port, or give {flag} 0 for any free one."
         )
     if exc.errno == errno.EACCES:
-        return f"--port {port}: binding it needs privileges (ports below 1024); use 1024 or above."
+        return f"{flag} {port}: binding it needs privileges (ports below 1024); use 1024 or above."
     if exc.errno == errno.EADDRNOTAVAIL:
         return f"--host {host}: not an address of this machine; use 127.0.0.1 or 0.0.0.0."
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}."

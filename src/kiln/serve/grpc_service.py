@@ -1,0 +1,443 @@
+"""KServe v2 over gRPC: Triton's `inference.GRPCInferenceService`, served beside HTTP on the
+same `ModelSet` — the same models, batchers, limits, metrics and statistics.
+
+Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig,
+ModelStatistics, RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload and ModelInfer.
+Every other method of the service (streaming, shared memory, trace and log settings) answers
+UNIMPLEMENTED, as gRPC answers any method not registered.
+
+ModelInfer takes each input's tensor either in `raw_input_contents` (one entry per input, in
+order, laid out as HTTP's binary extension: BYTES elements length-prefixed) or in its typed
+`contents` field; outputs always come back in `raw_output_contents`, as Triton sends them. Past
+the wire format a request takes HTTP's own path (`service.infer`): the same checks, batcher,
+limits, metrics and statistics.
+
+Errors carry Triton's codes for the failure HTTP answers with a status: 400 INVALID_ARGUMENT,
+404 NOT_FOUND, 503 UNAVAILABLE (queue full, model loading, server stopping), 500 INTERNAL;
+a message over --max-request-mb is refused by gRPC itself, RESOURCE_EXHAUSTED.
+
+The server is gRPC's asyncio server on a thread and event loop of its own: neither protocol's
+loop waits on the other's, and a request awaits its batch as an HTTP request does, so the
+queue bound (not a thread count) is what limits requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from kiln.errors import KilnError
+from kiln.serve._proto import SERVICE_NAME, message, service
+from kiln.serve.models import ModelError, ModelSet, ServedModel
+from kiln.serve.protocol import (
+    BYTES,
+    DATATYPES,
+    InferRequest,
+    ProtocolError,
+    binary_bytes,
+    bytes_from_binary,
+    check_shape,
+    clip,
+    datatype_of,
+    object_array,
+)
+from kiln.serve.server import bind, resolve
+from kiln.serve.service import (
+    Refused,
+    check_load_parameters,
+    check_unload_parameters,
+    infer,
+    server_metadata,
+    status_of,
+)
+
+log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
+# How long a stopping server waits for requests in flight (they are queued in a batcher, so
+# seconds at most); HTTP's uvicorn waits for its own as long as they take.
+STOP_GRACE_S = 60.0
+
+# The HTTP status kiln serve answers → the gRPC code Triton gives the same failure
+# (triton-inference-server/server src/grpc/grpc_utils.cc, GrpcStatusUtil::CodeToStatus).
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+# Each datatype's typed field in InferTensorContents, and the numpy type that field holds.
+# FP16 has none: it travels in raw_input_contents only.
+_CONTENTS: dict[str, tuple[str, np.dtype | None]] = {
+    "BOOL": ("bool_contents", np.dtype(np.bool_)),
+    "INT8": ("int_contents", np.dtype(np.int32)),
+    "INT16": ("int_contents", np.dtype(np.int32)),
+    "INT32": ("int_contents", np.dtype(np.int32)),
+    "INT64": ("int64_contents", np.dtype(np.int64)),
+    "UINT8": ("uint_contents", np.dtype(np.uint32)),
+    "UINT16": ("uint_contents", np.dtype(np.uint32)),
+    "UINT32": ("uint_contents", np.dtype(np.uint32)),
+    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
+    "FP32": ("fp32_contents", np.dtype(np.float32)),
+    "FP64": ("fp64_contents", np.dtype(np.float64)),
+    BYTES: ("bytes_contents", None),
+}
+_SHARED_MEMORY = "shared_memory_region"
+
+ModelInferResponse = message("ModelInferResponse")
+
+
+# ---------------------------------------------------------------- tensors in and out
+
+
+def decode_request(request: Message) -> InferRequest:
+    """A ModelInferRequest's tensors, checked as HTTP checks its own: ProtocolError naming
+    the input and what is wrong."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(
+            f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs; "
+            "send one per input, in the inputs' order, or none and each input's contents"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise ProtocolError(f"input {clip(tensor.name)} is given twice")
+        inputs[tensor.name] = _input(tensor, raw[i] if raw else None)
+    outputs: dict[str, bool] = {}
+    for wanted in request.outputs:
+        where = f"output {clip(wanted.name)}"
+        if "classification" in wanted.parameters:
+            raise ProtocolError(f"{where}: the classification extension is not supported")
+        _no_shared_memory(wanted.parameters, where)
+        outputs[wanted.name] = True  # over gRPC every output is raw
+    request_id = request.id or None  # proto3's "": no id given
+    return InferRequest(id=request_id, inputs=inputs, outputs=outputs, binary_default=True)
+
+
+def _input(tensor: Message, raw: bytes | None) -> np.ndarray:
+    where = f"input {clip(tensor.name)}"
+    _no_shared_memory(tensor.parameters, where)
+    datatype = tensor.datatype
+    if datatype != BYTES and datatype not in DATATYPES:
+        known = ", ".join([*DATATYPES, BYTES])
+        raise ProtocolError(f"{where}: unsupported datatype {clip(datatype)}; use {known}")
+    shape = check_shape(where, list(tensor.shape))
+    count = math.prod(shape)
+    if raw is None:
+        values = _from_contents(where, datatype, tensor.contents)
+    elif tensor.HasField("contents") and tensor.contents.ListFields():
+        raise ProtocolError(
+            f"{where} has both contents and raw_input_contents; send the tensor in one"
+        )
+    else:
+        values = _from_raw(where, datatype, shape, count, raw)
+    if values.size != count:
+        raise ProtocolError(
+            f"{where}: shape {shape} needs {count} values, the data has {values.size}"
+        )
+    try:
+        return values.reshape(shape)
+    except ValueError as exc:  # an empty tensor whose other dims overflow numpy's sizes
+        raise ProtocolError(f"{where}: shape {shape} cannot be a tensor ({exc})") from None
+
+
+def _no_shared_memory(parameters: Any, where: str) -> None:
+    if _SHARED_MEMORY in parameters:
+        raise ProtocolError(
+            f"{where}: the shared-memory extension is not supported; send the tensor in the request"
+        )
+
+
+def _from_raw(where: str, datatype: str, shape: list[int], count: int, raw: bytes) -> np.ndarray:
+    """A raw tensor: row-major elements, or length-prefixed BYTES elements. A view of the
+    message's bytes, not a copy (read-only: the engines only read their inputs)."""
+    if datatype == BYTES:
+        return bytes_from_binary(where, memoryview(raw), count)
+    dtype = DATATYPES[datatype]
+    if len(raw) != count * dtype.itemsize:
+        raise ProtocolError(
+            f"{where}: raw_input_contents holds {len(raw)} bytes, but shape {shape} of "
+            f"{datatype} needs {count * dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _from_contents(where: str, datatype: str, contents: Message) -> np.ndarray:
+    """A tensor in its typed field, which must be the one its datatype takes (as Triton
+    requires): INT8 in int_contents, within INT8's range."""
+    field, held = _CONTENTS.get(datatype, (None, None))
+    if field is None:
+        raise ProtocolError(
+            f"{where}: {datatype} has no typed contents field; send it in raw_input_contents"
+        )
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise ProtocolError(f"{where}: {datatype} data goes in contents.{field}, not {others[0]}")
+    values = getattr(contents, field)
+    if not values:
+        raise ProtocolError(
+            f"{where} has no data: send it in raw_input_contents or in contents.{field}"
+        )
+    if datatype == BYTES:
+        return _text(where, list(values))
+    wide = np.array(values, dtype=held)
+    dtype = DATATYPES[datatype]
+    if wide.size and dtype.kind in "iu" and dtype != held:
+        info = np.iinfo(dtype)
+        if wide.min() < info.min or wide.max() > info.max:
+            raise ProtocolError(
+                f"{where}: contents.{field} holds a value out of {datatype}'s range"
+            )
+    return wide.astype(dtype, copy=False)
+
+
+def _text(where: str, items: list[bytes]) -> np.ndarray:
+    try:
+        return object_array([item.decode("utf-8") for item in items])
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(
+            f"{where}: an element is not UTF-8 text ({exc.reason}); ONNX strings are UTF-8"
+        ) from None
+
+
+def encode_response(
+    served: ServedModel, request: InferRequest, outputs: dict[str, np.ndarray]
+) -> Message:
+    """A ModelInferResponse: the requested outputs (else all), in raw_output_contents."""
+    response = ModelInferResponse(
+        model_name=served.name, model_version=served.version, id=request.id or ""
+    )
+    for name in request.outputs or outputs:
+        array = np.ascontiguousarray(outputs[name])
+        datatype = datatype_of(array)
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(
+            binary_bytes(array) if datatype == BYTES else array.tobytes()
+        )
+    return response
+
+
+# ---------------------------------------------------------------- the service
+
+Handler = Callable[[Any, Message, grpc.aio.ServicerContext], Awaitable[Message]]
+_Method = TypeVar("_Method", bound=Handler)
+
+
+def _answers(method: _Method) -> _Method:
+    """A method whose failures are answered with Triton's code and Kiln's message."""
+
+    @functools.wraps(method)
+    async def call(self: Any, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            status, text = status_of(exc)
+            # Not the client's fault: keep the traceback for the operator (a Refused one was
+            # kept where it happened).
+            if status == 500 and not isinstance(exc, Refused):
+                log.exception("gRPC %s failed", method.__name__)
+        await context.abort(CODES.get(status, grpc.StatusCode.UNKNOWN), text)
+        raise AssertionError("abort returns only by raising")  # for type checkers
+
+    return call  # type: ignore[return-value]
+
+
+def _parse(values: dict[str, Any], name: str, *, strict: bool = True) -> Message:
+    """Message `inference.NAME` from the JSON HTTP answers: one source for both protocols."""
+    return json_format.ParseDict(values, message(name)(), ignore_unknown_fields=not strict)
+
+
+def _version(version: str) -> str | None:
+    return version or None  # proto3's "" is "not given": the version served
+
+
+def _no_repository_name(request: Message) -> None:
+    if request.repository_name:
+        raise Refused(501, "'repository_name' specification is not supported")  # Triton's words
+
+
+class InferenceServicer:
+    """GRPCInferenceService over a `ModelSet`: each method answers what the matching HTTP
+    endpoint answers, from the same functions. Methods are named as the service's RPCs, which
+    is how `handlers` finds them."""
+
+    def __init__(self, models: ModelSet) -> None:
+        self.models = models
+
+    @_answers
+    async def ServerLive(self, request: Message, context: Any) -> Message:
+        return message("ServerLiveResponse")(live=True)
+
+    @_answers
+    async def ServerReady(self, request: Message, context: Any) -> Message:
+        return message("ServerReadyResponse")(ready=self.models.ready())
+
+    @_answers
+    async def ModelReady(self, request: Message, context: Any) -> Message:
+        # Triton answers ready=false, not an error, for a model it does not serve.
+        try:
+            ready = self.models.get(request.name, _version(request.version)).accepting
+        except ModelError:
+            ready = False
+        return message("ModelReadyResponse")(ready=ready)
+
+    @_answers
+    async def ServerMetadata(self, request: Message, context: Any) -> Message:
+        return _parse(server_metadata(self.models), "ServerMetadataResponse")
+
+    @_answers
+    async def ModelMetadata(self, request: Message, context: Any) -> Message:
+        metadata = self.models.get(request.name, _version(request.version)).metadata()
+        # Kiln's extension (an input's max_shape) has no field in the message.
+        return _parse(metadata, "ModelMetadataResponse", strict=False)
+
+    @_answers
+    async def ModelConfig(self, request: Message, context: Any) -> Message:
+        config = self.models.get(request.name, _version(request.version)).config()
+        return message("ModelConfigResponse")(config=_parse(config, "ModelConfig"))
+
+    @_answers
+    async def ModelStatistics(self, request: Message, context: Any) -> Message:
+        if request.name:
+            served = [self.models.get(request.name, _version(request.version))]
+        else:  # Triton: no name, every model
+            served = self.models.served()
+        stats = [m.metrics.statistics.to_json() for m in served]
+        return _parse({"model_stats": stats}, "ModelStatisticsResponse")
+
+    @_answers
+    async def RepositoryIndex(self, request: Message, context: Any) -> Message:
+        _no_repository_name(request)
+        self.models.need_repository("index")
+        rows = self.models.index(ready_only=request.ready)
+        return _parse({"models": rows}, "RepositoryIndexResponse")
+
+    @_answers
+    async def RepositoryModelLoad(self, request: Message, context: Any) -> Message:
+        _no_repository_name(request)
+        check_load_parameters(list(request.parameters))
+        # A load takes seconds: off the event loop, so other requests keep being answered.
+        await asyncio.to_thread(self.models.load, request.model_name)
+        return message("RepositoryModelLoadResponse")()
+
+    @_answers
+    async def RepositoryModelUnload(self, request: Message, context: Any) -> Message:
+        _no_repository_name(request)
+        check_unload_parameters(list(request.parameters))
+        await asyncio.to_thread(self.models.unload, request.model_name)
+        return message("RepositoryModelUnloadResponse")()
+
+    @_answers
+    async def ModelInfer(self, request: Message, context: Any) -> Message:
+        # Held to the answer: an unload or a newer version waits for this request to finish.
+        with self.models.lease(request.model_name, _version(request.model_version)) as served:
+
+            async def read() -> Message:
+                return request  # gRPC has read and parsed the message already
+
+            async def decode(received: Message) -> InferRequest:
+                return await asyncio.to_thread(decode_request, received)
+
+            async def encode(decoded: InferRequest, outputs: dict[str, np.ndarray]) -> Message:
+                return await asyncio.to_thread(encode_response, served, decoded, outputs)
+
+            return await infer(served, read, decode, encode)
+
+
+def handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The service's methods that `servicer` has, with their messages' (de)serializers."""
+    methods = {}
+    for method in service().methods:
+        implementation = getattr(servicer, method.name, None)
+        if implementation is None:
+            continue
+        methods[method.name] = grpc.unary_unary_rpc_method_handler(
+            implementation,
+            request_deserializer=message(method.input_type.name).FromString,
+            response_serializer=message(method.output_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+
+# ---------------------------------------------------------------- the server
+
+_T = TypeVar("_T")
+
+
+class GrpcServer:
+    """gRPC's asyncio server on a thread of its own. Bound at construction (KilnError naming
+    --grpc-port when it cannot be), answering once `start`ed, stopped by `stop`: new calls are
+    refused, those in flight answered."""
+
+    def __init__(self, host: str, port: int, *, max_request_bytes: int) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kiln-grpc")
+        self._thread.daemon = True  # never holds the process up: stop() is the clean way out
+        self._thread.start()
+        self._server: grpc.aio.Server | None = None
+        try:
+            self.port = self._call(self._bind(host, port, max_request_bytes))
+        except BaseException:
+            self._end_loop()
+            raise
+
+    def start(self, models: ModelSet) -> None:
+        """Serve `models`."""
+        self._call(self._start(models))
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Refuse new calls, answer those in flight (for at most `grace_s`), end the thread.
+        Safe to call twice."""
+        if self._server is not None and self._loop.is_running():
+            self._call(self._server.stop(grace_s))
+        self._end_loop()
+
+    def _call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _end_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        if not self._loop.is_closed():
+            self._loop.close()
+
+    async def _bind(self, host: str, port: int, max_request_bytes: int) -> int:
+        family, _, _, address = resolve(host, port, "--grpc-port")
+        if port:  # a port taken is said in Kiln's words (gRPC would log a line of its own too)
+            bind(host, port, "--grpc-port").close()
+        target = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_request_bytes),
+                ("grpc.max_send_message_length", -1),  # answers are as large as the model's
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not silently shared
+            ]
+        )
+        try:
+            bound = self._server.add_insecure_port(target)
+        except RuntimeError:
+            bound = 0
+        if not bound:  # taken since it was probed, or refused for a reason of gRPC's own
+            raise KilnError(f"--grpc-port {port}: gRPC cannot listen on {target}.")
+        return bound
+
+    async def _start(self, models: ModelSet) -> None:
+        assert self._server is not None
+        self._server.add_generic_rpc_handlers((handlers(InferenceServicer(models)),))
+        await self._server.start()

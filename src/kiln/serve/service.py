@@ -1,0 +1,178 @@
+"""What HTTP and gRPC answer alike: the server's metadata, the checks on a repository call, and
+an inference request's path through a model — decoded, checked against the model, queued in
+its batcher, run, encoded, counted — so that the two protocols cannot drift apart. Each
+protocol brings only its wire format (`read`, `decode`, `encode`) and its way of saying an error.
+
+A refusal is `Refused(status, message)` with `status` an HTTP status, the one `kiln serve`
+answers over HTTP; gRPC answers the code Triton gives the same failure (grpc_service.py).
+Metrics and statistics count failures by that status whichever protocol carried them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kiln import __version__
+from kiln.errors import KilnError
+from kiln.runtime.batcher import Closed, Overloaded
+from kiln.serve.metrics import TimedFeeds
+from kiln.serve.models import ModelError, ModelSet, ServedModel
+from kiln.serve.protocol import (
+    InferRequest,
+    ProtocolError,
+    RequestTooLarge,
+    clip,
+    datatype_of,
+)
+
+log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
+# The protocol extensions served: each one a client may rely on.
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+# Nginx's code for "the client closed the connection before the answer": counted, never sent.
+CLIENT_CLOSED = 499
+
+Raw = TypeVar("Raw")  # a request as the wire gave it: an HTTP body, a gRPC message
+Answer = TypeVar("Answer")  # an answer as the wire takes it
+
+
+class Refused(Exception):
+    """A request answered with an error: `status` is its HTTP status, the message says what
+    was wrong and what to do."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def server_metadata(models: ModelSet) -> dict[str, Any]:
+    """KServe's server metadata: name, version and the extensions served (a repository adds
+    model_repository)."""
+    extensions = EXTENSIONS + (["model_repository"] if models.repository else [])
+    return {"name": "kiln", "version": __version__, "extensions": extensions}
+
+
+def check_load_parameters(names: list[str]) -> None:
+    """Triton's load takes "config" and "file:" overrides; a Kiln model brings its own."""
+    if names:
+        raise Refused(
+            400,
+            f"load parameter {clip(sorted(names)[0])} is not taken: kiln serve loads a model as "
+            "its repository folder holds it; change the folder and load again",
+        )
+
+
+def check_unload_parameters(names: list[str]) -> None:
+    unknown = sorted(set(names) - {"unload_dependents"})
+    if unknown:
+        raise Refused(400, f"unload parameter {clip(unknown[0])} is not taken")
+
+
+async def infer(
+    served: ServedModel,
+    read: Callable[[], Awaitable[Raw]],
+    decode: Callable[[Raw], Awaitable[InferRequest]],
+    encode: Callable[[InferRequest, dict[str, np.ndarray]], Awaitable[Answer]],
+) -> Answer:
+    """One inference request on `served`: `read` it off the wire, `decode` it into tensors
+    (Triton's compute_input: decoding and the checks), check it against the model, run it in
+    the batch it joins, `encode` the outputs (compute_output). Counted once in the model's
+    metrics and statistics, answered or not. A failure raises `Refused`."""
+    metrics, batcher = served.metrics, served.batcher
+    started = time.perf_counter()
+    metrics.requests.inc()
+    failure, raw, decoded, feeds = None, None, None, None
+    # Until the answer is made: a request cut off (cancelled) is counted as the client's.
+    status: int | None = CLIENT_CLOSED
+    try:
+        if batcher.full():  # refuse before reading a body we could not queue anyway
+            raise Overloaded(
+                f"server overloaded: {batcher.depth} requests are queued for model "
+                f"'{served.name}' (the limit, kiln serve --max-queue); retry later"
+            )
+        raw = await read()
+        read_at = time.perf_counter()
+        decoded = await decode(raw)
+        feeds = _checked(served, decoded)
+        feeds.submitted = time.perf_counter()
+        feeds.decode_s = feeds.submitted - read_at
+        values = await asyncio.wrap_future(batcher.submit(feeds))
+        outputs = dict(zip(served.output_names, values, strict=True))
+        answered = time.perf_counter()
+        answer = await encode(decoded, outputs)
+        feeds.encode_s = time.perf_counter() - answered
+        status = None
+    except Exception as exc:
+        status, message = status_of(exc)
+        if status == 500:  # not the client's fault: keep the traceback for the operator
+            log.exception("inference failed")
+        failure = Refused(status, message)
+    finally:
+        # Counted before the answer leaves: a client holding it finds it in /stats.
+        metrics.answered(time.perf_counter() - started, status, feeds)
+    if failure is not None:  # raised here, past the except: no frame keeps the request
+        raw = decoded = feeds = None  # noqa: F841 (the request's memory goes first)
+        raise failure
+    return answer
+
+
+def _checked(served: ServedModel, request: InferRequest) -> TimedFeeds:
+    """The request's tensors, checked against the model: the protocol's view (names,
+    datatypes, shapes), then the model's own (dims within its limits), before queueing — a
+    request the engine would fail on must neither run nor fail the batch it would join."""
+    check_inputs(request.inputs, served.inputs)
+    feeds = TimedFeeds(served.session.check_feeds(request.inputs))
+    unknown = sorted(set(request.outputs) - set(served.output_names))
+    if unknown:
+        raise Refused(
+            400, f"unknown output {clip(unknown[0])}; the model's outputs are {served.output_names}"
+        )
+    return feeds
+
+
+def check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]]) -> None:
+    """Names, datatypes, ranks and fixed dims against the model's inputs; 400 naming the input
+    and what it should be. Also one batch size across inputs, which batching relies on."""
+    unknown = sorted(set(feeds) - set(specs))
+    if unknown:
+        raise Refused(
+            400, f"unknown input {clip(unknown[0])}; the model's inputs are {sorted(specs)}"
+        )
+    for spec in specs.values():
+        want = f"{spec['datatype']} with shape {spec['shape']} (-1: any size)"
+        array = feeds.get(spec["name"])
+        if array is None:
+            raise Refused(400, f"missing input '{spec['name']}': expected {want}")
+        datatype = datatype_of(array)
+        if datatype != spec["datatype"]:
+            raise Refused(400, f"input '{spec['name']}' has datatype {datatype}, expected {want}")
+        shape = spec["shape"]
+        if len(array.shape) != len(shape) or any(
+            w >= 0 and g != w for g, w in zip(array.shape, shape, strict=True)
+        ):
+            raise Refused(
+                400, f"input '{spec['name']}' has shape {list(array.shape)}, expected {want}"
+            )
+    batched = {k: v.shape[0] for k, v in feeds.items() if v.ndim and specs[k]["shape"][0] < 0}
+    if len(set(batched.values())) > 1:
+        raise Refused(
+            400, f"inputs disagree on the batch size (dim 0): {batched}; give them all the same"
+        )
+
+
+def status_of(exc: Exception) -> tuple[int, str]:
+    """The HTTP status and message a failure is answered with."""
+    if isinstance(exc, Refused | ModelError):
+        return exc.status, str(exc)
+    if isinstance(exc, ProtocolError | KilnError):
+        return 400, str(exc)
+    if isinstance(exc, RequestTooLarge):
+        return 413, str(exc)
+    if isinstance(exc, Overloaded | Closed):
+        return 503, str(exc)
+    return 500, f"inference failed: {type(exc).__name__}: {exc}"
