@@ -14,7 +14,7 @@ serves every artifact, and beside each a *null twin*: a model with the artifact'
 outputs of the same shapes and types that computes nothing (zeros expanded to the request's
 batch), so its round trip is the serving cost alone — the same bytes each way, the same
 batcher. Triton (tritonserver and its Python backend from the nvidia-pytriton wheel, see
-triton_launch.py) serves `kiln export --triton --runtime kiln` of each artifact; when it
+kiln.deploy.local_triton) serves `kiln export --triton --runtime kiln` of each artifact; when it
 cannot start, or with `--no-triton`, its rows are left out with the reason.
 
 Throughput: for each model × clients (`--clients`, 1/4/16) × server (kiln-http, kiln-grpc,
@@ -58,14 +58,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime
-import triton_launch
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from onnx import helper, numpy_helper
 from tritonclient.utils import np_to_triton_dtype
 
 import kiln
-from kiln.deploy import export_triton
+from kiln.deploy import export_triton, local_triton
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
 from kiln.timing import interleave, round_p50_ms
@@ -75,6 +74,9 @@ SERVERS = ("kiln-http", "kiln-grpc", "triton-http", "triton-grpc")
 MIN_ANSWERS = 2  # per client and block, after the warm-up
 TIMEOUT_S = 300  # a single request; a hung server fails the block instead of hanging it
 WITHIN = 0.05
+# Triton's Python environment, where tests/test_triton_server.py keeps it (pytest's cache, as
+# it names it) under the same key: whichever runs first builds it for both.
+TRITON_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "d" / "kiln-triton"
 
 
 # ---------------------------------------------------------------- clients
@@ -213,14 +215,14 @@ def kiln_serve(sources: list[Path], log: Path) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        triton_launch.stop(proc)
+        local_triton.stop(proc)
 
 
 def kiln_targets(proc: subprocess.Popen, log: Path) -> list[Target]:
     """Waits for `kiln serve --json`'s line: it comes once both protocols serve."""
     line = proc.stdout.readline()
     if not line:
-        raise SystemExit(f"kiln serve exited with {proc.wait()}: {triton_launch.tail(log)}")
+        raise SystemExit(f"kiln serve exited with {proc.wait()}: {local_triton.tail(log)}")
     ready = json.loads(line)
     host = ready["host"]
     return [Target("kiln-http", f"{host}:{ready['port']}", "http"),
@@ -234,10 +236,11 @@ def start_triton(stack: ExitStack, models: list[Model], work: Path) -> tuple[lis
     for model in models:
         export_triton(model.artifact, repository, name=model.name, runtime="kiln", force=True)
     try:
+        env = local_triton.ensure_env(local_triton.env_dir(TRITON_CACHE))
         server = stack.enter_context(
-            triton_launch.running(repository, [m.name for m in models], work / "triton")
+            local_triton.running(repository, [m.name for m in models], work / "triton", env=env)
         )
-    except triton_launch.TritonUnavailable as exc:
+    except local_triton.TritonUnavailable as exc:
         return [], {"skipped": str(exc)}
     about = {"version": server.version()}
     return [Target("triton-http", server.http, "http"),

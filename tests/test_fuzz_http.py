@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import h11
@@ -103,24 +102,15 @@ def serving(session: Session, name: str) -> Iterator[Live]:
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Iterator[Path]:
-    # Module-scoped servers outlive the per-test KILN_HOME of conftest: give them their own.
-    path = tmp_path_factory.mktemp("fuzz-home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KILN_HOME", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
-def bert(home) -> Iterator[Live]:
+def bert(module_home) -> Iterator[Live]:
     # Buckets, so padding and routing meet the odd shapes too.
     with serving(Session(f"zoo:{BERT}", buckets="batch=1,4 seq=8,16"), BERT) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
-def strings(home) -> Iterator[Live]:
-    with serving(Session(strings_model(home / "strings.onnx")), STRINGS) as live:
+def strings(module_home) -> Iterator[Live]:
+    with serving(Session(strings_model(module_home / "strings.onnx")), STRINGS) as live:
         yield live
 
 

@@ -31,18 +31,9 @@ BERT_OUTPUTS = ["last_hidden_state", "pooler_output"]
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Iterator[Path]:
-    # Module-scoped servers outlive the per-test KILN_HOME of conftest: give them their own.
-    path = tmp_path_factory.mktemp("grpc-home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KILN_HOME", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
-def repository(home: Path) -> Path:
+def repository(module_home: Path) -> Path:
     """resnet-tiny and bert-tiny, each a plain model.onnx at version 1."""
-    root = home / "repo"
+    root = module_home / "repo"
     for model in (RESNET, BERT):
         (root / model / "1").mkdir(parents=True)
         onnx.save(zoo.build(model), root / model / "1" / "model.onnx")
@@ -50,9 +41,9 @@ def repository(home: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(home: Path, repository: Path) -> Iterator[Server]:
+def served(module_home: Path, repository: Path) -> Iterator[Server]:
     """`kiln serve --model-repository REPO --max-request-mb 1`: two models, HTTP and gRPC."""
-    server = _start(home, f"--model-repository={repository}", "--max-request-mb", "1")
+    server = _start(module_home, f"--model-repository={repository}", "--max-request-mb", "1")
     yield server
     _stop(server)
 

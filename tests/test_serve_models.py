@@ -29,35 +29,26 @@ BROKEN = "broken"  # a repository model that cannot load
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Iterator[Path]:
-    # Module-scoped servers outlive the per-test KILN_HOME of conftest: give them their own.
-    path = tmp_path_factory.mktemp("models-home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KILN_HOME", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
-def artifacts(home: Path) -> dict[str, Path]:
+def artifacts(module_home: Path) -> dict[str, Path]:
     """A compiled artifact of each tiny zoo model, named after it (the name it is served as)."""
-    where = home / "artifacts"
+    where = module_home / "artifacts"
     where.mkdir()
     return {m: kiln.compile(f"zoo:{m}", where / f"{m}.kiln").path for m in (RESNET, BERT)}
 
 
 @pytest.fixture(scope="module")
-def pair(home: Path, artifacts: dict[str, Path]) -> Iterator[Server]:
+def pair(module_home: Path, artifacts: dict[str, Path]) -> Iterator[Server]:
     """`kiln serve resnet-tiny.kiln bert-tiny.kiln`."""
-    server = _start(home, str(artifacts[RESNET]), str(artifacts[BERT]))
+    server = _start(module_home, str(artifacts[RESNET]), str(artifacts[BERT]))
     yield server
     _stop(server)
 
 
 @pytest.fixture(scope="module")
-def repository(home: Path, artifacts: dict[str, Path]) -> Path:
+def repository(module_home: Path, artifacts: dict[str, Path]) -> Path:
     """resnet-tiny at versions 1 (a plain model.onnx) and 2 (its artifact), bert-tiny at 1,
     a folder that is no version, and a model whose only version is garbage."""
-    root = home / "repo"
+    root = module_home / "repo"
     (root / RESNET / "1").mkdir(parents=True)
     onnx.save(zoo.build(RESNET), root / RESNET / "1" / "model.onnx")
     shutil.copytree(artifacts[RESNET], root / RESNET / "2")
@@ -69,9 +60,9 @@ def repository(home: Path, artifacts: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(home: Path, repository: Path) -> Iterator[Server]:
+def served(module_home: Path, repository: Path) -> Iterator[Server]:
     """`kiln serve --model-repository REPO`."""
-    server = _start(home, f"--model-repository={repository}")
+    server = _start(module_home, f"--model-repository={repository}")
     yield server
     _stop(server)
 
@@ -204,7 +195,9 @@ def _serve(home: Path, *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_models_that_cannot_be_served_together_are_one_line_and_exit_2(home, tmp_path) -> None:
+def test_models_that_cannot_be_served_together_are_one_line_and_exit_2(
+    module_home, tmp_path
+) -> None:
     other = tmp_path / "other"
     other.mkdir()
     onnx.save(zoo.build(RESNET), other / "m.onnx")
@@ -217,7 +210,7 @@ def test_models_that_cannot_be_served_together_are_one_line_and_exit_2(home, tmp
         (["--model-repository", str(tmp_path / "no")], f"--model-repository {tmp_path / 'no'}"),
         ([f"zoo:{RESNET}", "nothere.onnx"], "nothere.onnx: no such file"),  # after one loaded
     ]:
-        done = _serve(home, *args, "--port", "0")
+        done = _serve(module_home, *args, "--port", "0")
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
@@ -225,7 +218,7 @@ def test_models_that_cannot_be_served_together_are_one_line_and_exit_2(home, tmp
 # ---------------------------------------------------------------- a model repository
 
 
-def test_a_repository_serves_each_models_highest_version(served, repository, home) -> None:
+def test_a_repository_serves_each_models_highest_version(served, repository, module_home) -> None:
     client = _client(served)
     index = client.get_model_repository_index()
     states = [(m["name"], m["version"], m["state"]) for m in index]
@@ -246,7 +239,7 @@ def test_a_repository_serves_each_models_highest_version(served, repository, hom
     answer = _resnet_infer(client, _images(1, 0)).get_response()
     assert answer["model_version"] == "2"
     # The folder that is no version was said once, when the model loaded.
-    assert (home / "serve.log").read_text().count(f"{RESNET}/latest: ignored") == 1
+    assert (module_home / "serve.log").read_text().count(f"{RESNET}/latest: ignored") == 1
 
 
 def test_unload_under_load_leaves_the_other_model_serving_and_reload_serves_again(

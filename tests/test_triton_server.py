@@ -1,12 +1,10 @@
 """`kiln export --runtime kiln` on a real Triton server: the `tritonserver` binary and Python
-backend of the nvidia-pytriton wheel, on loopback, driven by tritonclient over HTTP and gRPC.
+backend of the nvidia-pytriton wheel, on loopback (`kiln.deploy.local_triton`), driven by
+tritonclient over HTTP and gRPC.
 
-The Python backend's stub is built against numpy 1.x, and Kiln's .venv runs numpy 2 (the
-pytriton wheel would also downgrade numpy and protobuf there), so the model runs in a
-separate virtual environment: numpy 1.26, the engine versions this .venv has, the pytriton
-wheel, and this checkout's Kiln on its path. It is built once and cached in pytest's cache
-directory, keyed by those versions (KILN_TRITON_ENV names a directory to use instead).
-Triton starts the model with the `python3` first on its PATH: that environment's.
+The model runs in a separate virtual environment (numpy 1.26 for the Python backend's stub;
+see local_triton), built once and cached in pytest's cache directory, keyed by its versions
+(KILN_TRITON_ENV names a directory to use instead).
 
 Skipped where the environment cannot be built or the server cannot start, with the reason;
 under CI=true that fails instead.
@@ -14,20 +12,11 @@ under CI=true that fails instead.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata as metadata
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import sysconfig
 import tempfile
-import time
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +29,16 @@ from tritonclient.utils import InferenceServerException
 
 import kiln
 from kiln.deploy import export_triton
+from kiln.deploy.local_triton import (
+    Triton,
+    TritonEnv,
+    TritonUnavailable,
+    ensure_env,
+    env_dir,
+    running,
+)
 
 CI = os.environ.get("CI") == "true"
-PYTRITON = "nvidia-pytriton==0.7.0"
-NUMPY = "numpy==1.26.4"  # what the stub was built against
-# Kiln's runtime needs these in the model's environment; pinned to this .venv's versions so
-# Triton's answers and the reference come from the same engine.
-RUNTIME_PACKAGES = ("onnxruntime", "onnx", "onnx-ir", "onnxscript", "psutil")
 BERT, RESNET, STRINGS = "bert-tiny", "resnet-tiny", "strings"
 BERT_ORT, RESNET_OPENVINO = "bert-tiny-ort", "resnet-tiny-openvino"  # native forms
 BATCH_DELAY_MS = 50  # bert's tuned batcher: a window wide enough for concurrent requests
@@ -58,80 +50,24 @@ def unavailable(why: str) -> None:
     pytest.skip(why)
 
 
-# ---------------------------------------------------------------- the model's environment
-
-
-def _pins() -> list[str]:
-    return [NUMPY, *(f"{name}=={metadata.version(name)}" for name in RUNTIME_PACKAGES)]
-
-
-def _env_dir(config: pytest.Config) -> Path:
-    given = os.environ.get("KILN_TRITON_ENV")
-    if given:
-        return Path(given)
-    key = json.dumps([sys.version_info[:2], PYTRITON, _pins()]).encode()
-    name = f"env-{hashlib.sha256(key).hexdigest()[:12]}"
-    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-    base = cache.mkdir("kiln-triton") if cache else Path(tempfile.gettempdir()) / "kiln-triton"
-    return Path(base) / name
-
-
-def _build_env(where: Path) -> None:
-    """A venv with numpy 1.26, the runtime's engines and the pytriton wheel (its server and
-    Python backend only: --no-deps), built beside `where` and renamed into place."""
-    tmp = where.with_name(where.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pip = [sys.executable, "-m", "pip", "--python", str(tmp / "bin" / "python"), "install",
-           "--quiet", "--no-compile", "--disable-pip-version-check"]  # fmt: skip
-    steps = [
-        [sys.executable, "-m", "venv", "--without-pip", str(tmp)],
-        [*pip, *_pins()],
-        [*pip, "--no-deps", PYTRITON],
-    ]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tail = " ".join((done.stderr or done.stdout).split()[-40:])
-            unavailable(f"could not build Triton's Python environment ({' '.join(step[:6])} "
-                        f"...): {tail}")  # fmt: skip
-    tmp.rename(where)
-
-
-@dataclass
-class Env:
-    root: Path  # the venv
-    server: Path  # pytriton's tritonserver directory: bin/, backends/, python_backend_stubs/
-
-    @property
-    def libs(self) -> Path:  # the wheel's bundled shared libraries
-        return self.server.parent.parent / "nvidia_pytriton.libs"
-
-
 @pytest.fixture(scope="module")
-def env(request: pytest.FixtureRequest) -> Env:
-    root = _env_dir(request.config)
-    if not root.is_dir():
-        _build_env(root)
-    found = sorted(root.glob("lib/python3.*/site-packages/pytriton/tritonserver"))
-    if not found:
-        unavailable(f"{root} holds no pytriton/tritonserver ({PYTRITON})")
-    site = found[0].parent.parent
-    # This checkout's Kiln (not a copy): what the tests exercise is what Triton runs.
-    src = Path(kiln.__file__).resolve().parent.parent
-    (site / "kiln-checkout.pth").write_text(f"{src}\n")
-    return Env(root, found[0])
+def env(request: pytest.FixtureRequest) -> TritonEnv:
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    base = cache.mkdir("kiln-triton") if cache else Path(tempfile.gettempdir()) / "kiln-triton"
+    try:
+        return ensure_env(env_dir(Path(base)))
+    except TritonUnavailable as exc:
+        unavailable(str(exc))
 
 
 # ---------------------------------------------------------------- the server
 
 
 @dataclass
-class Server:
-    proc: subprocess.Popen
-    http: str  # host:port, as tritonclient wants it
-    grpc: str
-    log: Path
+class Server(Triton):
+    """The running server (http, grpc: host:port, as tritonclient wants it), and what it
+    serves."""
+
     exports: dict[str, object]  # model → its TritonExport
     artifacts: dict[str, Path]
     sessions: dict[str, kiln.Session] = field(default_factory=dict)
@@ -141,44 +77,6 @@ class Server:
         if model not in self.sessions:
             self.sessions[model] = kiln.Session(self.artifacts[model])
         return self.sessions[model]
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
-
-
-def _backends(env: Env, where: Path) -> Path:
-    """Triton's backend directory with the Python stub for this Python version in place, as
-    pytriton lays it out (the wheel ships one stub per version beside the backend)."""
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    stub = env.server / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        unavailable(f"{PYTRITON} has no Python-backend stub for Python {version}")
-    backends = where / "backends"
-    shutil.copytree(env.server / "backends", backends)
-    shutil.copy2(stub, backends / "python" / stub.name)
-    return backends
-
-
-def _server_env(env: Env, home: Path) -> dict[str, str]:
-    """The stub embeds libpython: this Python's own where it is shared, so the interpreter
-    and the venv's standard library are one build."""
-    libs = [str(env.libs)]
-    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        libs.insert(0, sysconfig.get_config_var("LIBDIR"))
-    paths = [*libs, os.environ.get("LD_LIBRARY_PATH", "")]
-    return {
-        **os.environ,
-        "PATH": f"{env.root / 'bin'}{os.pathsep}{os.environ['PATH']}",
-        "LD_LIBRARY_PATH": os.pathsep.join(p for p in paths if p),
-        "KILN_HOME": str(home),
-    }
 
 
 def _export(where: Path) -> tuple[dict[str, Path], dict[str, object]]:
@@ -200,68 +98,21 @@ def _export(where: Path) -> tuple[dict[str, Path], dict[str, object]]:
     return artifacts, exports
 
 
-def _wait_ready(proc: subprocess.Popen, http: str, log: Path, timeout: float = 120) -> None:
-    """Poll /v2/health/ready: across a process boundary there is no event to wait on; the
-    timeout is a safety net."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            unavailable(f"tritonserver exited with {proc.returncode}: {_tail(log)}")
-        try:
-            if httpx.get(f"http://{http}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    unavailable(f"tritonserver was not ready within {timeout:g} s: {_tail(log)}")
-
-
-def _tail(log: Path) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines()
-             if "NVML" not in ln and "DCGM" not in ln and "CudaDriver" not in ln]  # fmt: skip
-    return " | ".join(lines[-12:])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
-def server(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(env: TritonEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     where = tmp_path_factory.mktemp("triton")
-    home = where / "home"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KILN_HOME", str(home))
+        patch.setenv("KILN_HOME", str(where / "home"))  # the server's KILN_HOME too
         artifacts, exports = _export(where)
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    log = where / "tritonserver.log"
-    command = [
-        str(env.server / "bin" / "tritonserver"),
-        f"--model-repository={where / 'repo'}",
-        f"--backend-directory={_backends(env, where)}",
-        "--disable-auto-complete-config",  # Triton serves Kiln's config as written, or refuses
-        # Kiln's runtime at start; the native forms are loaded by a test (see there).
-        "--model-control-mode=explicit",
-        *(f"--load-model={model}" for model in (BERT, RESNET, STRINGS)),
-        "--http-address=127.0.0.1", f"--http-port={http_port}",
-        "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
-        f"--metrics-port={metrics_port}",
-        "--exit-timeout-secs=10",
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, env=_server_env(env, home), stdout=out, stderr=out)
-    try:
-        http = f"127.0.0.1:{http_port}"
-        _wait_ready(proc, http, log)
-        yield Server(proc, http, f"127.0.0.1:{grpc_port}", log, exports, artifacts)
-    finally:
-        _stop(proc)
+    # Kiln's runtime loaded at start; the native forms are loaded by a test (see there).
+    models = [BERT, RESNET, STRINGS]
+    with ExitStack() as stack:
+        try:
+            triton = stack.enter_context(running(where / "repo", models, where, env=env,
+                                                 timeout=120))  # fmt: skip
+        except TritonUnavailable as exc:
+            unavailable(str(exc))
+        yield Server(triton.proc, triton.http, triton.grpc, triton.log, exports, artifacts)
 
 
 # ---------------------------------------------------------------- requests

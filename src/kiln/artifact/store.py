@@ -131,7 +131,7 @@ def write_artifact(
         ) from None
     finally:
         for leftover in (tmp, old):
-            _remove(leftover)
+            remove_tree(leftover)
     return Artifact(destination, manifest)
 
 
@@ -177,9 +177,10 @@ def _refuse_non_artifact(destination: Path, force: bool = False) -> None:
         )
 
 
-def _remove(path: Path | None) -> None:
-    """Remove a leftover (a temporary artifact, or what it replaced: with --force maybe a
-    file or a link)."""
+def remove_tree(path: Path | None) -> None:
+    """Remove what is at `path`, if anything: a directory with its contents (as far as it
+    can), a file, or a link (not what it points to). For leftovers: a temporary directory, or
+    what it replaced (with --force maybe a file or a link)."""
     if path is None or not (path.exists() or path.is_symlink()):
         return
     if path.is_dir() and not path.is_symlink():

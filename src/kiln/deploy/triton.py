@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln import __version__
 from kiln.artifact import Artifact, read_artifact
-from kiln.artifact.store import ARTIFACT_FILES, DATA_FILE, MODEL_FILE
+from kiln.artifact.store import ARTIFACT_FILES, DATA_FILE, MODEL_FILE, remove_tree
 from kiln.deploy.config import KILN, NATIVE, RUNTIMES, triton_backend, triton_config
 from kiln.deploy.pbtxt import config_text
 from kiln.errors import KilnError
@@ -201,7 +201,7 @@ def _install_entry(entry: Path, version: int, fill: Callable[[Path], None], text
         (tmp / CONFIG_FILE).write_text(text)
         tmp.rename(entry)
     finally:
-        _remove(tmp)
+        remove_tree(tmp)
 
 
 def _install_version(entry: Path, version: int, fill: Callable[[Path], None], text: str) -> None:
@@ -227,14 +227,5 @@ def _install_version(entry: Path, version: int, fill: Callable[[Path], None], te
                 old = None
             raise
     finally:
-        _remove(tmp)
-        _remove(old)
-
-
-def _remove(path: Path | None) -> None:
-    if path is None or not (path.exists() or path.is_symlink()):
-        return
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+        remove_tree(tmp)
+        remove_tree(old)

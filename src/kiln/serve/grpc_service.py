@@ -271,6 +271,16 @@ def _no_repository_name(request: Message) -> None:
         raise Refused(501, "'repository_name' specification is not supported")  # Triton's words
 
 
+async def _repository_change(
+    request: Message, check: Callable[[list[str]], None], change: Callable[[str], object]
+) -> None:
+    """A load or unload of `request.model_name`, its request checked as HTTP checks it. A load
+    takes seconds: off the event loop, so other requests keep being answered."""
+    _no_repository_name(request)
+    check(list(request.parameters))
+    await asyncio.to_thread(change, request.model_name)
+
+
 class InferenceServicer:
     """GRPCInferenceService over a `ModelSet`: each method answers what the matching HTTP
     endpoint answers, from the same functions. Methods are named as the service's RPCs, which
@@ -329,17 +339,12 @@ class InferenceServicer:
 
     @_answers
     async def RepositoryModelLoad(self, request: Message, context: Any) -> Message:
-        _no_repository_name(request)
-        check_load_parameters(list(request.parameters))
-        # A load takes seconds: off the event loop, so other requests keep being answered.
-        await asyncio.to_thread(self.models.load, request.model_name)
+        await _repository_change(request, check_load_parameters, self.models.load)
         return message("RepositoryModelLoadResponse")()
 
     @_answers
     async def RepositoryModelUnload(self, request: Message, context: Any) -> Message:
-        _no_repository_name(request)
-        check_unload_parameters(list(request.parameters))
-        await asyncio.to_thread(self.models.unload, request.model_name)
+        await _repository_change(request, check_unload_parameters, self.models.unload)
         return message("RepositoryModelUnloadResponse")()
 
     @_answers

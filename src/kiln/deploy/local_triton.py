@@ -1,16 +1,18 @@
-"""A real Triton server on loopback: the `tritonserver` binary and Python backend of the
-nvidia-pytriton wheel, serving a model repository (e.g. `kiln export --runtime kiln` output).
+"""A real Triton server on loopback, from the nvidia-pytriton wheel, to check an exported
+repository: its `tritonserver` binary and Python backend serving a model repository (e.g.
+`kiln export --runtime kiln` output). For tests and benchmarks; `import kiln` does not load it.
 
-    with triton_launch.running(repo, ["bert-base", "resnet50"], work) as triton:
+    env = local_triton.ensure_env(local_triton.env_dir(cache))
+    with local_triton.running(repo, ["bert-base", "resnet50"], work, env=env) as triton:
         triton.http, triton.grpc  # host:port, as tritonclient takes them
 
-The Python backend's stub is built against numpy 1.x, and Kiln's .venv runs numpy 2, so the
-models run in a Python environment of their own: numpy 1.26, the engine versions this .venv
-has, the pytriton wheel (--no-deps: its server only), and this checkout's Kiln on its path.
-It is built once (pip, a few minutes) and kept where tests/test_triton_server.py keeps it,
-under the same key (this checkout's .pytest_cache/d/kiln-triton/env-KEY), so whichever runs
-first builds it for both; KILN_TRITON_ENV names another directory. Triton starts each model
-with the `python3` first on its PATH: that environment's.
+The Python backend's stub is built against numpy 1.x, and Kiln runs on numpy 2, so the models
+run in a Python environment of their own: numpy 1.26, the engine versions this environment
+has, the pytriton wheel (--no-deps: its server only), and the Kiln imported here on its path.
+It is built once (pip, a few minutes) under the cache directory the caller names, keyed by
+what goes into it (`cache`/env-KEY), so callers that name the same cache share it;
+KILN_TRITON_ENV names another directory. Triton starts each model with the `python3` first on
+its PATH: that environment's.
 
 Whatever keeps the server from starting raises TritonUnavailable, with the reason.
 """
@@ -28,22 +30,20 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.client import HTTPException
 from pathlib import Path
-
-import httpx
-
-import kiln
 
 PYTRITON = "nvidia-pytriton==0.7.0"
 NUMPY = "numpy==1.26.4"  # what the stub was built against
-# Kiln's runtime needs these in the models' environment; pinned to this .venv's versions so
-# Triton's answers and in-process kiln.Session's come from the same engine.
+# Kiln's runtime needs these in the models' environment; pinned to this environment's versions
+# so Triton's answers and in-process kiln.Session's come from the same engine.
 RUNTIME_PACKAGES = ("onnxruntime", "onnx", "onnx-ir", "onnxscript", "psutil")
-CHECKOUT = Path(__file__).resolve().parent.parent
-DEFAULT_CACHE = CHECKOUT / ".pytest_cache" / "d" / "kiln-triton"  # the test's, as pytest names it
+_KILN_PARENT = Path(__file__).resolve().parents[2]  # the directory `import kiln` found it in
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
 
 
 class TritonUnavailable(Exception):
@@ -68,7 +68,8 @@ class Triton:
     log: Path
 
     def version(self) -> str:
-        return httpx.get(f"http://{self.http}/v2", timeout=10).json().get("version", "?")
+        with _LOOPBACK.open(f"http://{self.http}/v2", timeout=10) as answer:
+            return json.load(answer).get("version", "?")
 
 
 # ---------------------------------------------------------------- the models' environment
@@ -78,13 +79,13 @@ def pins() -> list[str]:
     return [NUMPY, *(f"{name}=={metadata.version(name)}" for name in RUNTIME_PACKAGES)]
 
 
-def env_dir(cache: Path = DEFAULT_CACHE) -> Path:
-    """KILN_TRITON_ENV, else `cache`/env-KEY, KEY a hash of what goes into it (the test's)."""
+def env_dir(cache: Path) -> Path:
+    """KILN_TRITON_ENV, else `cache`/env-KEY, KEY a hash of what goes into the environment."""
     given = os.environ.get("KILN_TRITON_ENV")
     if given:
         return Path(given)
     key = json.dumps([sys.version_info[:2], PYTRITON, pins()]).encode()
-    return cache / f"env-{hashlib.sha256(key).hexdigest()[:12]}"
+    return Path(cache) / f"env-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
 def build_env(where: Path) -> None:
@@ -109,17 +110,17 @@ def build_env(where: Path) -> None:
     tmp.rename(where)
 
 
-def ensure_env(where: Path | None = None) -> TritonEnv:
-    """The environment at `where` (default `env_dir()`), built if missing, with this
-    checkout's Kiln on its path (not a copy: what runs is what is measured)."""
-    root = where or env_dir()
+def ensure_env(where: Path) -> TritonEnv:
+    """The environment at `where` (see `env_dir`), built if missing, with the Kiln imported
+    here on its path (not a copy: what Triton runs is what the caller checks)."""
+    root = Path(where)
     if not root.is_dir():
         build_env(root)
     found = sorted(root.glob("lib/python3.*/site-packages/pytriton/tritonserver"))
     if not found:
         raise TritonUnavailable(f"{root} holds no pytriton/tritonserver ({PYTRITON})")
     site = found[0].parent.parent
-    (site / "kiln-checkout.pth").write_text(f"{Path(kiln.__file__).resolve().parent.parent}\n")
+    (site / "kiln-checkout.pth").write_text(f"{_KILN_PARENT}\n")
     return TritonEnv(root, found[0])
 
 
@@ -179,9 +180,10 @@ def wait_ready(proc: subprocess.Popen, http: str, log: Path, timeout: float) -> 
         if proc.poll() is not None:
             raise TritonUnavailable(f"tritonserver exited with {proc.returncode}: {tail(log)}")
         try:
-            if httpx.get(f"http://{http}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with _LOOPBACK.open(f"http://{http}/v2/health/ready", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except (OSError, HTTPException):  # not listening yet, or not ready (HTTPError)
             pass
         time.sleep(0.2)
     raise TritonUnavailable(f"tritonserver was not ready within {timeout:g} s: {tail(log)}")
@@ -199,14 +201,12 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def running(
-    repository: Path, models: list[str], work: Path, *, env: TritonEnv | None = None,
-    timeout: float = 300.0,
+    repository: Path, models: list[str], work: Path, *, env: TritonEnv, timeout: float = 300.0,
 ) -> Iterator[Triton]:  # fmt: skip
     """tritonserver on `repository`, HTTP and gRPC on free loopback ports, `models` loaded at
     start (explicit model control) with the config as written (no auto-complete); ready when
     yielded, stopped (SIGINT, then kill) on the way out. `work` holds its backend directory,
     KILN_HOME and log (work/tritonserver.log)."""
-    env = env or ensure_env()
     work.mkdir(parents=True, exist_ok=True)
     http_port, grpc_port, metrics_port = free_ports(3)
     log = work / "tritonserver.log"
