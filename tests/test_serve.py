@@ -289,6 +289,10 @@ def test_oversize_unknown_model_and_metrics(bert: Server) -> None:
     ]:
         assert name in text, name
     assert bert.metric('kiln_request_failures_total{code="413",model="bert-tiny"}') >= 1
+    # The server's memory: now, and the peak a machine must have free for it.
+    resident = bert.metric("process_resident_memory_bytes")
+    peak = bert.metric("kiln_process_peak_resident_memory_bytes")
+    assert 50 * 2**20 < resident <= peak < 4 * 2**30
 
 
 def test_swap_while_serving(bert: Server) -> None:

@@ -39,6 +39,17 @@ def options_from_json(name: str, data: dict[str, Any]) -> Any:
     return OPTIONS[name].from_json(data)
 
 
+def import_tools(*tools: str) -> None:
+    """Import the engines' own model tools ahead of use: "ort-quantization",
+    "ort-transformers", "nncf" (a memory baseline counts the library, not its first call)."""
+    if "ort-quantization" in tools:
+        import onnxruntime.quantization  # noqa: F401
+    if "ort-transformers" in tools:
+        import onnxruntime.transformers.optimizer  # noqa: F401
+    if "nncf" in tools:
+        import nncf  # noqa: F401
+
+
 def available_backends() -> list[str]:
     return [name for name, cls in BACKENDS.items() if cls().available()]
 
@@ -56,5 +67,6 @@ __all__ = [
     "available_backends",
     "default_options",
     "get_backend",
+    "import_tools",
     "options_from_json",
 ]

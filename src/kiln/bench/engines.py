@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -37,43 +38,59 @@ def parse_engines(text: str) -> list[str]:
 
 def engine_runner(
     name: str,
-    original: ir.Model,
+    original: ir.Model | str,
     feeds: dict[str, np.ndarray],
     calibration: list[dict[str, np.ndarray]] | None = None,
 ) -> Callable[[], object]:
     """Compile the original model for a baseline engine and return a run-once function."""
-    ort = get_backend("ort")
-    if name == "ort":
-        exe = ort.compile(original, OrtOptions(optimization="all"))
-    elif name == "ort-basic":
-        exe = ort.compile(original, OrtOptions(optimization="basic"))
-    elif name == "ort-transformers":
+    exe = engine_compile(name, engine_model(name, original, calibration))
+    return lambda: exe.run(feeds)
+
+
+def engine_model(
+    name: str,
+    original: ir.Model | str,
+    calibration: list[dict[str, np.ndarray]] | None = None,
+) -> ir.Model | str:
+    """The model `name` runs: the original (a model or its file), or what the engine's own
+    tool rewrote it into (its transformer optimizer, its int8 quantizer)."""
+    if name not in ENGINES:
+        raise KilnError(f"unknown engine '{name}'.")
+    if name == "ort-transformers":
         from kiln.backends.ort_transformers import transformers_optimize
 
-        proto = transformers_optimize(original)
-        exe = ort.compile(ir.serde.deserialize_model(proto), OrtOptions(optimization="all"))
-    elif name in ("openvino", "openvino-bf16"):
+        return ir.serde.deserialize_model(transformers_optimize(_as_model(original)))
+    if name in ("ort-int8", "openvino-int8"):
+        return _int8_by_hand(name, _as_model(original), calibration)
+    return original
+
+
+def engine_compile(name: str, model: ir.Model | str) -> Any:
+    """`model` (what engine_model gave) compiled with the engine's settings: an Executable."""
+    if name.startswith("openvino"):
         from kiln.backends.openvino import OpenVinoOptions
 
+        if name == "openvino-int8":  # its own default precision elsewhere
+            return get_backend("openvino").compile(model, OpenVinoOptions())
         wanted = "bf16" if name == "openvino-bf16" else "f32"
-        options = OpenVinoOptions(inference_precision=wanted)
-        exe = get_backend("openvino").compile(original, options)
+        exe = get_backend("openvino").compile(model, OpenVinoOptions(inference_precision=wanted))
         # OpenVINO may quietly run another precision than asked: name the engine honestly.
         if exe.precision != wanted:
             raise KilnError(
                 f"engine '{name}': OpenVINO runs {exe.precision} here, not {wanted} "
                 "(no bf16 support on this CPU?)."
             )
-    elif name in ("ort-int8", "openvino-int8"):
-        exe = _int8_by_hand(name, original, calibration)
-    else:
-        raise KilnError(f"unknown engine '{name}'.")
-    return lambda: exe.run(feeds)
+        return exe
+    level = "basic" if name == "ort-basic" else "all"
+    return get_backend("ort").compile(model, OrtOptions(optimization=level))
 
 
-def _int8_by_hand(name: str, original: ir.Model, samples: list | None = None):
+def _as_model(model: ir.Model | str) -> ir.Model:
+    return ir.load(model) if isinstance(model, str) else model
+
+
+def _int8_by_hand(name: str, original: ir.Model, samples: list | None = None) -> ir.Model:
     """What a user gets from the engine's own int8 tools with their defaults, nothing Kiln."""
-    from kiln.backends.openvino import OpenVinoOptions
     from kiln.backends.openvino_quant import quantize_nncf_int8
     from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
     from kiln.ir.inputs import default_dims, synthesize
@@ -84,12 +101,8 @@ def _int8_by_hand(name: str, original: ir.Model, samples: list | None = None):
     if samples is None:
         samples = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
     if name == "openvino-int8":
-        model = quantize_nncf_int8(original, samples, transformer=not conv)
-        return get_backend("openvino").compile(model, OpenVinoOptions())
+        return quantize_nncf_int8(original, samples, transformer=not conv)
     # ONNX Runtime's defaults quantize weights per tensor.
-    model = (
-        quantize_static_int8(original, samples, per_channel=False)
-        if conv
-        else quantize_dynamic_int8(original, per_channel=False)
-    )
-    return get_backend("ort").compile(model, OrtOptions(optimization="all"))
+    if conv:
+        return quantize_static_int8(original, samples, per_channel=False)
+    return quantize_dynamic_int8(original, per_channel=False)

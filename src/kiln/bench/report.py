@@ -42,13 +42,19 @@ def _kiln_runner(
         timing = session.artifact.manifest.benchmark or {}
         built = {"source": source, "auto": len(timing.get("candidates", {})) > 1}
         built["dims"] = session.artifact.manifest.dims
-        return original, lambda feeds: lambda: session.run(None, feeds), built
+        return original, lambda feeds: lambda: session.run(None, feeds), built, lambda _: model
     say(f"compiling {model}")
     config = CompileConfig(engine=backend, shapes=shapes or {})
     result, _ = build(load_source(model), config, progress=say)
     exe = get_backend(backend).compile(result.model, result.options)
     built = {"source": model, "auto": False}
-    return result.loaded.model, lambda feeds: lambda: exe.run(feeds), built
+
+    def artifact(where: Path) -> str:  # what the memory child opens: the build, saved
+        from kiln.compiler import save_result
+
+        return str(save_result(result, where / "kiln.kiln").path)
+
+    return result.loaded.model, lambda feeds: lambda: exe.run(feeds), built, artifact
 
 
 def run_bench(
@@ -63,13 +69,16 @@ def run_bench(
     backend: str = "ort",
     inputs: str | None = None,
     calib: str | None = None,
+    memory: bool = True,
 ) -> dict:
+    """Every engine timed interleaved, with its drift from fp32 and (`memory`) its resident
+    memory measured in a process of its own."""
     from kiln.compiler.reference import fit_original
     from kiln.ir.inputs import read_calibration, read_inputs
     from kiln.ir.ladder import Guess
 
     engines = parse_engines(against)
-    original, kiln_for, built = _kiln_runner(model, say, shapes, backend)
+    original, kiln_for, built, kiln_artifact = _kiln_runner(model, say, shapes, backend)
     dims = {**default_dims(original), **built.pop("dims", {})}  # an artifact's fitted dims
     dims |= dict.fromkeys(_leading_dims(original), batch)
     # synthesized inputs fitted as kiln optimize fits them
@@ -79,16 +88,16 @@ def run_bench(
         batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
     else:
         feeds = synthesize(original, dims, shapes=fit.shapes, scalars=fit.scalars)
-    samples = read_calibration(calib, original) if calib else None
-    if samples is None and any(name.endswith("-int8") for name in engines):
-        samples = [
+    calibration = read_calibration(calib, original) if calib else None
+    if calibration is None and any(name.endswith("-int8") for name in engines):
+        calibration = [
             synthesize(original, dims, seed=100 + i, shapes=fit.shapes, scalars=fit.scalars)
             for i in range(CALIBRATION_SAMPLES)
         ]  # the engines' own int8 tools calibrated on what the timed runs see
     runners = {}
     for name in engines:
         say(f"preparing engine {name}")
-        runners[name] = engine_runner(name, original, feeds, samples)
+        runners[name] = engine_runner(name, original, feeds, calibration)
     runners["kiln"] = kiln_for(feeds)
     say("measuring each engine's drift from the fp32 original")
     drift = _drift(runners, engine_runner("ort-basic", original, feeds)())
@@ -98,6 +107,9 @@ def run_bench(
     )
     baseline = engines[0] if engines else "kiln"
     compared = speedups(samples, baseline)
+    resident = {}
+    if memory:  # after the timing, which no child process may disturb
+        resident = _memory(engines, original, feeds, calibration, kiln_artifact, say)
     cpu = cpu_info()
     return {
         "command": command,
@@ -120,10 +132,47 @@ def run_bench(
                 "speedup_spread": compared[name].to_json()["speedup_spread"],
                 "verdict": compared[name].verdict,
                 "cosine_vs_fp32": drift[name],
+                **resident.get(name, {}),
             }
             for name in runners
         },
+        "memory": MEMORY_NOTE if memory else "not measured (--no-memory)",
     }
+
+
+MEMORY_NOTE = (
+    "peak_rss_mib per engine, each in a process of its own, above that process's RSS before "
+    "the build (the interpreter, the engine's library and tools imported, the inputs read): "
+    "load = the peak while building, run = the peak over 10 runs after it; weights_mib = the "
+    "initializer bytes of the model the engine opens, as stored"
+)
+
+
+def _memory(
+    engines: list[str],
+    original: ir.Model,
+    feeds: dict[str, np.ndarray],
+    calibration: list | None,
+    kiln_artifact: Callable[[Path], str],
+    say: Callable[[str], None],
+) -> dict[str, dict]:
+    """Each engine's memory (kiln.bench.memory): the original as a file the peers open, the
+    Kiln row's artifact as kiln.Session opens it."""
+    import tempfile
+
+    from kiln.bench.memory import engine_memory
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as where:
+        say("memory: writing the original for the engines' own processes")
+        path = Path(where) / "original.onnx"
+        ir.save(original, path, external_data="original.onnx.data")
+        artifact = kiln_artifact(Path(where))
+        measured = engine_memory(
+            engines, path, feeds, artifact=artifact, calibration=calibration,
+            on_engine=lambda name: say(f"memory of {name}, in a process of its own"),
+        )  # fmt: skip
+    keys = ("peak_rss_mib", "steady_rss_mib", "weights_mib", "baseline_mib")
+    return {name: {k: m[k] for k in keys} for name, m in measured.items()}
 
 
 def _leading_dims(model: ir.Model) -> list[str]:

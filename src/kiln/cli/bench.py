@@ -49,6 +49,14 @@ def bench(
         list[str], typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input.")
     ] = [],  # noqa: B006
     rounds: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory/--no-memory",
+            help="Also measure each engine's peak resident memory (load and run), each in a "
+            "process of its own, after the timing.",
+        ),
+    ] = True,
     runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 20,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
@@ -72,7 +80,7 @@ def bench(
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         result = run_bench(
             model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape),
-            inputs=inputs, calib=calib,
+            inputs=inputs, calib=calib, memory=memory,
         )  # fmt: skip
     result["advice"] = _advice(result)
     if output:

@@ -274,6 +274,10 @@ def _spread_of(verdict: dict | None) -> dict:
     return {"spread": verdict.get("speedup_spread"), "verdict": verdict.get("verdict")}
 
 
+def _peaks(peak: dict[str, float] | None) -> str:
+    return f"{peak['load']:.0f} / {peak['run']:.0f}" if peak else "—"
+
+
 def print_bench(result: dict[str, Any], console: Console) -> None:
     """`kiln bench`: the command, machine and versions, then one row per engine."""
     console.print(f"[dim]{escape(result['command'])}[/dim]")
@@ -293,6 +297,8 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         "per-round range",
         "verdict",
         "cosine vs fp32",
+        "peak MiB load / run",
+        "weights MiB",
         title=f"kiln bench {escape(result['model'])} (batch {result['batch']}, "
         f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
     )
@@ -310,6 +316,8 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
             f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "unknown (< 3 rounds)",
             f"[{style}]{escape(verdict)}[/{style}]" if style else escape(verdict),
             f"{e['cosine_vs_fp32']:.5f}",
+            _peaks(e.get("peak_rss_mib")),
+            f"{e['weights_mib']:.1f}" if "weights_mib" in e else "—",
         )
     console.print(table)
     console.print(
@@ -317,5 +325,7 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         "range is the lowest and highest per-round ratio: faster or slower only when every "
         "round agrees.[/dim]"
     )
+    if result.get("memory"):
+        console.print(f"[dim]Memory: {escape(result['memory'])}.[/dim]")
     if result.get("advice"):
         console.print(f"[yellow]{escape(result['advice'])}[/yellow]")

@@ -13,10 +13,8 @@ reads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -26,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.runtime.child import child_main, run_child
 
 Feeds = Mapping[str, np.ndarray]
 TIMEOUT_S = 600.0
@@ -95,22 +94,8 @@ def _dims_text(dims: Mapping[str, int]) -> str:
 
 
 def _child(args: list[str], timeout_s: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "kiln.runtime.footprint", *args]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise KilnError(
-            f"measuring the memory of {args[1]}: no answer in {timeout_s:g} s."
-        ) from None
-    lines = done.stdout.strip().splitlines()
-    try:
-        answer = json.loads(lines[-1]) if lines else {}
-    except ValueError:
-        answer = {}
-    if done.returncode != 0 or "error" in answer or not answer:
-        why = answer.get("error") or (done.stderr.strip().splitlines() or ["no answer"])[-1]
-        raise KilnError(f"measuring the memory of {args[1]}: {why}")
-    return answer
+    return run_child("kiln.runtime.footprint", args, f"measuring the memory of {args[1]}",
+                     timeout_s)  # fmt: skip
 
 
 # ------------------------------------------------------------------------- the child process
@@ -168,13 +153,7 @@ def _measure(argv: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        answer = _measure(argv)
-    except KilnError as exc:
-        print(json.dumps({"error": " ".join(str(exc).split())}))
-        return 2
-    print(json.dumps(answer))
-    return 0
+    return child_main(_measure, argv)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ class LoadMonitor:
         self.observed += 1
 
     def _shape_text(self, dims: dict[str, int]) -> str:
-        """"batch=1,seq=8", built once per shape (requests of one shape share their dims)."""
+        """ "batch=1,seq=8", built once per shape (requests of one shape share their dims)."""
         key = tuple(dims.items())
         text = self._texts.get(key)
         if text is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -168,6 +168,10 @@ class ServerMetrics:
             registry=r,
         )  # fmt: skip
         r.register(LiveModels(live))
+        # process_resident_memory_bytes and the rest of Prometheus' process metrics, and the
+        # peak beside them: what the machine must have free for this server.
+        ProcessCollector(registry=r)
+        r.register(PeakMemory())
 
     def model(self, name: str, version: str) -> ServeMetrics:
         """What one model (one version of it) counts, under its `model` label."""
@@ -233,6 +237,19 @@ class Observed(Protocol):
     def depth(self) -> int: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+class PeakMemory(Collector):
+    """The server process's peak resident memory: the kernel's high-water mark (VmHWM)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from kiln.runtime.footprint import peak_rss_mib
+
+        yield GaugeMetricFamily(
+            "kiln_process_peak_resident_memory_bytes",
+            "Peak resident memory of the server process since it started (VmHWM)",
+            value=peak_rss_mib() * 2**20,
+        )
 
 
 class LiveModels(Collector):

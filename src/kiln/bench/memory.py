@@ -1,0 +1,197 @@
+"""Each engine's resident memory, measured in a process of its own, so that one engine's arena,
+weights or import never counts against another's (and the timing process's heap against none).
+
+    engine_memory(["ort", "openvino"], "original.onnx", feeds, artifact="model.kiln")
+    → {"ort": {"peak_rss_mib": {"load": 612.0, "run": 455.3}, "baseline_mib": 121.0, ...}, ...}
+
+A child per engine (`python -m kiln.bench.memory ENGINE MODEL FEEDS.npz`) first imports what
+that engine needs (the engine's library, its quantization tool) and reads the inputs: its RSS
+then is the baseline. It builds the engine as `kiln bench` does — the peers from the original
+model's file, as a user opening it would; the `kiln` row as a `kiln.Session` of the artifact —
+and reads its peak RSS (VmHWM): `load` is that peak over the baseline. Then it drops what the
+build no longer needs, resets the high-water mark (Linux's /proc/self/clear_refs) and runs the
+engine `runs` times: `run` is the peak over those runs above the baseline — the memory a
+server holding this engine needs. `weights_mib` is the bytes of the model's initializers as
+stored in its file (the quantized model's, for the int8 engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.runtime.child import child_main, run_child
+from kiln.runtime.footprint import peak_rss_mib, rss_mib
+
+TIMEOUT_S = 900.0
+RUNS = 10
+# Built from the file the user has, as its engine opens it (the others rewrite the model first).
+_FROM_FILE = ("ort", "ort-basic", "openvino", "openvino-bf16")
+
+
+def engine_memory(
+    engines: list[str],
+    model: str | Path,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    artifact: str | Path | None = None,
+    calibration: list[dict[str, np.ndarray]] | None = None,
+    runs: int = RUNS,
+    on_engine: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per engine (the `kiln bench` names, and `kiln` when `artifact` is given), its memory in
+    MiB, each measured in a child process of its own. `model` is the original .onnx file."""
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-memory-") as where:
+        feeds_path = Path(where) / "feeds.npz"
+        np.savez(feeds_path, **{k: np.asarray(v) for k, v in feeds.items()})
+        calib_path = None
+        if calibration:
+            calib_path = Path(where) / "calibration.npz"
+            np.savez(calib_path, **{f"{i}/{k}": v for i, s in enumerate(calibration)
+                                    for k, v in s.items()})  # fmt: skip
+        names = [*engines, *(["kiln"] if artifact is not None else [])]
+        for name in names:
+            if on_engine:
+                on_engine(name)
+            source = artifact if name == "kiln" else model
+            args = [name, str(source), str(feeds_path), "--runs", str(runs)]
+            out[name] = _child(args + (["--calib", str(calib_path)] if calib_path else []))
+    return out
+
+
+def _child(args: list[str]) -> dict[str, Any]:
+    what = f"measuring the memory of engine {args[0]}"
+    return run_child("kiln.bench.memory", args, what, TIMEOUT_S)
+
+
+# ------------------------------------------------------------------------- the child process
+
+
+def _imports(engine: str) -> None:
+    """What building `engine` imports, loaded before the baseline is read: a library's own
+    size is the same for every model and is not the engine's memory for this one."""
+    from kiln.backends import get_backend, import_tools
+
+    get_backend("ort").describe()
+    if "openvino" in engine or engine == "kiln":
+        backend = get_backend("openvino")
+        if backend.available():
+            backend.describe()
+    tools = {"ort-int8": "ort-quantization", "openvino-int8": "nncf"}
+    import_tools(tools.get(engine, engine))
+
+
+def _build(engine: str, source: str, feeds: dict, calib: list | None, where: Path) -> tuple:
+    """The engine's run-once function, and the MiB of its model's weights as stored. A model
+    the engine's own tool rewrote is saved and opened from its file, as a user serves it."""
+    import onnx_ir as ir
+
+    from kiln.bench.engines import engine_compile, engine_model
+
+    if engine == "kiln":
+        from kiln.runtime import Session
+
+        session = Session(source)
+        return lambda: session.run(None, feeds), _weights_mib(session.artifact.model_path)
+    model: ir.Model | str = source
+    if engine not in _FROM_FILE:  # its tool reads the weights (from the cwd if left external)
+        model = ir.load(source)
+        ir.external_data.load_to_model(model)
+    model = engine_model(engine, model, calib)
+    if not isinstance(model, str):
+        path = where / f"{engine}.onnx"
+        ir.save(model, path, external_data=f"{engine}.onnx.data")
+        del model
+        gc.collect()
+        model = str(path)
+    exe = engine_compile(engine, model)
+    return lambda: exe.run(feeds), _weights_mib(model)
+
+
+def _weights_mib(path: str | Path) -> float:
+    import onnx_ir as ir
+
+    return _weights_of(ir.load(str(path)))
+
+
+def _weights_of(model: Any) -> float:
+    """Initializer bytes; an external one is counted from its header, never read."""
+    total = 0
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is not None:
+            total += tensor.nbytes
+    return total / 2**20
+
+
+def _calibration(path: str | None) -> list[dict[str, np.ndarray]] | None:
+    if path is None:
+        return None
+    samples: dict[int, dict[str, np.ndarray]] = {}
+    with np.load(path) as data:
+        for key in data.files:
+            index, name = key.split("/", 1)
+            samples.setdefault(int(index), {})[name] = data[key]
+    return [samples[i] for i in sorted(samples)]
+
+
+def _reset_peak() -> bool:
+    """Restart the kernel's high-water mark at the current RSS (Linux ≥ 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _measure(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m kiln.bench.memory")
+    parser.add_argument("engine")
+    parser.add_argument("model", help="the original .onnx file (an artifact for 'kiln')")
+    parser.add_argument("feeds", help=".npz of the inputs")
+    parser.add_argument("--calib", help=".npz of calibration samples, keys INDEX/INPUT")
+    parser.add_argument("--runs", type=int, default=RUNS)
+    args = parser.parse_args(argv)
+    _imports(args.engine)
+    with np.load(args.feeds) as data:
+        feeds = {k: data[k] for k in data.files}
+    calib = _calibration(args.calib)
+    gc.collect()
+    baseline = rss_mib()
+    with tempfile.TemporaryDirectory(prefix="kiln-engine-") as where:
+        run, weights = _build(args.engine, args.model, feeds, calib, Path(where))
+        load = peak_rss_mib()
+        del calib
+        gc.collect()
+        reset = _reset_peak()
+        for _ in range(args.runs):
+            run()
+    return {
+        "peak_rss_mib": {
+            "load": max(0.0, load - baseline),
+            "run": max(0.0, peak_rss_mib() - baseline),
+        },  # fmt: skip
+        "steady_rss_mib": max(0.0, rss_mib() - baseline),
+        "baseline_mib": baseline,
+        "weights_mib": weights,
+        "runs": args.runs,
+        # Without the reset, `run` is the whole child's peak: the load's, if that was higher.
+        "run_peak_includes_load": not reset,
+    }
+
+
+def main(argv: list[str]) -> int:
+    return child_main(_measure, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
