@@ -1,15 +1,20 @@
-"""`kiln export`: an artifact written for a serving engine users run at scale (Triton)."""
+"""`kiln export`: an artifact written for the serving engines users run at scale: a Triton
+model repository, and the KServe files that serve it."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kiln.cli.console import JsonOpt, console, emit_json, err
+from kiln.cli.console import JsonOpt, console, emit_json, err, progress
 from kiln.errors import KilnError
+
+if TYPE_CHECKING:  # kiln.deploy loads when the verb runs: `kiln --help` stays fast
+    from kiln.deploy import KServeExport, TritonExport
 
 
 def export(
@@ -33,22 +38,83 @@ def export(
             "Python backend."
         ),
     ] = "native",
+    kserve: Annotated[
+        Path | None,
+        typer.Option(
+            "--kserve",
+            help="Also write KServe's files serving REPO into this directory: "
+            "inferenceservice.yaml (and servingruntime.yaml, Dockerfile with --runtime kiln), "
+            "with resources and autoscaling from one replica measured here.",
+        ),
+    ] = None,
+    storage_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--storage-uri",
+            help="Where KServe finds REPO (s3://, gs://, pvc://, ...; default "
+            "pvc://kiln-models/<REPO's name>).",
+        ),
+    ] = None,
+    image: Annotated[
+        str | None,
+        typer.Option(
+            help="--kserve with --runtime kiln: the image of the ServingRuntime, built from the "
+            "Dockerfile written (default kiln-tritonserver:<kiln version>)."
+        ),
+    ] = None,
+    measure_s: Annotated[
+        float,
+        typer.Option(
+            "--measure-s", help="--kserve: seconds to serve one replica for its throughput."
+        ),
+    ] = 3.0,
     force: Annotated[
-        bool, typer.Option(help="Replace an existing version directory of the model.")
+        bool,
+        typer.Option(
+            help="Replace an existing version directory of the model (and --kserve's files)."
+        ),
     ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Write ARTIFACT into a Triton model repository: REPO/NAME/config.pbtxt and
-    REPO/NAME/VERSION/, ready for `tritonserver --model-repository REPO`."""
-    from kiln.deploy import export_triton
+    REPO/NAME/VERSION/, ready for `tritonserver --model-repository REPO`; with --kserve,
+    the InferenceService that serves REPO on KServe."""
+    from kiln.deploy import export_kserve, export_triton
 
     if triton is None:
-        raise KilnError("kiln export needs a destination: --triton REPO (a model repository).")
+        where = " (--kserve serves the repository --triton writes)" if kserve else ""
+        raise KilnError(
+            f"kiln export needs a destination: --triton REPO (a model repository){where}."
+        )
+    for flag, given in (("--storage-uri", storage_uri), ("--image", image)):
+        if given is not None and kserve is None:
+            raise KilnError(f"{flag} goes with --kserve DIR.")
+    if kserve is not None:
+        with progress() as bar:
+            task = bar.add_task(f"exporting {artifact}")
+
+            def say(message: str) -> None:  # the measuring takes seconds: said on one line
+                err.print(message, highlight=False, markup=False, soft_wrap=True)
+                bar.update(task, description=message)
+
+            served = export_kserve(artifact, triton, kserve, name=name, version=version,
+                                   runtime=runtime, storage_uri=storage_uri, image=image,
+                                   measure_s=measure_s, force=force, say=say)  # fmt: skip
+        if json_:
+            emit_json(served.to_json())
+            return
+        _print_triton(served.triton, python_note=False)  # the Dockerfile installs Kiln
+        _print_kserve(served, image_given=image is not None)
+        return
     done = export_triton(artifact, triton, name=name, version=version, runtime=runtime,
                          force=force)  # fmt: skip
     if json_:
         emit_json(done.to_json())
         return
+    _print_triton(done)
+
+
+def _print_triton(done: TritonExport, python_note: bool = True) -> None:
     config = done.config
     batching = (f"batches of up to {config['max_batch_size']}" if config["max_batch_size"]
                 else "no batching (the model has no batch dim)")  # fmt: skip
@@ -59,7 +125,7 @@ def export(
     )  # fmt: skip
     for note in done.notes:
         err.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
-    if done.runtime == "kiln":
+    if done.runtime == "kiln" and python_note:
         err.print(
             "note: Triton runs model.py with the python3 first on its PATH (or the config's "
             "EXECUTION_ENV_PATH): install kiln-ml there, with numpy<2 where Triton's Python "
@@ -68,5 +134,43 @@ def export(
         )  # fmt: skip
     console.print(
         f"serve it: tritonserver --model-repository {shlex.quote(str(done.repository))}",
+        highlight=False, markup=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+def _print_kserve(done: KServeExport, image_given: bool) -> None:
+    files = ", ".join(p.name for p in done.files)
+    on = ("KServe's Triton runtime" if done.image is None
+          else f"the ServingRuntime {done.serving_runtime} (image {done.image})")  # fmt: skip
+    replica = done.replica
+    console.print(
+        f"wrote {files} in {done.directory}: InferenceService '{done.service}' on {on}, "
+        f"storageUri {done.storage_uri}; cpu {done.cpu} ({done.threads_from}), memory "
+        f"{done.memory_mib}Mi (measured peak {math.ceil(replica.peak_mib)} MiB), "
+        f"containerConcurrency {done.container_concurrency} ({done.batch_from}), scaleTarget "
+        f"{done.scale_target}; one replica served {replica.rate_rps:.1f} requests/s",
+        highlight=False, markup=False, soft_wrap=True,
+    )  # fmt: skip
+    if not done.storage_given:
+        err.print(
+            f"note: KServe reads the repository from {done.storage_uri}: copy what is in "
+            f"{done.triton.repository} there, or pass --storage-uri s3://BUCKET/PATH where you "
+            "upload it",
+            highlight=False, markup=False, soft_wrap=True,
+        )  # fmt: skip
+    order = [p for p in done.files if p.suffix == ".yaml"]
+    if done.image is not None:
+        then = (
+            f"as {done.image}"
+            if image_given
+            else f"then pass --image REGISTRY/NAME:TAG (the ServingRuntime names {done.image})"
+        )
+        err.print(
+            f"note: build the image from {done.directory / 'Dockerfile'} and push it where the "
+            f"cluster pulls from, {then}", highlight=False, markup=False, soft_wrap=True,
+        )  # fmt: skip
+        order.reverse()  # the ServingRuntime before the InferenceService that names it
+    console.print(
+        "serve it: kubectl apply " + " ".join(f"-f {shlex.quote(str(p))}" for p in order),
         highlight=False, markup=False, soft_wrap=True,
     )  # fmt: skip

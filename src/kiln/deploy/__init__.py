@@ -1,12 +1,16 @@
 """Artifacts written for the engines users run at scale: a Triton model repository entry,
 for Triton's own ONNX Runtime or OpenVINO backend (the engine settings Kiln chose, in the
-config.pbtxt fields those backends document) or for Kiln's runtime in Triton's Python backend.
+config.pbtxt fields those backends document) or for Kiln's runtime in Triton's Python backend;
+and the KServe files that serve that repository, sized from one measured replica.
 
 Modules: `config` (the ModelConfig of an artifact), `pbtxt` (its config.pbtxt text),
 `triton` (the repository layout, written atomically), `python_model` (the model.py Triton
-runs; it runs only there). The verb is `kiln.cli.export`.
+runs; it runs only there), `kserve` (the InferenceService, ServingRuntime and Dockerfile),
+`measure` (one replica's memory and throughput, in a process of its own). The verb is
+`kiln.cli.export`.
 """
 
+from kiln.deploy.kserve import KServeExport, export_kserve
 from kiln.deploy.triton import TritonExport, export_triton
 
-__all__ = ["TritonExport", "export_triton"]
+__all__ = ["KServeExport", "TritonExport", "export_kserve", "export_triton"]
