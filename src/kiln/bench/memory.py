@@ -6,13 +6,15 @@ weights or import never counts against another's (and the timing process's heap 
 
 A child per engine (`python -m kiln.bench.memory ENGINE MODEL FEEDS.npz`) first imports what
 that engine needs (the engine's library, its quantization tool) and reads the inputs: its RSS
-then is the baseline. It builds the engine as `kiln bench` does — the peers from the original
-model's file, as a user opening it would; the `kiln` row as a `kiln.Session` of the artifact —
-and reads its peak RSS (VmHWM): `load` is that peak over the baseline. Then it drops what the
-build no longer needs, resets the high-water mark (Linux's /proc/self/clear_refs) and runs the
-engine `runs` times: `run` is the peak over those runs above the baseline — the memory a
-server holding this engine needs. `weights_mib` is the bytes of the model's initializers as
-stored in its file (the quantized model's, for the int8 engines).
+then is the baseline. It opens the engine as a user serving it would — the peers on the
+original model's file; the `kiln` row as a `kiln.Session` of the artifact — and reads its peak
+RSS (VmHWM): `load` is that peak over the baseline. Then it resets the high-water mark
+(Linux's /proc/self/clear_refs) and runs the engine `runs` times: `run` is the peak over those
+runs above the baseline — the memory a server holding this engine needs. An engine whose own
+tool rewrites the model first (int8 quantizers, the transformer optimizer) has that run in a
+child before, which saves the model it wrote for the engine's child to open: its peak is
+`tool_peak_mib`, a one-off cost apart from serving. `weights_mib` is the bytes of the model's
+initializers as stored in its file (the quantized model's, for the int8 engines).
 """
 
 from __future__ import annotations
@@ -61,9 +63,13 @@ def engine_memory(
         for name in names:
             if on_engine:
                 on_engine(name)
-            source = artifact if name == "kiln" else model
-            args = [name, str(source), str(feeds_path), "--runs", str(runs)]
-            out[name] = _child(args + (["--calib", str(calib_path)] if calib_path else []))
+            source, tool = str(artifact if name == "kiln" else model), {}
+            if name not in _FROM_FILE and name != "kiln":  # the engine's tool, on its own
+                prepared = str(Path(where) / f"{name}.onnx")
+                tool = _child([name, source, str(feeds_path), "--prepare-to", prepared,
+                               *(["--calib", str(calib_path)] if calib_path else [])])  # fmt: skip
+                source = prepared
+            out[name] = _child([name, source, str(feeds_path), "--runs", str(runs)]) | tool
     return out
 
 
@@ -89,31 +95,31 @@ def _imports(engine: str) -> None:
     import_tools(tools.get(engine, engine))
 
 
-def _build(engine: str, source: str, feeds: dict, calib: list | None, where: Path) -> tuple:
-    """The engine's run-once function, and the MiB of its model's weights as stored. A model
-    the engine's own tool rewrote is saved and opened from its file, as a user serves it."""
+def _prepare(engine: str, source: str, calib: list | None, out: str) -> None:
+    """Run the engine's own tool on the original (its int8 quantizer, its transformer
+    optimizer) and save what it wrote to `out`, as a user does before serving it."""
     import onnx_ir as ir
 
-    from kiln.bench.engines import engine_compile, engine_model
+    from kiln.bench.engines import engine_model
+
+    model = ir.load(source)
+    ir.external_data.load_to_model(model)  # the tool reads the weights itself, from the cwd
+    rewritten = engine_model(engine, model, calib)
+    ir.save(rewritten, out, external_data=f"{Path(out).name}.data")
+
+
+def _open(engine: str, source: str, feeds: dict) -> tuple[Callable[[], object], float]:
+    """The engine's run-once function on `source` (an artifact for `kiln`, else the .onnx
+    file it runs), and the MiB of that model's weights as stored."""
+    from kiln.bench.engines import engine_compile
 
     if engine == "kiln":
         from kiln.runtime import Session
 
         session = Session(source)
         return lambda: session.run(None, feeds), _weights_mib(session.artifact.model_path)
-    model: ir.Model | str = source
-    if engine not in _FROM_FILE:  # its tool reads the weights (from the cwd if left external)
-        model = ir.load(source)
-        ir.external_data.load_to_model(model)
-    model = engine_model(engine, model, calib)
-    if not isinstance(model, str):
-        path = where / f"{engine}.onnx"
-        ir.save(model, path, external_data=f"{engine}.onnx.data")
-        del model
-        gc.collect()
-        model = str(path)
-    exe = engine_compile(engine, model)
-    return lambda: exe.run(feeds), _weights_mib(model)
+    exe = engine_compile(engine, source)
+    return lambda: exe.run(feeds), _weights_mib(source)
 
 
 def _weights_mib(path: str | Path) -> float:
@@ -156,25 +162,25 @@ def _reset_peak() -> bool:
 def _measure(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m kiln.bench.memory")
     parser.add_argument("engine")
-    parser.add_argument("model", help="the original .onnx file (an artifact for 'kiln')")
+    parser.add_argument("model", help="the .onnx file the engine opens (an artifact for 'kiln')")
     parser.add_argument("feeds", help=".npz of the inputs")
     parser.add_argument("--calib", help=".npz of calibration samples, keys INDEX/INPUT")
     parser.add_argument("--runs", type=int, default=RUNS)
+    parser.add_argument("--prepare-to", help="run the engine's tool and save its model here")
     args = parser.parse_args(argv)
     _imports(args.engine)
     with np.load(args.feeds) as data:
         feeds = {k: data[k] for k in data.files}
-    calib = _calibration(args.calib)
     gc.collect()
     baseline = rss_mib()
-    with tempfile.TemporaryDirectory(prefix="kiln-engine-") as where:
-        run, weights = _build(args.engine, args.model, feeds, calib, Path(where))
-        load = peak_rss_mib()
-        del calib
-        gc.collect()
-        reset = _reset_peak()
-        for _ in range(args.runs):
-            run()
+    if args.prepare_to:
+        _prepare(args.engine, args.model, _calibration(args.calib), args.prepare_to)
+        return {"tool_peak_mib": max(0.0, peak_rss_mib() - baseline)}
+    run, weights = _open(args.engine, args.model, feeds)
+    load = peak_rss_mib()
+    reset = _reset_peak()
+    for _ in range(args.runs):
+        run()
     return {
         "peak_rss_mib": {
             "load": max(0.0, load - baseline),

@@ -144,7 +144,8 @@ MEMORY_NOTE = (
     "peak_rss_mib per engine, each in a process of its own, above that process's RSS before "
     "the build (the interpreter, the engine's library and tools imported, the inputs read): "
     "load = the peak while building, run = the peak over 10 runs after it; weights_mib = the "
-    "initializer bytes of the model the engine opens, as stored"
+    "initializer bytes of the model the engine opens, as stored; tool_peak_mib = the peak of the "
+    "engine's own tool (quantizer, optimizer) rewriting the model, in a process before"
 )
 
 
@@ -171,8 +172,8 @@ def _memory(
             engines, path, feeds, artifact=artifact, calibration=calibration,
             on_engine=lambda name: say(f"memory of {name}, in a process of its own"),
         )  # fmt: skip
-    keys = ("peak_rss_mib", "steady_rss_mib", "weights_mib", "baseline_mib")
-    return {name: {k: m[k] for k in keys} for name, m in measured.items()}
+    keys = ("peak_rss_mib", "steady_rss_mib", "weights_mib", "baseline_mib", "tool_peak_mib")
+    return {name: {k: m[k] for k in keys if k in m} for name, m in measured.items()}
 
 
 def _leading_dims(model: ir.Model) -> list[str]:
