@@ -47,6 +47,7 @@ from kiln.serve.service import (
     check_load_parameters,
     check_unload_parameters,
     infer,
+    repository_change,
     server_metadata,
 )
 
@@ -298,14 +299,14 @@ def _repository_routes(app: FastAPI, models: ModelSet) -> None:
     async def load(model: str, request: Request) -> JSONResponse:
         params = _repository_args(await request.body(), {"parameters": dict}, "load")
         check_load_parameters(list(params.get("parameters") or {}))
-        await run_in_threadpool(models.load, model)
+        await repository_change(models.load, model)
         return JSONResponse({})
 
     @app.post("/v2/repository/models/{model}/unload")
     async def unload(model: str, request: Request) -> JSONResponse:
         params = _repository_args(await request.body(), {"parameters": dict}, "unload")
         check_unload_parameters(list(params.get("parameters") or {}))
-        await run_in_threadpool(models.unload, model)
+        await repository_change(models.unload, model)
         return JSONResponse({})
 
 

@@ -58,6 +58,7 @@ from kiln.serve.service import (
     check_load_parameters,
     check_unload_parameters,
     infer,
+    repository_change,
     server_metadata,
     status_of,
 )
@@ -278,7 +279,7 @@ async def _repository_change(
     takes seconds: off the event loop, so other requests keep being answered."""
     _no_repository_name(request)
     check(list(request.parameters))
-    await asyncio.to_thread(change, request.model_name)
+    await repository_change(change, request.model_name)
 
 
 class InferenceServicer:

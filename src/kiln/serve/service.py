@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -55,6 +56,19 @@ def server_metadata(models: ModelSet) -> dict[str, Any]:
     model_repository)."""
     extensions = EXTENSIONS + (["model_repository"] if models.repository else [])
     return {"name": "kiln", "version": __version__, "extensions": extensions}
+
+
+# Loads and unloads run on threads of their own: an unload blocks its thread until the model's
+# requests are answered, and those answers need the shared pools' threads to encode them — a
+# burst of unloads on the shared pool (asyncio's has 6 threads on 2 cores) would starve the
+# very answers they wait for. Two at once; more wait their turn here, off the event loop.
+_REPOSITORY_CHANGES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-repository")
+
+
+async def repository_change(change: Callable[[str], object], model: str) -> None:
+    """`models.load` or `models.unload` of `model`, off the event loop and off the pools that
+    decode and encode requests."""
+    await asyncio.get_running_loop().run_in_executor(_REPOSITORY_CHANGES, change, model)
 
 
 def check_load_parameters(names: list[str]) -> None:
