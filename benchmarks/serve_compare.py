@@ -458,6 +458,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--lone-runs", type=int, default=20)
     parser.add_argument("--no-triton", action="store_true")
     parser.add_argument(
+        "--lone-only", action="store_true", help="only the lone-request rounds (no Triton)"
+    )
+    parser.add_argument(
         "--work",
         default=None,
         help="keep the artifacts built, null twins, "
@@ -508,7 +511,9 @@ def main() -> None:
         proc = stack.enter_context(kiln_serve(sources, log))  # starts while Triton does
         triton: list[Target] = []
         about = {"skipped": "--no-triton"}
-        if not args.no_triton:
+        if args.lone_only:
+            about = {"skipped": "--lone-only"}
+        elif not args.no_triton:
             triton, about = start_triton(stack, models, work)
         targets = kiln_targets(proc, log) + triton
         if "skipped" in about:
@@ -528,7 +533,7 @@ def main() -> None:
             f"(≥ {count * (args.warmup + args.seconds) / 60:.1f} min)",
             flush=True,
         )
-        blocks = throughput(targets, models, args)
+        blocks = {} if args.lone_only else throughput(targets, models, args)
         result.update({
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "artifacts": {m.name: str(m.artifact) for m in models},
