@@ -138,3 +138,93 @@ def speedups(samples: dict[str, list[list[float]]], baseline: str) -> dict[str, 
 
 def flatten(rounds: list[list[float]]) -> list[float]:
     return [x for r in rounds for x in r]
+
+
+# MLPerf's figure, as issue 22 cites it: fewer runs than this cannot back a P99 at 99 %
+# confidence, so a P99 from fewer is reported as such (`p99_backed`), not hidden.
+MIN_RUNS_FOR_P99 = 662
+BOOTSTRAP_RESAMPLES = 1000
+# Elements one bootstrap chunk draws at once: bounds the memory of long benchmarks.
+_BOOTSTRAP_CHUNK = 4_000_000
+# Total elements drawn over all resamples: a benchmark of millions of runs gets fewer
+# resamples rather than minutes of bootstrap.
+_BOOTSTRAP_BUDGET = 50_000_000
+
+
+@dataclass(frozen=True)
+class TailInterval:
+    """Bootstrap intervals (percentile method) of `round_stats`' P99 and jitter.
+
+    Each resample redraws the runs of every round (window) from that round's own runs, with
+    replacement, and computes P50 and P99 exactly as `round_stats` does, so the interval is
+    that of the figure printed beside it."""
+
+    p99_ms: tuple[float, float]
+    jitter: tuple[float, float]
+    confidence: float
+    resamples: int
+
+    def to_json(self) -> dict:
+        return {
+            "p99_interval_ms": list(self.p99_ms),
+            "jitter_interval": list(self.jitter),
+            "interval_confidence": self.confidence,
+            "bootstrap_resamples": self.resamples,
+        }
+
+
+def tail_interval(
+    rounds: list[list[float]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> TailInterval:
+    """Bootstrap intervals of the P99 and jitter of interleaved rounds (seconds per run).
+
+    Seeded, so the same runs always give the same interval. Each interval is widened to hold
+    the estimate itself: resamples of a P99 from few runs rarely redraw the slowest run, so
+    a pure percentile interval can sit wholly below the figure it is meant to qualify."""
+    windows = [np.asarray(r, dtype=float) * 1e3 for r in rounds if len(r)]
+    if not windows:
+        raise ValueError("tail_interval needs at least one run")
+    point = round_stats(rounds)
+    total = sum(len(w) for w in windows)
+    count = max(min(resamples, _BOOTSTRAP_BUDGET // total), 1)
+    p50, p99 = _bootstrap(windows, count, np.random.default_rng(seed))
+    jitter = np.divide(p99 - p50, p50, out=np.zeros_like(p50), where=p50 > 0)
+    tail = (1 - confidence) / 2 * 100
+    return TailInterval(
+        p99_ms=_holding(np.percentile(p99, [tail, 100 - tail]), point.p99_ms),
+        jitter=_holding(np.percentile(jitter, [tail, 100 - tail]), point.jitter),
+        confidence=confidence,
+        resamples=count,
+    )
+
+
+def _bootstrap(
+    windows: list[np.ndarray], count: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """`count` resamples' (P50 as the median of window medians, P99 over every run), drawn
+    in chunks so that no chunk holds more than `_BOOTSTRAP_CHUNK` runs."""
+    total = sum(len(w) for w in windows)
+    step = max(_BOOTSTRAP_CHUNK // total, 1)
+    p50s, p99s = [], []
+    for start in range(0, count, step):
+        size = min(step, count - start)
+        drawn = [w[rng.integers(0, len(w), (size, len(w)))] for w in windows]
+        medians = np.stack([np.median(d, axis=1) for d in drawn], axis=1)
+        p50s.append(np.median(medians, axis=1))
+        p99s.append(np.percentile(np.concatenate(drawn, axis=1), 99, axis=1))
+    return np.concatenate(p50s), np.concatenate(p99s)
+
+
+def _holding(bounds: np.ndarray, estimate: float) -> tuple[float, float]:
+    return min(float(bounds[0]), estimate), max(float(bounds[1]), estimate)
+
+
+def cqi(roofline_fraction: float, jitter: float) -> float:
+    """The quality index the reference system defines: fraction of the measured roofline ×
+    (1 − jitter), each clamped to [0, 1] so the index is too (a peak measured on a busy
+    machine can be beaten; a jitter above 1 means the tail is more than twice the median)."""
+    fraction = min(max(roofline_fraction, 0.0), 1.0)
+    return fraction * (1.0 - min(max(jitter, 0.0), 1.0))

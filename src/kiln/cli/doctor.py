@@ -1,5 +1,5 @@
-"""`kiln doctor`: what Kiln found on this machine: versions, CPU, engines, measured peaks and
-the bandwidth of each level of the memory hierarchy (L2, L3, DRAM)."""
+"""`kiln doctor`: what Kiln found on this machine: versions, CPU, engines, measured peaks, the
+bandwidth of each level of the memory hierarchy (L2, L3, DRAM) and the jitter floor."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ def doctor(
         bool, typer.Option("--refresh", help="Measure the peaks again instead of the cache.")
     ] = False,
 ) -> None:
-    """Python, Kiln and engine versions; CPU model, ISA features, cores and measured peaks."""
+    """Python, Kiln and engine versions; CPU model, ISA features, cores, measured peaks (cached)
+    and the jitter floor (fixed-work probes, measured now)."""
     import platform
 
     from kiln import __version__
     from kiln.backends import BACKENDS
-    from kiln.hardware import cpu_info, measured_peaks
+    from kiln.hardware import cpu_info, jitter_floor, measured_peaks
     from kiln.report.terminal import print_doctor
 
     cpu = cpu_info()
@@ -38,6 +39,10 @@ def doctor(
             bar.update(task, description=f"measuring peaks: {name}")
 
         peaks = measured_peaks(refresh, progress=step)
+        # Measured on every run, after the peaks (whose threads would disturb it): the floor
+        # is about this moment's load, which a cache would misreport.
+        bar.update(task, description="measuring the jitter floor (fixed-work probes)")
+        floor = jitter_floor()
     info = {
         "python": platform.python_version(),
         "kiln": __version__,
@@ -46,6 +51,7 @@ def doctor(
         "hardware_fingerprint": cpu.fingerprint,
         "engines": engines,
         "peaks": peaks.to_json(),
+        "jitter_floor": floor.to_json(),
     }
     if as_json:
         emit_json(info)
