@@ -13,9 +13,23 @@ import onnx_ir as ir
 from kiln import __version__
 from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
-from kiln.hardware import cpu_info
+from kiln.hardware import FloorSampler, JitterFloor, Peaks, cpu_info
+from kiln.hardware.jitter import FLOOR_RUNS
 from kiln.ir.inputs import default_dims, synthesize
-from kiln.timing import interleave, round_stats, speedups
+from kiln.timing import (
+    BOOTSTRAP_RESAMPLES,
+    MIN_RUNS_FOR_P99,
+    Speedup,
+    cqi,
+    interleave,
+    round_stats,
+    speedups,
+    tail_interval,
+)
+
+# The precision whose peak an engine's achieved FLOP/s is held to (the rest: fp32). The int8
+# engines keep some nodes in fp32, but their matrix products, the FLOPs counted, are int8.
+ENGINE_PRECISION = {"openvino-bf16": "bf16", "ort-int8": "int8", "openvino-int8": "int8"}
 
 
 def _kiln_runner(
@@ -42,12 +56,13 @@ def _kiln_runner(
         timing = session.artifact.manifest.benchmark or {}
         built = {"source": source, "auto": len(timing.get("candidates", {})) > 1}
         built["dims"] = session.artifact.manifest.dims
+        built["precision"] = session.artifact.manifest.precision.get("default", "fp32")
         return original, lambda feeds: lambda: session.run(None, feeds), built, lambda _: model
     say(f"compiling {model}")
     config = CompileConfig(engine=backend, shapes=shapes or {})
     result, _ = build(load_source(model), config, progress=say)
     exe = get_backend(backend).compile(result.model, result.options)
-    built = {"source": model, "auto": False}
+    built = {"source": model, "auto": False, "precision": result.precision}
 
     def artifact(where: Path) -> str:  # what the memory child opens: the build, saved
         from kiln.compiler import save_result
@@ -101,12 +116,12 @@ def run_bench(
     runners["kiln"] = kiln_for(feeds)
     say("measuring each engine's drift from the fp32 original")
     drift = _drift(runners, engine_runner("ort-basic", original, feeds)())
-    say("timing, interleaved")
-    samples = interleave(
-        runners, rounds=rounds, runs=runs, on_round=lambda r: say(f"round {r}/{rounds}")
-    )
+    flops, peaks, roof_note = _roofs(original, feeds, say)
+    samples, measured_floor = _timed_with_floor(runners, rounds, runs, say)
     baseline = engines[0] if engines else "kiln"
     compared = speedups(samples, baseline)
+    precisions = {name: ENGINE_PRECISION.get(name, "fp32") for name in engines}
+    precisions["kiln"] = built.get("precision", "fp32")
     resident = {}
     if memory:  # after the timing, which no child process may disturb
         resident = _memory(engines, original, feeds, calibration, kiln_artifact, say)
@@ -124,13 +139,18 @@ def run_bench(
         "versions": _versions(),
         "baseline": baseline,
         "kiln_build": built,
+        "p99_runs": rounds * runs,
+        "p99_backed": rounds * runs >= MIN_RUNS_FOR_P99,
+        "p99_note": f"MLPerf needs ≥ {MIN_RUNS_FOR_P99} runs to back a P99 at 99 % confidence",
+        "intervals": f"bootstrap 95 %: {BOOTSTRAP_RESAMPLES} resamples of the runs within each "
+        "round (seed 0), P50 and P99 computed as the figures they qualify",
+        "jitter_floor": measured_floor.to_json(),
+        "flops_per_run": flops,
+        "roofline": roof_note,
         "engines": {
             name: {
-                "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
-                **round_stats(samples[name], batch).to_json(),
-                "speedup_vs_baseline": compared[name].value,
-                "speedup_spread": compared[name].to_json()["speedup_spread"],
-                "verdict": compared[name].verdict,
+                **_timing_row(name, samples[name], batch, compared[name], measured_floor),
+                **_quality(flops, peaks, precisions[name], samples[name], batch),
                 "cosine_vs_fp32": drift[name],
                 **resident.get(name, {}),
             }
@@ -138,6 +158,101 @@ def run_bench(
         },
         "memory": MEMORY_NOTE if memory else "not measured (--no-memory)",
     }
+
+
+def _timed_with_floor(
+    runners: dict[str, Callable[[], object]], rounds: int, runs: int, say: Callable[[str], None]
+) -> tuple[dict[str, list[list[float]]], JitterFloor]:
+    """The engines timed interleaved, and the host's jitter floor measured between their
+    rounds: the probes see the same moments of the machine as the engines, and run at least
+    `FLOOR_RUNS` times each whatever the rounds."""
+    say("sizing the jitter floor's probes")
+    floor = FloorSampler()
+    per_round = -(-FLOOR_RUNS // rounds)
+
+    def after_round(done: int) -> None:
+        floor.window(per_round)
+        say(f"round {done}/{rounds}")
+
+    say("timing, interleaved")
+    samples = interleave(runners, rounds=rounds, runs=runs, on_round=after_round)
+    how = f"in this run ({per_round} runs of each probe after each round of the engines)"
+    return samples, floor.result(measured=how)
+
+
+def _timing_row(
+    name: str, rounds: list[list[float]], batch: int, compared: Speedup, floor: JitterFloor
+) -> dict:
+    """An engine's latency figures, its speedup, and its jitter beside the host's floor."""
+    latency = round_stats(rounds, batch)
+    tails = tail_interval(rounds)
+    return {
+        "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
+        **latency.to_json(),
+        "p99_interval_ms": list(tails.p99_ms),
+        "jitter_interval": list(tails.jitter),
+        "jitter_over_floor": latency.jitter / floor.floor if floor.floor > 0 else None,
+        "speedup_vs_baseline": compared.value,
+        "speedup_spread": compared.to_json()["speedup_spread"],
+        "verdict": compared.verdict,
+    }
+
+
+def _roofs(
+    original: ir.Model, feeds: dict[str, np.ndarray], say: Callable[[str], None]
+) -> tuple[int | None, Peaks | None, str]:
+    """FLOPs of one timed run (2 × the original's multiply-accumulates at the fed shapes: the
+    useful work, the same for every engine), this machine's peaks (kiln doctor's, from the
+    cache; measured once when there are none), and a note on what the fractions mean."""
+    from kiln.cost import count_flops
+    from kiln.hardware import measured_peaks
+
+    try:
+        flops = count_flops(ir.to_proto(original), _feed_dims(original, feeds))
+        peaks = measured_peaks(progress=lambda step: say(f"measuring this machine: {step}"))
+    except KilnError as exc:
+        return None, None, f"no roofline fraction or CQI: {exc}"
+    if not flops:
+        return None, peaks, "no roofline fraction or CQI: the model has no matrix products"
+    note = (
+        "roofline_fraction = achieved GFLOP/s (flops_per_run ÷ P50) ÷ the measured peak of the "
+        f"engine's precision (kiln doctor's peaks, measured {peaks.measured_at}); "
+        "cqi = roofline_fraction × (1 − jitter), each clamped to [0, 1]"
+    )
+    return flops, peaks, note
+
+
+def _quality(
+    flops: int | None, peaks: Peaks | None, precision: str, rounds: list[list[float]], batch: int
+) -> dict:
+    """Achieved GFLOP/s against the peak of `precision`, and the CQI."""
+    from kiln.cost import peak_compute
+    from kiln.cost.roofline import PRECISIONS
+
+    if flops is None or peaks is None:
+        return {"roofline_fraction": None, "cqi": None}
+    latency = round_stats(rounds, batch)
+    peak, used = peak_compute(peaks, precision if precision in PRECISIONS else "fp32")
+    achieved = flops / (latency.p50_ms * 1e6) if latency.p50_ms > 0 else 0.0
+    return {
+        "achieved_gflops": achieved,
+        "peak_gflops": peak,
+        "peak_precision": used,
+        "roofline_fraction": achieved / peak,
+        "cqi": cqi(achieved / peak, latency.jitter),
+    }
+
+
+def _feed_dims(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """The value the timed feeds give each symbolic input dim (the batch among them)."""
+    dims: dict[str, int] = {}
+    for value in model.graph.inputs:
+        if value.name not in feeds or value.shape is None:
+            continue
+        for dim, size in zip(value.shape, np.shape(feeds[value.name]), strict=False):
+            if not isinstance(dim, int) and dim.value:
+                dims[str(dim.value)] = int(size)
+    return dims
 
 
 MEMORY_NOTE = (

@@ -57,7 +57,12 @@ def bench(
             "process of its own, after the timing.",
         ),
     ] = True,
-    runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 20,
+    runs: Annotated[
+        int,
+        typer.Option(
+            help="Runs per engine per round (rounds × runs ≥ 662 back a P99 at 99 % confidence)."
+        ),
+    ] = 20,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
     ] = None,
@@ -68,6 +73,9 @@ def bench(
     Each engine's P50 is the median of its per-round P50s; its speedup is the first --against
     engine's P50 over its own, shown with the range of per-round ratios and a verdict: faster,
     no different within noise, or slower (3 rounds or more; fewer leave the spread unknown).
+    Every jitter stands beside the host's jitter floor, measured in the same run (fixed-work
+    probes between the rounds), and each engine's CQI is its fraction of the measured peak
+    × (1 − jitter).
     """
     from kiln.bench.report import run_bench
     from kiln.ir.inputs import parse_shapes

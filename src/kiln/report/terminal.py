@@ -154,6 +154,27 @@ def print_doctor(info: dict[str, Any], console: Console) -> None:
         when += f"; the machine was busy (load {load:.1f}): peaks may be low"
     table.add_row("peaks measured", when)
     console.print(table)
+    if info.get("jitter_floor"):
+        console.print(jitter_floor_table(info["jitter_floor"]))
+
+
+def jitter_floor_table(floor: dict[str, Any]) -> Table:
+    """The fixed-work probes' P50, P99 and jitter (with its bootstrap interval) and the floor:
+    the least tail any work shows on this machine, the yardstick for every other jitter."""
+    table = Table(
+        "probe", "work", "runs", "P50 ms", "P99 ms", "jitter", "95 % interval",
+        title=f"jitter floor {floor['floor']:.2f} ({escape(floor['probe'])}), measured "
+        f"{escape(floor['measured'])}",
+    )  # fmt: skip
+    for name, probe in floor["probes"].items():
+        low, high = probe["jitter_interval"]
+        table.add_row(
+            escape(name), escape(probe["work"]), f"{probe['runs']:,} in {probe['windows']} windows",
+            ms(probe["p50_ms"]), ms(probe["p99_ms"]), f"{probe['jitter']:.2f}",
+            f"{low:.2f}–{high:.2f}",
+        )  # fmt: skip
+    table.caption = "jitter = (P99 − P50) / P50; the floor is the lower of the probes' jitters"
+    return table
 
 
 def print_optimize(summary: dict[str, Any], console: Console) -> None:
@@ -291,7 +312,8 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         "P50 ms",
         "P90 ms",
         "P99 ms",
-        "jitter",
+        "jitter (× floor)",
+        "CQI (of peak)",
         "samples/s",
         f"× vs {escape(result['baseline'])}",
         "per-round range",
@@ -310,7 +332,8 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
             ms(e["p50_ms"]),
             ms(e["p90_ms"]),
             ms(e["p99_ms"]),
-            f"{e['jitter']:.2f}",
+            _over_floor(e),
+            _cqi(e),
             f"{e['throughput']:.1f}",
             f"{e['speedup_vs_baseline']:.2f}",
             f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "unknown (< 3 rounds)",
@@ -325,7 +348,38 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         "range is the lowest and highest per-round ratio: faster or slower only when every "
         "round agrees.[/dim]"
     )
+    if result.get("jitter_floor"):
+        console.print(f"[dim]{escape(_floor_note(result))}[/dim]")
     if result.get("memory"):
         console.print(f"[dim]Memory: {escape(result['memory'])}.[/dim]")
     if result.get("advice"):
         console.print(f"[yellow]{escape(result['advice'])}[/yellow]")
+
+
+def _over_floor(engine: dict[str, Any]) -> str:
+    """An engine's jitter and how many times the host's floor it is."""
+    ratio = engine.get("jitter_over_floor")
+    return f"{engine['jitter']:.2f}" + ("" if ratio is None else f" ({ratio:.1f}×)")
+
+
+def _cqi(engine: dict[str, Any]) -> str:
+    """The CQI and the fraction of the peak it is built on (None: FLOPs or peaks unknown)."""
+    if engine.get("cqi") is None:
+        return "—"
+    return f"{engine['cqi']:.3f} ({engine['roofline_fraction']:.1%})"
+
+
+def _floor_note(result: dict[str, Any]) -> str:
+    """What the jitter and CQI columns stand beside: the floor measured in this run, how many
+    runs back each P99, and what CQI is."""
+    floor = result["jitter_floor"]
+    low, high = floor["floor_interval"]
+    backed = "backs" if result.get("p99_backed") else "is below the 662 MLPerf needs to back"
+    return (
+        f"Jitter floor of this host: {floor['floor']:.2f} ({floor['probe']}, 95 % interval "
+        f"{low:.2f}–{high:.2f}), measured {floor['measured']}; "
+        f"× floor = the engine's jitter ÷ the floor. Each engine's P99 is from "
+        f"{result.get('p99_runs', '?')} runs, which {backed} a P99 at 99 % confidence. "
+        "CQI = fraction of the measured peak of the engine's precision (in brackets) × "
+        "(1 − jitter), each clamped to [0, 1]."
+    )

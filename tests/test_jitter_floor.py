@@ -1,0 +1,177 @@
+"""The jitter floor (kiln.hardware.jitter), the bootstrap interval and CQI (kiln.timing), and
+where they show: `kiln doctor` and `kiln bench` put every jitter beside the host's floor.
+
+The statistics are checked on synthetic timings (a fake clock, a probe that "sleeps" on every
+20th call in fake time); the real probes and verbs only for sanity, never for their values."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kiln.cli import app
+from kiln.hardware import FloorSampler, Peaks, jitter_floor, measured_peaks
+from kiln.hardware import peaks as peaks_module
+from kiln.hardware.jitter import Probe, probe_jitter
+from kiln.report.terminal import print_bench, print_doctor
+from kiln.timing import MIN_RUNS_FOR_P99, cqi, round_stats, tail_interval
+
+MS = 1_000_000  # nanoseconds
+# Peaks far above what a tiny model reaches on a CPU: its roofline fraction stays below 1.
+FAKE_PEAKS = Peaks(10_000.0, None, 40_000.0, 20.0, 2, "2026-01-01T00:00:00+00:00")
+
+
+class FakeClock:
+    """Nanoseconds that advance only when a fake probe runs: timings with no real time."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+    def probe(self, name: str, spike_every: int | None = None) -> Probe:
+        """~1 ms of fake work with a little steady variation; `spike_every`: every such call
+        also "sleeps" 5 ms, as a host that preempts the work does."""
+        calls = [0]
+
+        def run() -> None:
+            calls[0] += 1
+            self.now += MS + (calls[0] % 7) * 10_000
+            if spike_every and calls[0] % spike_every == 0:
+                self.now += 5 * MS
+
+        return Probe(name, f"fake {name}", run)
+
+
+def fake_floor(windows: int = 10, runs: int = 100, seed: int = 0):
+    clock = FakeClock()
+    probes = [clock.probe("steady"), clock.probe("noisy", spike_every=20)]
+    sampler = FloorSampler(probes, clock)
+    for _ in range(windows):
+        sampler.window(runs)
+    return sampler.result(seed, measured="in a test")
+
+
+def synthetic_windows(seed: int, windows: int = 10, runs: int = 100) -> list[list[float]]:
+    rng = np.random.default_rng(seed)
+    return [list(1e-3 * (1 + 0.02 * rng.standard_normal(runs))) for _ in range(windows)]
+
+
+def test_a_probe_that_stalls_every_20th_run_has_the_higher_jitter_and_sets_no_floor():
+    floor = fake_floor()
+    steady, noisy = floor.probes["steady"], floor.probes["noisy"]
+    assert steady.runs == noisy.runs == 1000 and steady.windows == 10
+    assert noisy.jitter > 10 * steady.jitter > 0  # 5 % of its runs take 6 ms instead of 1
+    assert floor.probe == "steady" and floor.floor == steady.jitter
+    assert noisy.p99_ms == pytest.approx(6.0, rel=0.05)
+
+
+def test_probe_figures_are_consistent_and_the_interval_holds_the_estimate():
+    for probe in fake_floor().probes.values():
+        low, high = probe.jitter_interval
+        assert probe.p99_ms >= probe.p50_ms > 0
+        assert low <= probe.jitter <= high
+        assert probe.p99_interval_ms[0] <= probe.p99_ms <= probe.p99_interval_ms[1]
+    shown = fake_floor().to_json()
+    assert shown["floor_interval"] == shown["probes"]["steady"]["jitter_interval"]
+    steady = shown["probes"]["steady"]
+    assert steady["p99_backed"] is (steady["runs"] >= MIN_RUNS_FOR_P99) is True
+
+
+def test_the_windowed_statistics_are_those_of_round_stats():
+    windows = synthetic_windows(1)
+    probe = probe_jitter("synthetic", "none", windows)
+    expected = round_stats(windows)
+    assert (probe.p50_ms, probe.p99_ms, probe.jitter) == (
+        expected.p50_ms,
+        expected.p99_ms,
+        expected.jitter,
+    )
+
+
+def test_the_bootstrap_is_deterministic_for_a_seed():
+    windows = synthetic_windows(2)
+    assert tail_interval(windows, seed=7) == tail_interval(windows, seed=7)
+    assert fake_floor(seed=3).to_json()["probes"] == fake_floor(seed=3).to_json()["probes"]
+    other = tail_interval(windows, seed=8).jitter
+    assert other != tail_interval(windows, seed=7).jitter  # the seed is what fixes it
+
+
+def test_the_interval_narrows_with_more_runs():
+    few = tail_interval(synthetic_windows(4, windows=5, runs=20)).jitter
+    many = tail_interval(synthetic_windows(4, windows=10, runs=500)).jitter
+    assert many[1] - many[0] < few[1] - few[0]
+
+
+def test_cqi_is_the_fraction_times_one_minus_jitter_within_zero_and_one():
+    assert cqi(0.5, 0.2) == pytest.approx(0.4)
+    assert cqi(1.7, 0.0) == 1.0  # a peak measured low can be beaten: still at most 1
+    assert cqi(0.5, 3.0) == 0.0 and cqi(0.0, 0.1) == 0.0
+    assert cqi(0.5, -0.1) == 0.5
+
+
+def test_the_real_probes_give_a_sane_floor():
+    floor = jitter_floor(runs=100, windows=4)
+    assert set(floor.probes) == {"python-loop", "numpy-matmul"}
+    assert floor.floor == min(p.jitter for p in floor.probes.values()) >= 0
+    assert floor.probes[floor.probe].jitter == floor.floor
+    for probe in floor.probes.values():
+        assert probe.runs == 100 and probe.p99_ms >= probe.p50_ms > 0
+        assert probe.jitter_interval[0] <= probe.jitter <= probe.jitter_interval[1]
+
+
+# ---------------------------------------------------------------------------- the verbs
+@pytest.fixture
+def cached_peaks(monkeypatch) -> Peaks:
+    """Peaks in this test's KILN_HOME cache, as `kiln doctor` leaves them (and no measuring
+    should a verb miss the cache)."""
+    monkeypatch.setattr(peaks_module, "measure", lambda progress=None: FAKE_PEAKS)
+    return measured_peaks()
+
+
+def kiln(*args: str) -> dict:
+    """The verb's --json, run in this process (a fresh interpreter would only add seconds)."""
+    done = CliRunner().invoke(app, list(args))
+    assert done.exit_code == 0, done.output
+    return json.loads(done.stdout)
+
+
+def rendered(render, data) -> str:
+    console = Console(record=True, width=250)
+    render(data, console)
+    return console.export_text()
+
+
+def test_bench_puts_each_jitter_beside_the_floor_and_reports_cqi(cached_peaks):
+    args = ("zoo:resnet-tiny", "--rounds", "2", "--runs", "5", "--no-memory", "--json")
+    result = kiln("bench", *args)
+    floor = result["jitter_floor"]
+    assert floor["floor"] == min(p["jitter"] for p in floor["probes"].values())
+    assert all(p["runs"] >= 1000 for p in floor["probes"].values())
+    assert result["p99_runs"] == 2 * 5 and result["p99_backed"] is False
+    assert result["flops_per_run"] > 0
+    for engine in result["engines"].values():
+        assert engine["jitter_over_floor"] == pytest.approx(engine["jitter"] / floor["floor"])
+        low, high = engine["jitter_interval"]
+        assert low <= engine["jitter"] <= high
+        assert engine["roofline_fraction"] > 0 and 0 <= engine["cqi"] <= 1
+        assert engine["peak_gflops"] == cached_peaks.fp32_gflops  # fp32 engines, fp32 peak
+    text = rendered(print_bench, result)
+    assert "jitter (× floor)" in text and "CQI" in text
+    kiln_row = result["engines"]["kiln"]
+    assert f"{kiln_row['cqi']:.3f}" in text and f"({kiln_row['jitter_over_floor']:.1f}×)" in text
+
+
+def test_doctor_measures_the_floor_and_shows_it(cached_peaks):
+    info = kiln("doctor", "--json")
+    floor = info["jitter_floor"]
+    assert floor["probe"] in floor["probes"] and "never cached" in floor["measured"]
+    assert all(p["runs"] >= 1000 for p in floor["probes"].values())
+    text = rendered(print_doctor, info)
+    assert f"jitter floor {floor['floor']:.2f}" in text
+    assert all(name in text for name in floor["probes"])
