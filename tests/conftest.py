@@ -5,11 +5,23 @@ from pathlib import Path
 
 import pytest
 
+from kiln.hardware.peaks import Peaks, cache_path, save_peaks
+
+# Every test's KILN_HOME starts with peaks cached, at fixed plausible values: the verbs that
+# place work on a roofline (`kiln bench`'s CQI, `kiln profile`) would otherwise measure this
+# machine's peaks (≈ 15 s) in every test. tests/test_hardware.py measures them for real, in
+# homes of its own.
+TEST_PEAKS = Peaks(
+    fp32_gflops=150.0, bf16_gflops=None, int8_gops=300.0, bandwidth_gbs=20.0, threads=2,
+    measured_at="2026-01-01T00:00:00+00:00",
+)  # fmt: skip
+
 
 @pytest.fixture(autouse=True)
 def kiln_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("kiln-home")
     monkeypatch.setenv("KILN_HOME", str(home))
+    save_peaks(cache_path(), TEST_PEAKS)
     return home
 
 

@@ -16,6 +16,12 @@ from kiln.hardware import peaks as peaks_module
 FAKE = Peaks(100.0, None, 400.0, 20.0, 2, "2026-01-01T00:00:00+00:00")
 
 
+@pytest.fixture(autouse=True)
+def no_cached_peaks() -> None:
+    """These tests are about measuring and caching: none starts with conftest's peaks."""
+    peaks_module.cache_path().unlink()
+
+
 @pytest.fixture(scope="module")
 def shared_home(tmp_path_factory):
     """One KILN_HOME for the tests that need a real measurement: it is made only once."""

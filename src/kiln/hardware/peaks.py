@@ -113,7 +113,7 @@ def measured_peaks(
         if cached is not None:
             return cached
     peaks = measure(progress)
-    _save(path, peaks)
+    save_peaks(path, peaks)
     return peaks
 
 
@@ -362,7 +362,7 @@ def _load(path: Path) -> Peaks | None:
         return None
 
 
-def _save(path: Path, peaks: Peaks) -> None:
+def save_peaks(path: Path, peaks: Peaks) -> None:
     """Write atomically (no reader sees half a file); an unwritable KILN_HOME costs a
     re-measurement next time, nothing else."""
     data = {"fingerprint": cpu_info().fingerprint, "cpu": cpu_info().to_json()}
