@@ -29,7 +29,8 @@ class CompileConfig:
 
     engine          ort | openvino | auto (every installed engine, the fastest verified kept)
     engine_options  overrides of the engine's settings for this precision (OrtOptions /
-                    OpenVinoOptions fields, e.g. {"intra_op_threads": 2})
+                    OpenVinoOptions fields, e.g. {"intra_op_threads": 2}), memory included:
+                    ORT prepacking, memory_arena, arena_extend, memory_pattern; OpenVINO mmap
     precision       fp32 | bf16 | int8 | int4 | auto
     pipeline        pass names in order; None: the engine's default pipeline
     metric, max_drop  the accuracy budget below fp32 (see kiln.verify.Budget)

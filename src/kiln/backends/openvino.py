@@ -66,6 +66,13 @@ class OpenVinoOptions:
     # executable per shape bucket); static shapes can run faster (ENGINE-NOTES: BERT batch 8,
     # 17 -> 24 samples/s on a Xeon; about 1.0x on this EPYC at 1x64 and 4x128).
     dim_overrides: dict[str, int] = field(default_factory=dict)
+    # ENABLE_MMAP, given to read_model (per read: the process's one Core is left as it is):
+    # True (OpenVINO's default) maps an external-data weights file and compiles from the
+    # mapping; False reads the weights into memory. Either way the CPU plugin keeps the
+    # original weights beside its repacked copy (resident ≈ 2 × weights): mapped, they are
+    # clean file pages the kernel can take back; read, they are the process's own memory.
+    # Weights inside the .onnx file are always read.
+    mmap: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,7 +237,9 @@ class OpenVinoExecutable:
         props = {**self.options.properties(), "PERF_COUNT": "YES"}
         # A profiling build must neither come from nor land in the model cache.
         props.pop("CACHE_DIR", None)
-        compiled, _ = _compile(self._model, self.options.device, props, self.options.dim_overrides)
+        compiled, _ = _compile(
+            self._model, self.options.device, props, self.options.dim_overrides, self.options.mmap
+        )
         request = compiled.create_infer_request()
         request.infer(feeds, share_inputs=True, share_outputs=True)
         # Read after an inference: only then does a dynamic model's runtime model hold the
@@ -297,7 +306,7 @@ class OpenVinoBackend:
             raise KilnError("backend 'openvino' is not installed; pip install openvino.")
         options = options or OpenVinoOptions()
         compiled, names = _compile(
-            model, options.device, options.properties(), options.dim_overrides
+            model, options.device, options.properties(), options.dim_overrides, options.mmap
         )
         return OpenVinoExecutable(compiled, names, options, model)
 
@@ -322,10 +331,11 @@ def _compile(
     device: str,
     props: dict[str, str],
     dim_overrides: dict[str, int] | None = None,
+    mmap: bool = True,
 ) -> tuple[ov.CompiledModel, tuple[list[str], list[str]]]:
     _check_device(device)
     try:
-        ov_model = _read(model)
+        ov_model = _read(model, mmap)
         if dim_overrides:
             ov_model.reshape(_fixed_shapes(model, dim_overrides))
         names = (
@@ -350,12 +360,12 @@ def _check_device(device: str) -> None:
         )
 
 
-def _read(model: ir.Model | str) -> ov.Model:
+def _read(model: ir.Model | str, mmap: bool = True) -> ov.Model:
     core = _core()
     if isinstance(model, str | os.PathLike):
         if not Path(model).is_file():
             raise KilnError(f"model file '{model}' not found.")
-        return core.read_model(str(model))
+        return core.read_model(str(model), config={"ENABLE_MMAP": bool(mmap)})
     tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value]
     size = sum(t.nbytes for t in tensors)
     # Weights still in an external file would be resolved against the working directory when

@@ -37,6 +37,9 @@ MODES = {
 _FATAL_ONLY = 4
 # ... nor do those of sessions Kiln does not open itself (the quantizers' calibration runs).
 ort.set_default_logger_severity(_FATAL_ONLY)
+# How the CPU arena grows when a request does not fit: by doubling its last region
+# (ONNX Runtime's default) or by exactly what was asked (OrtArenaCfg's arena_extend_strategy).
+ARENA_EXTEND = {"next_power_of_two": 0, "same_as_requested": 1}
 
 
 @dataclass
@@ -58,6 +61,14 @@ class OrtOptions:
     # path). ORT copies weights per session (20 BERT-base bucket sessions took 7 GB); and
     # its weight prepacking makes a per-session copy too, so that is turned off with it.
     share_weights: bool = False
+    # Memory decisions (defaults are ONNX Runtime's own). `prepacking` False sets
+    # session.disable_prepacking: MatMul/Conv weights are not repacked into the kernels'
+    # layout at load, so the session holds no packed copy beside them (slower GEMMs at batch
+    # > 1). `arena_extend` "same_as_requested" grows the CPU arena by exactly what a request
+    # needs instead of doubling; ONNX Runtime takes it only through an allocator registered
+    # with its environment, so such sessions share one arena (see `_shared_arena`).
+    prepacking: bool = True
+    arena_extend: str = "next_power_of_two"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +88,11 @@ class OrtOptions:
                 f"unknown ORT execution mode '{self.execution_mode}'; use one of "
                 f"{', '.join(MODES)}."
             )
+        if self.arena_extend not in ARENA_EXTEND:
+            raise KilnError(
+                f"unknown ORT arena_extend '{self.arena_extend}'; use one of "
+                f"{', '.join(ARENA_EXTEND)}."
+            )
         so = ort.SessionOptions()
         so.execution_mode = MODES[self.execution_mode]
         so.graph_optimization_level = LEVELS[self.optimization]
@@ -85,14 +101,43 @@ class OrtOptions:
         so.enable_cpu_mem_arena = self.memory_arena
         so.enable_mem_pattern = self.memory_pattern
         so.log_severity_level = _FATAL_ONLY
-        so.add_session_config_entry(
-            "session.intra_op.allow_spinning", "1" if self.spinning else "0"
-        )
-        for key, value in self.extra.items():
+        entries = {"session.intra_op.allow_spinning": "1" if self.spinning else "0"}
+        if not self.prepacking:
+            entries["session.disable_prepacking"] = "1"
+        if self.memory_arena and self.arena_extend != "next_power_of_two":
+            _shared_arena(self.arena_extend)
+            entries["session.use_env_allocators"] = "1"
+        for key, value in {**entries, **self.extra}.items():  # each once: ORT warns on repeats
             so.add_session_config_entry(key, value)
         for dim, size in self.dim_overrides.items():
             so.add_free_dimension_override_by_name(dim, int(size))
         return so
+
+
+_ARENAS: dict[str, str] = {}  # the one CPU allocator registered with ONNX Runtime's environment
+_ARENA_LOCK = threading.Lock()
+
+
+def _shared_arena(strategy: str) -> None:
+    """Register, once per process, the CPU arena allocator with `strategy` in ONNX Runtime's
+    environment; sessions opt in with session.use_env_allocators. The environment takes one
+    CPU allocator for the life of the process, so one strategy other than the default can be
+    had per process, and the sessions using it share one arena (what one frees, another
+    reuses; it is not returned when they close)."""
+    with _ARENA_LOCK:
+        if "cpu" in _ARENAS:
+            if _ARENAS["cpu"] != strategy:
+                raise KilnError(
+                    f"ORT arena_extend '{strategy}': this process already shares a CPU arena "
+                    f"that extends '{_ARENAS['cpu']}'; ONNX Runtime keeps one per process."
+                )
+            return
+        info = ort.OrtMemoryInfo(
+            "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+        )
+        config = ort.OrtArenaCfg({"arena_extend_strategy": ARENA_EXTEND[strategy]})
+        ort.create_and_register_allocator(info, config)
+        _ARENAS["cpu"] = strategy
 
 
 class OrtExecutable:
@@ -155,7 +200,8 @@ class OrtBackend:
         weights = None
         if options.share_weights and isinstance(model, str | os.PathLike) and Path(model).is_file():
             weights = _shared_weights(str(model))
-            so.add_session_config_entry("session.disable_prepacking", "1")
+            if options.prepacking and "session.disable_prepacking" not in options.extra:
+                so.add_session_config_entry("session.disable_prepacking", "1")
             for name, value in weights.values.items():
                 so.add_initializer(name, value)
         executable = OrtExecutable(_open(model, so), options, model)

@@ -107,6 +107,17 @@ def optimize(
         ),
     ] = 5,
     runs: Annotated[int, typer.Option(help="Runs per engine per round.")] = 10,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            help="The artifact's peak resident memory must fit, e.g. 1.5GB or 800MiB: measured "
+            "as a kiln.Session of it opened and run in a process of its own. Over it, the "
+            "engine's memory-saving options are tried, cheapest in time first (ONNX Runtime: "
+            "arena grown as requested, no memory pattern, no weight prepacking); the manifest "
+            "records each one's peak and latency. Nothing fits: an error, nothing written.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
@@ -143,7 +154,7 @@ def optimize(
         "max-drop": max_drop != 0.01, "calib": calib is not None,
         "calib-method": calib_method != "minmax", "block-size": block_size != 32,
         "inputs": inputs is not None, "shape": bool(shape), "no-verify": no_verify,
-        "skip-pass": bool(skip),
+        "skip-pass": bool(skip), "max-memory": max_memory is not None,
     }  # fmt: skip
     if config_file is not None:
         flags = [f"--{name}" for name, set_ in given.items() if set_]
@@ -174,6 +185,7 @@ def optimize(
         raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
     if config.is_auto and rounds <= 0:
         raise KilnError("auto picks the fastest candidate by timing; use --rounds > 0.")
+    budget = _memory_budget(max_memory, rounds)
     candidates(config)  # a missing engine or an unsupported precision fails before loading
     if output is not None:
         check_destination(output, force)  # before loading: a bad -o costs nothing
@@ -184,7 +196,14 @@ def optimize(
         destination = output or Path(f"{loaded.name}.kiln")
         check_destination(destination, force)
         replaced = replaces_existing(destination)
-        result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say)
+        fit = None
+        if budget is not None:
+            from kiln.compiler.memory import fit_candidates
+
+            fit = lambda results: fit_candidates(  # noqa: E731
+                results, budget, _measure_memory, rounds=rounds, runs=runs, say=say
+            )
+        result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say, fit=fit)
         say("writing the artifact")
         artifact = save_result(result, destination, bench, force=force)
     summary = _optimize_summary(artifact, bench, replaced)
@@ -196,6 +215,37 @@ def optimize(
         emit_json(summary)
     else:
         print_optimize(summary, console)
+
+
+def _memory_budget(text: str | None, rounds: int) -> float | None:
+    """--max-memory in MiB (sizes as `kiln tune --max-memory` reads them), or None."""
+    if text is None:
+        return None
+    from kiln.tune.objectives import parse_constraint
+
+    if rounds <= 0:
+        raise KilnError(
+            "--max-memory times what each memory-saving option costs; use --rounds > 0."
+        )
+    bound = parse_constraint("max_memory", text).bound
+    if bound <= 0:
+        raise KilnError(f"--max-memory {text}: give a size above zero, e.g. 1.5GB.")
+    return bound
+
+
+def _measure_memory(result: Any) -> dict[str, float]:
+    """A candidate's memory: saved, then opened as a kiln.Session and run in a process of its
+    own on its reference inputs (`kiln.runtime.footprint.peak_memory`), in MiB."""
+    import tempfile
+
+    from kiln.compiler import save_result
+    from kiln.runtime.footprint import peak_memory
+
+    with tempfile.TemporaryDirectory(prefix="kiln-optimize-memory-") as where:
+        path = save_result(result, Path(where) / "candidate.kiln").path
+        feeds = result.feeds[0] if result.feeds else None
+        measured = peak_memory(path, feeds, runs=10)
+    return {k: measured[k] for k in ("peak_mib", "load_mib", "steady_mib")}
 
 
 def _tried_everything(config: Any) -> bool:

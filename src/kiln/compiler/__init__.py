@@ -4,6 +4,7 @@ verified one."""
 
 from kiln.compiler.api import build, compile, save_result
 from kiln.compiler.candidate import CompileResult, compile_candidate, engine_options
+from kiln.compiler.memory import fit_candidates, fit_memory
 from kiln.compiler.select import candidates, fastest, time_candidates
 from kiln.config import CompileConfig
 
@@ -16,6 +17,8 @@ __all__ = [
     "compile_candidate",
     "engine_options",
     "fastest",
+    "fit_candidates",
+    "fit_memory",
     "save_result",
     "time_candidates",
 ]

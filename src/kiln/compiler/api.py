@@ -37,6 +37,8 @@ from kiln.passes.simplify import count_nodes
 # Any: a torch.nn.Module or torch.export.ExportedProgram (torch is not imported to name them)
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model | Any
 Progress = Callable[[str], None]
+# verified candidates → those within a budget, and why each other one is not
+Fit = Callable[[list[CompileResult]], tuple[list[CompileResult], dict[str, str]]]
 AUTO_ROUNDS = 5
 
 
@@ -126,10 +128,14 @@ def build(
     rounds: int | None = None,
     runs: int = 10,
     progress: Progress | None = None,
+    fit: Fit | None = None,
 ) -> tuple[CompileResult, dict | None]:
     """Every candidate `config` stands for, built and verified; the fastest verified one (or
     the only one) and the benchmark that chose it. A PyTorch source is verified on its example
-    inputs (unless others are given) and then against PyTorch's own outputs. Writes nothing."""
+    inputs (unless others are given) and then against PyTorch's own outputs. `fit`, given the
+    verified candidates, returns those that fit a budget and why the others do not (e.g.
+    `kiln.compiler.memory.fit_candidates` under --max-memory; it raises when none does); the
+    benchmark then holds the pick's `memory` record. Writes nothing."""
     say = progress or (lambda _msg: None)
     given, given_source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
     if given is None and loaded.example is not None:
@@ -152,11 +158,16 @@ def build(
     refused |= {r.label: r.verification.summary() for r in results if not r.ok}
     if not results:
         raise KilnError(f"{loaded.source}: no candidate could be built: {refused}.")
+    if fit is not None and verified:
+        verified, over = fit(verified)
+        refused |= over
     if rounds <= 0 or not verified:
         result, bench = (verified or results)[0], None
     else:
         result, bench = fastest(verified, time_candidates(verified, rounds, runs, say))
         bench["refused"] = refused
+        if result.memory is not None:
+            bench["memory"] = result.memory
     if loaded.example is not None:
         say(f"checking against {loaded.example.framework}'s own outputs")
         check_against_framework(result)

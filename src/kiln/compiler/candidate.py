@@ -65,6 +65,7 @@ class CompileResult:
     reference: list[list[np.ndarray]] = field(default_factory=list)  # the original's outputs
     plan: dict | None = None  # per-node precision, when not all fp32
     notes: list[str] = field(default_factory=list)  # what was used and what was not
+    memory: dict | None = None  # under a memory budget: what was measured (compiler.memory)
 
     @property
     def backend(self) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from kiln.backends.ort import ARENA_EXTEND
 from kiln.config import CALIBRATION_METHODS, CompileConfig
 from kiln.passes import default_pipeline
 from kiln.precision import ENGINES_FOR, is_static
@@ -76,14 +77,17 @@ class Space:
     throughput: bool = False  # search batch and concurrency too
     clients: int = 0  # > 0: served throughput; search the batcher's max batch and delay
     buckets: bool = False  # served recorded traffic of several shapes: search bucket sets
+    # memory is an objective or a limit: search the engines' memory options too (the arena's
+    # extend strategy, OpenVINO's weight mapping), which only memory can tell apart
+    memory: bool = False
 
     @classmethod
     def for_model(
         cls, engines: list[str], precisions: list[str], throughput: bool = False, clients: int = 0,
-        buckets: bool = False,
+        buckets: bool = False, memory: bool = False,
     ) -> Space:  # fmt: skip
         cores = os.cpu_count() or 1
-        return cls(tuple(engines), tuple(precisions), cores, throughput, clients, buckets)
+        return cls(tuple(engines), tuple(precisions), cores, throughput, clients, buckets, memory)
 
 
 def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> Choice:
@@ -130,8 +134,7 @@ def _pipeline(trial: Any, engine: str) -> tuple[str, ...]:
 def _ort(trial: Any, space: Space) -> dict[str, Any]:
     threads = trial.suggest_int("ort.threads", 1, space.cores)
     extra: dict[str, str] = {}
-    if not trial.suggest_categorical("ort.prepacking", [True, False]):
-        extra["session.disable_prepacking"] = "1"
+    prepacking = trial.suggest_categorical("ort.prepacking", [True, False])
     if trial.suggest_categorical("ort.denormal_as_zero", [False, True]):
         extra["session.set_denormal_as_zero"] = "1"
     if threads > 1 and trial.suggest_categorical("ort.pinning", [False, True]):
@@ -142,7 +145,7 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
     mode = trial.suggest_categorical("ort.execution_mode", ["sequential", "parallel"])
     # Parallel mode runs independent branches on the inter-op pool; sequential ignores it.
     inter = trial.suggest_int("ort.inter_threads", 1, space.cores) if mode == "parallel" else 0
-    return {
+    options = {
         "optimization": trial.suggest_categorical("ort.optimization", ["basic", "extended", "all"]),
         "intra_op_threads": threads,
         "inter_op_threads": inter,
@@ -150,8 +153,12 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
         "spinning": trial.suggest_categorical("ort.spinning", [True, False]),
         "memory_arena": trial.suggest_categorical("ort.memory_arena", [True, False]),
         "memory_pattern": trial.suggest_categorical("ort.memory_pattern", [True, False]),
+        "prepacking": prepacking,
         "extra": extra,
     }
+    if space.memory and options["memory_arena"]:
+        options["arena_extend"] = trial.suggest_categorical("ort.arena_extend", list(ARENA_EXTEND))
+    return options
 
 
 def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
@@ -169,6 +176,8 @@ def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
         "inference_num_threads": trial.suggest_int("openvino.threads", 1, space.cores),
         "extra": extra,
     }
+    if space.memory:
+        options["mmap"] = trial.suggest_categorical("openvino.mmap", [True, False])
     return options
 
 
@@ -213,11 +222,15 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
             "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
             "ort.execution_mode": "sequential",
         }  # fmt: skip
+        if space.memory:
+            params["ort.arena_extend"] = next(iter(ARENA_EXTEND))  # ORT's own
     else:
         params |= {
             "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
             "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
         }  # fmt: skip
+        if space.memory:
+            params["openvino.mmap"] = True
     if space.throughput and space.clients:
         params |= dict(SERVE_DEFAULTS) | ({"serve.buckets_per_dim": 0} if space.buckets else {})
     elif space.throughput:

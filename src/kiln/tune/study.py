@@ -130,8 +130,11 @@ def _space(plan: Plan) -> Space:
     throughput = any(o.measure == "throughput" for o in plan.objectives) or any(
         c.measure == "throughput" for c in plan.constraints
     )
+    memory = any(o.measure == "memory_mib" for o in plan.objectives) or any(
+        c.measure == "memory_mib" for c in plan.constraints
+    )
     return Space.for_model(plan.engines, plan.precisions, throughput, plan.clients,
-                           buckets=bool(plan.traffic))  # fmt: skip
+                           buckets=bool(plan.traffic), memory=memory)  # fmt: skip
 
 
 def _traffic(plan: Plan, loaded: LoadedModel) -> list[Shape] | None:
