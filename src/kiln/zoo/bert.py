@@ -32,6 +32,9 @@ class BertConfig:
 
 
 FULL = BertConfig()
+# bert-base with a long-context position table (Longformer extends RoBERTa's 512 rows to 4,096
+# the same way); everything else is FULL's, so one graph serves any seq up to 4,096 tokens.
+LONG = BertConfig(max_positions=4096)
 TINY = BertConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=1000, max_positions=64)
 
 
