@@ -82,7 +82,8 @@ def engine_compile(name: str, model: ir.Model | str) -> Any:
             )
         return exe
     level = "basic" if name == "ort-basic" else "all"
-    return get_backend("ort").compile(model, OrtOptions(optimization=level))
+    # As-is: ONNX Runtime's own spinning, not the stop Kiln's sessions choose.
+    return get_backend("ort").compile(model, OrtOptions(optimization=level, stop_spinning=False))
 
 
 def _as_model(model: ir.Model | str) -> ir.Model:

@@ -42,7 +42,10 @@ def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: S
     on the first reference input set."""
     original = results[0].loaded.model
     feeds = results[0].feeds[0] if results[0].feeds else synthesize(original)
-    baseline = get_backend("ort").compile(original, OrtOptions(optimization="all"))
+    baseline = get_backend("ort").compile(
+        original,
+        OrtOptions(optimization="all", stop_spinning=False),  # ORT as-is
+    )
     runners = {"ort": lambda: baseline.run(feeds)}
     for result in results:
         exe = get_backend(result.backend).compile(result.model, result.options)
