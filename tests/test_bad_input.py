@@ -567,3 +567,10 @@ def test_refused_destination_is_untouched_and_checked_before_writing(tmp_path, m
         write_artifact(tmp_path / "model.kiln", model, _manifest(model))
     assert "exists and is not a Kiln artifact; refusing to replace it." in str(info.value)
     assert snapshot(tmp_path) == before
+
+
+def test_shapes_take_a_named_dims_int_and_refuse_what_is_no_shape() -> None:
+    # `--shape seq=32` on the command line; {"seq": 32} from Python means the same.
+    assert CompileConfig(shapes={"seq": 32}).shapes == CompileConfig(shapes={"seq": (32,)}).shapes
+    with pytest.raises(KilnError, match=r"shapes\['x'\] = 'ab': give sizes"):
+        CompileConfig(shapes={"x": "ab"})

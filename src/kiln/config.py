@@ -78,9 +78,7 @@ class CompileConfig:
             )
         # Normalise containers so that equal configs compare equal and serialise the same.
         object.__setattr__(self, "engine_options", dict(self.engine_options))
-        object.__setattr__(
-            self, "shapes", {k: tuple(int(d) for d in v) for k, v in self.shapes.items()}
-        )
+        object.__setattr__(self, "shapes", {k: _shape(k, v) for k, v in self.shapes.items()})
         if self.pipeline is not None:
             object.__setattr__(self, "pipeline", tuple(self.pipeline))
         for name in ("inputs", "calib"):  # recorded absolute: a rebuild may run elsewhere
@@ -143,3 +141,16 @@ def read_config(path: str | Path) -> tuple[CompileConfig, str | None]:
     source = data.get("source")
     source = source.get("path") if isinstance(source, dict) else None
     return CompileConfig.from_json(data["config"], f"{path} (config)"), source
+
+
+def _shape(name: str, value: Any) -> tuple[int, ...]:
+    """A shape as given: a sequence of sizes, or one int (a named dim, as `--shape seq=32`)."""
+    if isinstance(value, int):
+        return (int(value),)
+    try:
+        return tuple(int(d) for d in value)
+    except (TypeError, ValueError):
+        raise KilnError(
+            f"shapes['{name}'] = {value!r}: give sizes, e.g. (1, 3, 224, 224), or one int for a "
+            "named dim, e.g. {'seq': 512}."
+        ) from None
