@@ -238,7 +238,8 @@ class KilnServer:
             self.port = s.getsockname()[1]
         self.url, self.name = f"127.0.0.1:{self.port}", name
         cmd = [sys.executable, "-m", "kiln", "serve", source, "--name", name, "--port",
-               str(self.port), "--max-batch", str(max_batch), "--max-delay-ms", "5",
+               str(self.port), "--grpc-port", "-1",  # HTTP only; 8001 may be taken
+               "--max-batch", str(max_batch), "--max-delay-ms", "5",
                "--warmup", *(["--buckets", buckets] if buckets else []), *extra]  # fmt: skip
         log = (
             Path(tempfile.gettempdir()) / f"kiln-serve-{self.port}.log"
