@@ -157,7 +157,7 @@ def test_a_slower_artifact_does_not_ship_without_a_word(tmp_path):
 def test_bench_gives_every_engine_a_spread_and_a_verdict(tmp_path):
     out = kiln_cli(
         "bench", MODEL, "--against", "ort,ort-basic", "--rounds", "3", "--runs", "3",
-        "-o", "b.json", "--json", cwd=tmp_path,
+        "--no-memory", "-o", "b.json", "--json", cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.stdout)
     base = result["engines"]["ort"]

@@ -31,6 +31,6 @@ def test_bench_takes_a_pt2_program_and_its_artifact(program, tmp_path, kind):
     target = program
     if kind == "artifact":
         target = kiln.compile(program, tmp_path / "cnn_pt2.kiln", rounds=0).path
-    result = run_bench(str(target), "ort-basic", 1, 1, 1, lambda _m: None)
+    result = run_bench(str(target), "ort-basic", 1, 1, 1, lambda _m: None, memory=False)
     assert result["kiln_build"]["source"].endswith("cnn.pt2")
     assert result["engines"]["kiln"]["cosine_vs_fp32"] > 0.999
