@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kiln.runtime.child import child_main, run_child
-from kiln.runtime.footprint import peak_rss_mib, rss_mib
+from kiln.runtime.footprint import peak_rss_mib, reset_peak, rss_mib
 
 TIMEOUT_S = 900.0
 RUNS = 10
@@ -149,16 +149,6 @@ def _calibration(path: str | None) -> list[dict[str, np.ndarray]] | None:
     return [samples[i] for i in sorted(samples)]
 
 
-def _reset_peak() -> bool:
-    """Restart the kernel's high-water mark at the current RSS (Linux ≥ 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _measure(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m kiln.bench.memory")
     parser.add_argument("engine")
@@ -178,7 +168,7 @@ def _measure(argv: list[str]) -> dict[str, Any]:
         return {"tool_peak_mib": max(0.0, peak_rss_mib() - baseline)}
     run, weights = _open(args.engine, args.model, feeds)
     load = peak_rss_mib()
-    reset = _reset_peak()
+    reset = reset_peak()
     for _ in range(args.runs):
         run()
     return {

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
-from kiln.runtime.footprint import peak_rss_mib, rss_mib
+from kiln.runtime.footprint import peak_rss_mib, reset_peak, rss_mib
 from kiln.train.config import Checkpointing
 
 Block = tuple[str, nn.Module]
@@ -177,16 +177,6 @@ def give_back_large_frees() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES)
     )
-
-
-def reset_peak() -> bool:
-    """Restart this process's resident high-water mark; False where the kernel cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def peak_mib() -> float:
