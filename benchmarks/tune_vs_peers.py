@@ -1,19 +1,26 @@
-"""Issue-11 benchmark: `kiln tune` against every peer a user would run by hand, interleaved.
+"""Issue-11/22 benchmark: `kiln tune` against every peer a user would run by hand, interleaved.
 
     python benchmarks/tune_vs_peers.py [--models resnet50,bert-base,unet3d] \
         [--minilm minilm.onnx --minilm-inputs sentences.npz --minilm-calib calib.npz] \
         [--objective latency|throughput] [--trials 16] [--time 20m] [--rounds 7] [--runs 10] \
-        [-o tune_vs_peers.json]
+        [--precision-auto] [--no-memory] [-o tune_vs_peers.json]
 
 For each model: `kiln tune MODEL --objective latency` (a fresh study; the strategy library
 of this machine warm-starts it when it holds other models), then `kiln bench ARTIFACT
 --against` ORT fp32 (ORT_ENABLE_ALL), ORT int8 (onnxruntime.quantization defaults), the ORT
 transformers optimizer (transformer models), OpenVINO fp32 / bf16 (where the CPU has bf16) /
-NNCF int8, LATENCY hint — all interleaved in one process. The best *in-budget* peer is the
-fastest whose worst cosine to the fp32 outputs is ≥ 0.99 (the budget Kiln holds itself to).
-Each row: Kiln's P50 against that peer's (target ≥ 1.1×), and jitter (P99−P50)/P50 against
-every peer's (target: lower than all). Where Kiln misses, the profile's roofline fraction
-says what limits it: `kiln profile ARTIFACT`.
+NNCF int8, LATENCY hint — all interleaved in one process. Each peer is labelled by the hand
+recipe it is (`recipes`): for a transformer such as bert-base, `openvino-int8` is NNCF's
+`ModelType.TRANSFORMER` preset on the original graph (nncf-transformer) and `ort-int8` ORT's
+`quantize_dynamic` defaults (ort-dynamic); for a CNN, NNCF's defaults and ORT's
+`quantize_static` defaults (QDQ, MinMax). The best *in-budget* peer is the fastest whose worst
+cosine to the fp32 outputs is ≥ 0.99 (the budget Kiln holds itself to). Each row: Kiln ÷ the
+best in-budget hand recipe, the ratio of their P50s (issue 22's target ≥ 1.00; issue 11's
+≥ 1.1), and jitter (P99−P50)/P50 against every peer's (target: lower than all). Where Kiln
+misses, the profile's roofline fraction says what limits it: `kiln profile ARTIFACT`.
+
+`--precision-auto`: instead of tuning, `kiln optimize MODEL --backend auto --precision auto`
+(every engine × precision, each hand recipe among the candidates), against the same peers.
 
 `--objective throughput`: `kiln tune --objective throughput` (batch ≤ 32 and concurrency
 searched), then samples/s of the tuned artifact (its batch, one session per stream) against
@@ -45,6 +52,7 @@ from kiln.config import CompileConfig
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, read_inputs, synthesize
 from kiln.ir.load import load_model
+from kiln.precision import conv_heavy, hand_recipe
 from kiln.tune import parse_objectives, plan_for, tune
 from kiln.tune.bench import batch_dim
 
@@ -52,32 +60,52 @@ MIN_COSINE = 0.99
 PEER_BATCH = 32  # the issue's throughput bound: batch ≤ 32
 WINDOW_S = 3.0
 TRANSFORMERS = {"bert-base", "minilm", "gpt2", "vit-b16"}
+TARGET_VS_HAND = 1.00  # issue 22: never behind a hand recipe
 
 
-def peers(name: str) -> str:
+def peers(name: str, model: ir.Model | None = None) -> str:
     from kiln.backends.openvino import cpu_runs_bf16
 
     engines = ["ort", "ort-int8", "openvino", "openvino-int8"]
-    if name in TRANSFORMERS:
+    if name in TRANSFORMERS or (model is not None and not conv_heavy(model)):
         engines.insert(2, "ort-transformers")
     if cpu_runs_bf16():
         engines.append("openvino-bf16")
     return ",".join(engines)
 
 
-def summarize(bench: dict) -> dict:
+def recipes(model: ir.Model, engines: str) -> dict[str, str]:
+    """Each peer's hand recipe, in the names Kiln's candidates use (kiln.precision.recipes)."""
+    named = {
+        "ort": "ORT as-is (ORT_ENABLE_ALL, fp32)",
+        "ort-transformers": "ORT transformers optimizer, then ORT_ENABLE_ALL",
+        "openvino": "OpenVINO as-is (fp32)",
+        "ort-int8": hand_recipe(model, "ort", "int8"),
+        "openvino-int8": hand_recipe(model, "openvino", "int8"),
+        "openvino-bf16": "openvino-bf16",
+    }
+    return {e: named.get(e, e) for e in engines.split(",")}
+
+
+def summarize(bench: dict, labels: dict[str, str] | None = None) -> dict:
     engines = bench["engines"]
     kiln = engines["kiln"]
     in_budget = {
         n: e for n, e in engines.items() if n != "kiln" and e["cosine_vs_fp32"] >= MIN_COSINE
     }
     best = min(in_budget, key=lambda n: in_budget[n]["p50_ms"])
+    ratio = in_budget[best]["p50_ms"] / kiln["p50_ms"]
     return {
         "kiln_p50_ms": kiln["p50_ms"],
         "kiln_jitter": kiln["jitter"],
+        "kiln_cosine": kiln["cosine_vs_fp32"],
         "best_peer": best,
+        "best_peer_recipe": (labels or {}).get(best, best),
         "best_peer_p50_ms": in_budget[best]["p50_ms"],
-        "speedup_vs_best_peer": in_budget[best]["p50_ms"] / kiln["p50_ms"],
+        "speedup_vs_best_peer": ratio,
+        "kiln_vs_best_hand_recipe": ratio,  # Kiln ÷ the best in-budget hand recipe
+        "meets_hand_target": ratio >= TARGET_VS_HAND,
+        "recipes": labels or {},
         "out_of_budget": sorted(set(engines) - set(in_budget) - {"kiln"}),
         "lowest_peer_jitter": min(e["jitter"] for n, e in engines.items() if n != "kiln"),
         "jitter_lowest": kiln["jitter"]
@@ -188,20 +216,81 @@ def summarize_throughput(bench: dict) -> dict:
     }
 
 
-def main() -> None:
+def tuned(args: argparse.Namespace, name: str, source: str, inputs: str | None,
+          calib: str | None, out: Path, say: Callable[[str], None]) -> dict:  # fmt: skip
+    """`kiln tune MODEL --objective ...` in a fresh study; what it picked and why."""
+    plan = plan_for(
+        source, objectives=parse_objectives([args.objective]), constraints=[],
+        base=CompileConfig(inputs=inputs, calib=calib), trials=args.trials,
+        timeout_s=args.time, url=None, study=f"tune-vs-peers-{name}-{int(time.time())}",
+        seconds_per_trial=args.seconds_per_trial,
+    )  # fmt: skip
+    return tune(plan, out, say=say).to_json()
+
+
+def auto(args: argparse.Namespace, source: str, inputs: str | None, calib: str | None,
+         out: Path, say: Callable[[str], None]) -> dict:  # fmt: skip
+    """`kiln optimize MODEL --backend auto --precision auto`, from Python: its benchmark
+    (every candidate, hand recipes included, the choice and its reason)."""
+    import kiln
+
+    artifact = kiln.compile(source, out, backend="auto", precision="auto", inputs=inputs,
+                            calib=calib, rounds=args.auto_rounds, runs=args.runs,
+                            progress=say, force=True)  # fmt: skip
+    return artifact.manifest.benchmark or {}
+
+
+def print_row(name: str, s: dict, throughput: bool) -> None:
+    if throughput:
+        print(
+            f"{name:10s} kiln {s['kiln']:.1f}/s  best peer {s['best_peer']} "
+            f"{s['best_peer_rate']:.1f}/s  → {s['speedup_vs_best_peer']:.2f}×"
+        )
+        return
+    met = "meets" if s["meets_hand_target"] else "MISSES"
+    print(
+        f"{name:10s} kiln P50 {s['kiln_p50_ms']:.2f} ms  best in-budget hand recipe "
+        f"{s['best_peer']} ({s['best_peer_recipe']}) {s['best_peer_p50_ms']:.2f} ms  → Kiln ÷ "
+        f"best hand recipe {s['kiln_vs_best_hand_recipe']:.2f}× ({met} ≥ {TARGET_VS_HAND:.2f})  "
+        f"jitter {s['kiln_jitter']:.2f} vs lowest peer {s['lowest_peer_jitter']:.2f}"
+    )
+
+
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,bert-base,unet3d")
     parser.add_argument("--minilm", help="all-MiniLM-L6-v2 exported to ONNX (real weights)")
     parser.add_argument("--minilm-inputs", help="real sentences (.npz)")
     parser.add_argument("--minilm-calib", help="other real sentences (.npz) to calibrate on")
     parser.add_argument("--objective", choices=["latency", "throughput"], default="latency")
+    parser.add_argument(
+        "--precision-auto",
+        action="store_true",
+        help="kiln optimize --backend auto --precision auto instead of kiln tune",
+    )
+    parser.add_argument(
+        "--auto-rounds",
+        type=int,
+        default=5,
+        help="--precision-auto: rounds kiln optimize times its candidates over",
+    )
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--time", type=float, default=20 * 60, help="seconds per study")
     parser.add_argument("--seconds-per-trial", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip each engine's resident-memory child process"
+    )
     parser.add_argument("-o", "--output", default="tune_vs_peers.json")
     args = parser.parse_args()
+    if args.precision_auto and args.objective == "throughput":
+        parser.error("--precision-auto compares latency: drop --objective throughput")
+    return args
+
+
+def main() -> None:
+    args = arguments()
     console = Console(stderr=True)
     say = lambda msg: console.log(msg)  # noqa: E731
     jobs = [(m, f"zoo:{m}", None, None) for m in args.models.split(",") if m]
@@ -209,45 +298,34 @@ def main() -> None:
         jobs.append(("minilm", args.minilm, args.minilm_inputs, args.minilm_calib))
     cpu = cpu_info()
     results = {"command": " ".join(["python", *__import__("sys").argv]),
+               "mode": "precision-auto" if args.precision_auto else "tune",
                "machine": {"cpu": cpu.model, "cores": cpu.logical_cores,
                            "features": cpu.features}, "models": {}}  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="tune-vs-peers-"))
+    throughput = args.objective == "throughput"
     for name, source, inputs, calib in jobs:
-        started = time.time()
-        plan = plan_for(
-            source, objectives=parse_objectives([args.objective]), constraints=[],
-            base=CompileConfig(inputs=inputs, calib=calib), trials=args.trials,
-            timeout_s=args.time, url=None, study=f"tune-vs-peers-{name}-{int(started)}",
-            seconds_per_trial=args.seconds_per_trial,
-        )  # fmt: skip
-        tuned = tune(plan, work / f"{name}.kiln", say=say)
-        say(f"{name}: tuned in {time.time() - started:.0f} s; benchmarking against peers")
-        if args.objective == "throughput":
-            bench = throughput_bench(work / f"{name}.kiln", source, tuned.pick["params"],
-                                     name, inputs, calib, args.rounds, say)  # fmt: skip
+        started, out = time.time(), work / f"{name}.kiln"
+        if args.precision_auto:
+            record = {"auto": auto(args, source, inputs, calib, out, say)}
+        else:
+            record = {"tune": tuned(args, name, source, inputs, calib, out, say)}
+        say(f"{name}: built in {time.time() - started:.0f} s; benchmarking against peers")
+        if throughput:
+            params = record["tune"]["pick"]["params"]
+            bench = throughput_bench(out, source, params, name, inputs, calib, args.rounds, say)
             summary = summarize_throughput(bench)
         else:
-            bench = run_bench(str(work / f"{name}.kiln"), peers(name), 1, args.rounds,
-                              args.runs, say, inputs=inputs, calib=calib)  # fmt: skip
-            summary = summarize(bench)
-        results["models"][name] = {"tune": tuned.to_json(), "bench": bench, "summary": summary,
-                                   "seconds": time.time() - started}  # fmt: skip
+            original = load_model(source).model
+            against = peers(name, original)
+            bench = run_bench(str(out), against, 1, args.rounds, args.runs, say, inputs=inputs,
+                              calib=calib, memory=not args.no_memory)  # fmt: skip
+            summary = summarize(bench, recipes(original, against))
+        record |= {"bench": bench, "summary": summary, "seconds": time.time() - started}
+        results["models"][name] = record
         say(f"{name}: {json.dumps(summary)}")
         Path(args.output).write_text(json.dumps(results, indent=2, default=float))
     for name, r in results["models"].items():
-        s = r["summary"]
-        if args.objective == "throughput":
-            print(
-                f"{name:10s} kiln {s['kiln']:.1f}/s  best peer {s['best_peer']} "
-                f"{s['best_peer_rate']:.1f}/s  → {s['speedup_vs_best_peer']:.2f}×"
-            )
-            continue
-        print(
-            f"{name:10s} kiln P50 {s['kiln_p50_ms']:.2f} ms  best in-budget peer "
-            f"{s['best_peer']} {s['best_peer_p50_ms']:.2f} ms  → "
-            f"{s['speedup_vs_best_peer']:.2f}×  jitter {s['kiln_jitter']:.2f} vs lowest peer "
-            f"{s['lowest_peer_jitter']:.2f}"
-        )
+        print_row(name, r["summary"], throughput)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,13 @@ def test_a_cut_that_leaves_a_path_around_names_it(resnet: ir.Model) -> None:
         extract(resnet, [late], [early])
     with pytest.raises(KilnError, match="'nope' is not a tensor"):
         extract(resnet, ["input"], ["nope"])
+
+
+def test_a_model_output_can_start_a_piece(resnet: ir.Model) -> None:
+    graph = resnet.graph
+    cut = list(graph)[len(graph) // 2].outputs[0]
+    both = ir.serde.deserialize_model(ir.serde.serialize_model(resnet))
+    both.graph.outputs.append(both.graph.node(len(graph) // 2).outputs[0])  # also given back
+    tail = extract(both, [cut.name], ["logits"], "server")
+    assert [v.name for v in tail.graph.inputs] == [cut.name]
+    assert [v.name for v in tail.graph.outputs] == ["logits"]

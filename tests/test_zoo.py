@@ -90,6 +90,7 @@ def test_names_full_first() -> None:
         "gpt2",
         "unet3d",
         "vit-b16",
+        "two-tower",
     }
     assert names == FULL + TINY
     assert set(TINY) == {
@@ -99,6 +100,7 @@ def test_names_full_first() -> None:
         "gpt2-tiny",
         "unet3d-tiny",
         "vit-tiny",
+        "two-tower-tiny",
     }
 
 

@@ -12,6 +12,7 @@ _LAZY = {
     "CompileConfig": ("kiln.config", "CompileConfig"),
     "KilnError": ("kiln.errors", "KilnError"),
     "Session": ("kiln.tune.feedback", "Session"),  # the runtime Session, + feedback=True
+    "split": ("kiln.compiler.split", "split"),  # an edge part and a server part (kiln split)
 }
 
 
@@ -30,4 +31,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["CompileConfig", "KilnError", "Session", "__version__", "compile"]
+__all__ = ["CompileConfig", "KilnError", "Session", "__version__", "compile", "split"]

@@ -21,6 +21,17 @@ ENGINES = ("ort", "openvino")
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 AUTO = "auto"
+# Hand recipes: an engine's own tool with its defaults on the original graph (kiln.precision.
+# recipes says what each runs), and the engine and precision each is for. HAND is resolved
+# by the compile to the one a user would pick for the model (transformer or CNN).
+HAND = "hand"
+RECIPES = {
+    "nncf-transformer": ("openvino", "int8"),
+    "nncf-default": ("openvino", "int8"),
+    "ort-dynamic": ("ort", "int8"),
+    "ort-static": ("ort", "int8"),
+    "openvino-bf16": ("openvino", "bf16"),
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,12 @@ class CompileConfig:
     inputs          reference inputs (.npz) for verification; None: synthesized
     shapes          input name → shape, for dynamic dims Kiln cannot guess
     verify          False only when the user says --no-verify
+    recipe          None: Kiln's own; or a hand recipe (RECIPES, or "hand": the model's) on
+                    the original graph (pipeline ()), the guard keeping layers only past budget
+    partition       none: one part; auto: the graph's independent branches and their join as
+                    parts, each placed on the engine measured fastest for it, kept only when
+                    faster than the best single-engine build (kiln.compiler.partition); or a
+                    placement "image=openvino,text=ort:bf16" (unnamed parts: `engine`)
     """
 
     engine: str = "ort"
@@ -52,6 +69,8 @@ class CompileConfig:
     inputs: str | None = None
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     verify: bool = True
+    recipe: str | None = None
+    partition: str = "none"
 
     def __post_init__(self) -> None:
         if self.engine not in (*ENGINES, AUTO):
@@ -76,6 +95,10 @@ class CompileConfig:
             raise KilnError(
                 f"--max-drop {self.max_drop} is a fraction: use a value in [0, 1), e.g. 0.01."
             )
+        _check_recipe(self)
+        partition_placement(self.partition)  # a bad placement is refused before any work
+        if self.recipe is not None:  # a recipe runs on the original graph: no passes
+            object.__setattr__(self, "pipeline", ())
         # Normalise containers so that equal configs compare equal and serialise the same.
         object.__setattr__(self, "engine_options", dict(self.engine_options))
         object.__setattr__(self, "shapes", {k: _shape(k, v) for k, v in self.shapes.items()})
@@ -141,6 +164,61 @@ def read_config(path: str | Path) -> tuple[CompileConfig, str | None]:
     source = data.get("source")
     source = source.get("path") if isinstance(source, dict) else None
     return CompileConfig.from_json(data["config"], f"{path} (config)"), source
+
+
+def _check_recipe(config: CompileConfig) -> None:
+    recipe = config.recipe
+    if recipe is None:
+        return
+    if recipe != HAND and recipe not in RECIPES:
+        raise KilnError(
+            f"unknown recipe '{recipe}'; use one of {', '.join([HAND, *RECIPES])} or none."
+        )
+    if config.pipeline:
+        raise KilnError(
+            f"recipe '{recipe}' runs on the original graph: give no pipeline (or pipeline=())."
+        )
+    wanted = RECIPES.get(recipe)
+    given = (config.engine, config.precision)
+    if wanted and AUTO not in given and given != wanted:
+        raise KilnError(
+            f"recipe '{recipe}' is {wanted[0]} {wanted[1]}, not {given[0]} {given[1]}; use "
+            f"--backend {wanted[0]} --precision {wanted[1]}."
+        )
+
+
+NO_PARTITION = "none"
+
+
+def partition_placement(text: str) -> dict[str, tuple[str, str | None]]:
+    """An explicit placement, "PART=ENGINE[:PRECISION],...", as {part: (engine, precision)};
+    {} for none and auto. KilnError naming what is wrong (the parts themselves are checked
+    against the model when it is loaded)."""
+    if text in (NO_PARTITION, AUTO):
+        return {}
+    placement: dict[str, tuple[str, str | None]] = {}
+    for item in str(text).split(","):
+        part, _, target = item.strip().partition("=")
+        engine, _, precision = target.partition(":")
+        if not part or not engine:
+            raise KilnError(
+                f"--partition '{text}': give none, auto, or PART=ENGINE[:PRECISION],... "
+                "e.g. image=openvino,text=ort."
+            )
+        if engine not in ENGINES:
+            raise KilnError(
+                f"--partition '{text}': unknown engine '{engine}' for part '{part}'; use one "
+                f"of {', '.join(ENGINES)}."
+            )
+        if precision and precision not in PRECISIONS:
+            raise KilnError(
+                f"--partition '{text}': unknown precision '{precision}' for part '{part}'; "
+                f"use one of {', '.join(PRECISIONS)}."
+            )
+        if part in placement:
+            raise KilnError(f"--partition '{text}': part '{part}' is placed twice.")
+        placement[part] = (engine, precision or None)
+    return placement
 
 
 def _shape(name: str, value: Any) -> tuple[int, ...]:

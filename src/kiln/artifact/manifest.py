@@ -22,6 +22,7 @@ from kiln.verify import Verification
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
+PARTS_BACKEND = "parts"  # the backend a partitioned artifact's manifest names
 
 
 @dataclass
@@ -74,6 +75,9 @@ class Manifest:
     buckets: dict[str, list[int]] = field(default_factory=dict)
     benchmark: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)  # options given and not used, and why
+    # A partitioned artifact's parts (kiln.artifact.parts.PartsSection as JSON); its backend
+    # is then PARTS_BACKEND, each part recording its own.
+    parts: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +100,8 @@ class Manifest:
             )
         try:
             manifest = cls._parse(data, version)
-            _check_backend(manifest.backend)
+            if manifest.parts is None:
+                _check_backend(manifest.backend)
         except KilnError as exc:
             raise KilnError(f"{where}: {exc} Rebuild it with kiln optimize.") from None
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
@@ -133,6 +138,7 @@ class Manifest:
             buckets=dict(data.get("buckets") or {}),
             benchmark=data.get("benchmark"),
             notes=[str(n) for n in data.get("notes") or []],
+            parts=data.get("parts") or None,
             format_version=FORMAT_VERSION,
         )
 

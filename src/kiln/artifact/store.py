@@ -10,6 +10,7 @@ import json
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import onnx_ir as ir
 
 from kiln.artifact.manifest import Manifest
+from kiln.artifact.parts import PARTS_DIR, PartsSection, one_part_only, read_parts
 from kiln.errors import KilnError, ModelError
 from kiln.hardware import cpu_info
 from kiln.home import output_problem
@@ -98,12 +100,8 @@ def write_artifact(
     left untouched unless `force`. On any failure nothing is left behind: no partial or
     temporary directory, and what was at `destination` stays there.
     """
-    destination = Path(destination)
-    parent = check_destination(destination, force)
-    tmp = old = None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+
+    def fill(tmp: Path) -> None:
         size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
         if size > EXTERNAL_THRESHOLD:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
@@ -111,6 +109,37 @@ def write_artifact(
             ir.save(model, tmp / MODEL_FILE)
         _write_json(tmp / "provenance.json", provenance_map(model))
         _write_json(tmp / "manifest.json", manifest.to_json())
+
+    _write_atomically(Path(destination), fill, force)
+    return Artifact(Path(destination), manifest)
+
+
+def write_partitioned(
+    destination: Path,
+    manifest: Manifest,
+    provenance: dict[str, dict[str, Any]],
+    fill: Callable[[Path], None],
+    force: bool = False,
+) -> Artifact:
+    """A partitioned artifact, written as atomically as `write_artifact`: `fill(directory)`
+    writes the parts into the temporary directory (see kiln.artifact.parts)."""
+
+    def write(tmp: Path) -> None:
+        fill(tmp)
+        _write_json(tmp / "provenance.json", provenance)
+        _write_json(tmp / "manifest.json", manifest.to_json())
+
+    _write_atomically(Path(destination), write, force)
+    return Artifact(Path(destination), manifest)
+
+
+def _write_atomically(destination: Path, fill: Callable[[Path], None], force: bool) -> None:
+    parent = check_destination(destination, force)
+    tmp = old = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+        fill(tmp)
         _refuse_non_artifact(destination, force)  # it may have changed while we compiled
         if destination.exists() or destination.is_symlink():
             # Move the old one aside first, so a failed rename can put it back.
@@ -132,11 +161,10 @@ def write_artifact(
     finally:
         for leftover in (tmp, old):
             remove_tree(leftover)
-    return Artifact(destination, manifest)
 
 
 # What write_artifact puts in an artifact: anything else in one is the user's.
-ARTIFACT_FILES = frozenset({"manifest.json", MODEL_FILE, DATA_FILE, "provenance.json"})
+ARTIFACT_FILES = frozenset({"manifest.json", MODEL_FILE, DATA_FILE, "provenance.json", PARTS_DIR})
 
 
 def check_destination(destination: Path, force: bool = False) -> Path:
@@ -205,6 +233,8 @@ def read_artifact(path: str | Path) -> Artifact:
         ) from None
     if not isinstance(manifest, dict):
         raise KilnError(f"{manifest_path}: corrupted manifest. Rebuild it with kiln optimize.")
+    if manifest.get("parts"):  # one graph on one engine is what every reader here expects
+        raise one_part_only(path, _parts_of(path))
     manifest = Manifest.from_json(manifest, str(manifest_path))
     if not (path / MODEL_FILE).is_file():
         raise KilnError(f"{path}: the artifact is missing {MODEL_FILE}.")
@@ -221,6 +251,29 @@ def read_artifact(path: str | Path) -> Artifact:
             stacklevel=2,
         )
     return Artifact(path, manifest)
+
+
+def read_partitioned(path: str | Path) -> tuple[Artifact, PartsSection, dict[str, Artifact]]:
+    """Open a partitioned artifact: the whole (its manifest), its parts section, and each part
+    opened as `read_artifact` opens an artifact."""
+    path = Path(path)
+    section = _parts_of(path)
+    try:
+        data = json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KilnError(
+            f"{path}/manifest.json: corrupted manifest ({_one_line(exc)}). {REBUILD}"
+        ) from None
+    whole = Artifact(path, Manifest.from_json(data, str(path / "manifest.json")))
+    parts = {p.name: read_artifact(path / p.path) for p in section.parts}
+    return whole, section, parts
+
+
+def _parts_of(path: Path) -> PartsSection:
+    section = read_parts(path)
+    if section is None or not section.parts:
+        raise KilnError(f"{path}: not a partitioned artifact (no parts in its manifest).")
+    return section
 
 
 def _one_line(exc: BaseException) -> str:

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 import numpy as np
 import onnx_ir as ir
 
+from kiln.errors import KilnError
+
 
 @dataclass(frozen=True)
 class KernelRecord:
@@ -62,3 +64,15 @@ class Backend(Protocol):
     def describe(self) -> dict[str, str]: ...
 
     def compile(self, model: ir.Model | str, options: Any = None) -> Executable: ...
+
+
+def check_flags(
+    engine: str, options: object, flags: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> None:
+    """Each of `flags` must be True or False, each of `optional` also None (the engine's own
+    default): a manifest or a tuner that wrote "yes" or 1 is named here, not read as truthy."""
+    for name in (*flags, *optional):
+        value = getattr(options, name)
+        if not isinstance(value, bool) and not (value is None and name in optional):
+            allowed = "true, false or null" if name in optional else "true or false"
+            raise KilnError(f"{engine} option '{name}' must be {allowed}, got {value!r}.")

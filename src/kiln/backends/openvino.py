@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
-from kiln.backends.base import KernelRecord, Profile
+from kiln.backends.base import KernelRecord, Profile, check_flags
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
@@ -73,6 +73,13 @@ class OpenVinoOptions:
     # clean file pages the kernel can take back; read, they are the process's own memory.
     # Weights inside the .onnx file are always read.
     mmap: bool = True
+    # Steadiness decisions; None leaves OpenVINO's own default. `flush_denormals`:
+    # CPU_DENORMALS_OPTIMIZATION, the CPU plugin's threads flush denormals to zero (FTZ/DAZ;
+    # off by default; once a compiled model turned it on, the plugin's threads keep it for
+    # the process). `pin_threads`: ENABLE_CPU_PINNING, its inference threads pinned to cores
+    # (on by default on Linux, with the LATENCY hint and with THROUGHPUT).
+    flush_denormals: bool | None = None
+    pin_threads: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +100,7 @@ class OpenVinoOptions:
                 f"unknown OpenVINO inference precision '{self.inference_precision}'; "
                 f"use one of {', '.join(PRECISIONS)}, or none for OpenVINO's default."
             )
+        check_flags("OpenVINO", self, ("mmap",), ("flush_denormals", "pin_threads"))
         props = {"PERFORMANCE_HINT": self.performance_hint}
         if self.inference_precision is not None:
             props["INFERENCE_PRECISION_HINT"] = self.inference_precision
@@ -102,6 +110,10 @@ class OpenVinoOptions:
             props["INFERENCE_NUM_THREADS"] = str(self.inference_num_threads)
         if self.cache_dir is not None:
             props["CACHE_DIR"] = str(self.cache_dir)
+        if self.flush_denormals is not None:
+            props["CPU_DENORMALS_OPTIMIZATION"] = "YES" if self.flush_denormals else "NO"
+        if self.pin_threads is not None:
+            props["ENABLE_CPU_PINNING"] = "YES" if self.pin_threads else "NO"
         props.update(self.extra)
         return props
 
@@ -168,6 +180,8 @@ class OpenVinoExecutable:
             "performance_hint": str(self._property("PERFORMANCE_HINT")),
             "num_streams": str(self._property("NUM_STREAMS")),
             "inference_num_threads": str(self._property("INFERENCE_NUM_THREADS")),
+            "flush_denormals": str(self._property("CPU_DENORMALS_OPTIMIZATION")),
+            "pin_threads": str(self._property("ENABLE_CPU_PINNING")),
         }
 
     def _property(self, key: str) -> Any:

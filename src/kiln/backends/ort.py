@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -16,8 +17,11 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kiln.backends.base import KernelRecord, Profile
+from kiln.backends.base import KernelRecord, Profile, check_flags
+from kiln.backends.cpus import allowed_cpus, pool_affinities
 from kiln.errors import KilnError
+
+log = logging.getLogger("kiln.backends")
 
 LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -78,6 +82,16 @@ class OrtOptions:
     # with its environment, so such sessions share one arena (see `_shared_arena`).
     prepacking: bool = True
     arena_extend: str = "next_power_of_two"
+    # Steadiness decisions (off: ONNX Runtime's own behaviour). `flush_denormals` sets
+    # session.set_denormal_as_zero: the intra-op pool's threads flush denormal floats to zero
+    # (FTZ/DAZ), which some weights otherwise pay up to 30x for. ONNX Runtime sets it on its
+    # pool threads only: the calling thread's share of each op keeps denormals, and the
+    # process's other threads (numpy's) are untouched. `pin_threads` pins each pool thread to
+    # a core (session.intra_op_thread_affinities, from the CPUs this process may use, physical
+    # cores first): an explicit `intra_op_threads` turns ONNX Runtime's own pinning off, and
+    # this puts it back; with 0 threads ONNX Runtime pins by itself and nothing is added.
+    flush_denormals: bool = False
+    pin_threads: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +116,7 @@ class OrtOptions:
                 f"unknown ORT arena_extend '{self.arena_extend}'; use one of "
                 f"{', '.join(ARENA_EXTEND)}."
             )
+        check_flags("ORT", self, ("flush_denormals", "pin_threads"), ("stop_spinning",))
         so = ort.SessionOptions()
         so.execution_mode = MODES[self.execution_mode]
         so.graph_optimization_level = LEVELS[self.optimization]
@@ -113,6 +128,11 @@ class OrtOptions:
         entries = {"session.intra_op.allow_spinning": "1" if self.spinning else "0"}
         if not self.prepacking:
             entries["session.disable_prepacking"] = "1"
+        if self.flush_denormals:
+            entries["session.set_denormal_as_zero"] = "1"
+        affinities = self._affinities()
+        if affinities:
+            entries["session.intra_op_thread_affinities"] = affinities
         if self.memory_arena and self.arena_extend != "next_power_of_two":
             _shared_arena(self.arena_extend)
             entries["session.use_env_allocators"] = "1"
@@ -121,6 +141,20 @@ class OrtOptions:
         for dim, size in self.dim_overrides.items():
             so.add_free_dimension_override_by_name(dim, int(size))
         return so
+
+    def _affinities(self) -> str | None:
+        """The pool's pinning, when `pin_threads` asks for it and there is a pool to pin."""
+        if not self.pin_threads or self.intra_op_threads <= 1:
+            return None  # ONNX Runtime pins its default pool itself; one thread has no pool
+        affinities = pool_affinities(self.intra_op_threads)
+        if affinities is None:
+            log.warning(
+                "kiln: ORT pin_threads: %d intra-op threads but this process may use only %d "
+                "CPUs; the threads are left unpinned.",
+                self.intra_op_threads,
+                len(allowed_cpus()),
+            )
+        return affinities
 
 
 _ARENAS: dict[str, str] = {}  # the one CPU allocator registered with ONNX Runtime's environment

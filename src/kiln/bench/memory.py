@@ -116,7 +116,8 @@ def _open(engine: str, source: str, feeds: dict) -> tuple[Callable[[], object], 
     if engine == "kiln":
         from kiln.runtime import Session
 
-        session = Session(source)
+        # No warm-up at open: `load` is the session before any run, as for the other engines.
+        session = Session(source, steady=False)
         return lambda: session.run(None, feeds), _weights_mib(session.artifact.model_path)
     exe = engine_compile(engine, source)
     return lambda: exe.run(feeds), _weights_mib(source)

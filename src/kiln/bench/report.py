@@ -42,8 +42,15 @@ def _kiln_runner(
     from kiln.compiler.api import load_source
 
     if Path(model).is_dir():
+        from kiln.artifact.parts import is_partitioned
         from kiln.runtime import Session
 
+        if is_partitioned(model):  # benchmarks/partition.py times a partitioned artifact
+            raise KilnError(
+                f"{model} is a partitioned artifact: kiln bench compares one-part artifacts; "
+                "time it with benchmarks/partition.py or bench one of its parts "
+                "(PATH/parts/NAME.kiln)."
+            )
         session = Session(model)
         source = session.artifact.manifest.source.path
         try:

@@ -23,6 +23,7 @@ from kiln.cli import (
     profile,
     run,
     serve,
+    split,
     strategies,
     train,
     tune,
@@ -74,6 +75,7 @@ app.command()(compress.compress)
 app.command()(debug.debug)
 app.command()(train.train)
 app.command()(export.export)
+app.command()(split.split)
 app.add_typer(strategies.app, name="strategies")
 
 

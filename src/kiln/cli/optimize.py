@@ -118,6 +118,17 @@ def optimize(
             "records each one's peak and latency. Nothing fits: an error, nothing written.",
         ),
     ] = None,
+    partition: Annotated[
+        str,
+        typer.Option(
+            "--partition",
+            help="none (one part); auto: the model's independent branches (e.g. a two-tower "
+            "model's image and text towers) and their join as parts, each on the installed "
+            "engine measured fastest for it, run at once on shares of the cores, kept only when "
+            "faster than the best single-engine build beyond noise; or a placement "
+            "PART=ENGINE[:PRECISION],... e.g. image=openvino,text=ort.",
+        ),
+    ] = "none",
     as_json: JsonOpt = False,
 ) -> None:
     """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
@@ -155,6 +166,7 @@ def optimize(
         "calib-method": calib_method != "minmax", "block-size": block_size != 32,
         "inputs": inputs is not None, "shape": bool(shape), "no-verify": no_verify,
         "skip-pass": bool(skip), "max-memory": max_memory is not None,
+        "partition": partition != "none",
     }  # fmt: skip
     if config_file is not None:
         flags = [f"--{name}" for name, set_ in given.items() if set_]
@@ -180,12 +192,15 @@ def optimize(
             inputs=inputs,
             shapes=parse_shapes(shape),
             verify=not no_verify,
+            partition=partition,
         )
     if model is None:
         raise KilnError("kiln optimize needs a MODEL: an .onnx file or zoo:NAME.")
     if config.is_auto and rounds <= 0:
         raise KilnError("auto picks the fastest candidate by timing; use --rounds > 0.")
     budget = _memory_budget(max_memory, rounds)
+    if budget is not None and config.partition != "none":
+        raise KilnError("--max-memory measures one engine's artifact; use --partition none.")
     candidates(config)  # a missing engine or an unsupported precision fails before loading
     if output is not None:
         check_destination(output, force)  # before loading: a bad -o costs nothing
@@ -203,9 +218,12 @@ def optimize(
             fit = lambda results: fit_candidates(  # noqa: E731
                 results, budget, _measure_memory, rounds=rounds, runs=runs, say=say
             )
-        result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say, fit=fit)
-        say("writing the artifact")
-        artifact = save_result(result, destination, bench, force=force)
+        if config.partition != "none":
+            artifact, bench = _partitioned(loaded, config, destination, rounds, runs, say, force)
+        else:
+            result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say, fit=fit)
+            say("writing the artifact")
+            artifact = save_result(result, destination, bench, force=force)
     summary = _optimize_summary(artifact, bench, replaced)
     verdict = bench.get("verdict") if bench else None
     summary["advice"] = speed_advice(
@@ -215,6 +233,42 @@ def optimize(
         emit_json(summary)
     else:
         print_optimize(summary, console)
+        _print_partition(summary, console)
+
+
+def _partitioned(
+    loaded: Any, config: Any, destination: Path, rounds: int, runs: int, say: Any, force: bool
+) -> tuple[Any, dict | None]:
+    """--partition: the partitioned build (or the single part it lost to), written."""
+    from kiln.compiler import save_result
+    from kiln.compiler.partition import build_partitioned, save_chosen
+
+    chosen, bench = build_partitioned(loaded, config, None, "", rounds=rounds, runs=runs, say=say)
+    say("writing the artifact")
+    return save_chosen(chosen, destination, bench, save_result, force), bench
+
+
+def _print_partition(summary: dict, out: Any) -> None:
+    """The partition's choice and why, and each part's time on each engine."""
+    record = (summary.get("benchmark") or {}).get("partition") or (summary.get("parts") or {}).get(
+        "placement"
+    )
+    if not record:
+        return
+    out.print(f"partition: {record['choice']} — {record.get('why', '')}", highlight=False,
+              markup=False)  # fmt: skip
+    if record.get("placement"):
+        predicted = record.get("predicted_ms")
+        measured = record.get("measured_ms")
+        figures = "".join([
+            f", predicted {predicted:.2f} ms" if predicted is not None else "",
+            f", measured {measured:.2f} ms" if measured is not None else "",
+        ])  # fmt: skip
+        out.print(f"  placement {record['placement']}{figures}", highlight=False, markup=False)
+    for part, times in (record.get("part_ms") or {}).items():
+        shown = ", ".join(f"{engine} {ms:.2f} ms" for engine, ms in times.items())
+        threads = (record.get("threads") or {}).get(part)
+        out.print(f"  part {part} ({threads} threads): {shown}", highlight=False, markup=False)
 
 
 def _memory_budget(text: str | None, rounds: int) -> float | None:
@@ -277,4 +331,5 @@ def _optimize_summary(artifact: Any, bench: dict | None, replaced: bool) -> dict
         "precision": manifest["precision"],
         "config": manifest["config"],
         "benchmark": bench,
+        "parts": manifest.get("parts"),
     }

@@ -23,10 +23,10 @@ from kiln.artifact import (
     source_path,
     write_artifact,
 )
-from kiln.compiler.candidate import CompileResult, compile_candidate
+from kiln.compiler.candidate import CompileResult, compile_candidate, config_label
 from kiln.compiler.framework import EXAMPLE, check_against_framework
 from kiln.compiler.select import candidates, fastest, time_candidates
-from kiln.config import CompileConfig
+from kiln.config import NO_PARTITION, CompileConfig
 from kiln.errors import KilnError
 from kiln.frontend import is_torch_model, load_pt2, load_torch
 from kiln.ir.inputs import check_feeds, default_dims, read_inputs
@@ -79,8 +79,10 @@ def compile(
     verified one, timed over `rounds` interleaved rounds (default 5 when choosing; with a single
     candidate, rounds > 0 records its timing in the manifest). An existing Kiln artifact at
     `output` is replaced; anything else there (a file, another directory, an artifact holding
-    files of the user's) is refused before any work unless `force=True`. Raises KilnError,
-    writing nothing, when the result cannot be verified."""
+    files of the user's) is refused before any work unless `force=True`. `partition="auto"`
+    (or a placement, "image=openvino,text=ort") builds the model's independent branches as
+    parts on their own engines, run at once by kiln.Session (see kiln.compiler.partition).
+    Raises KilnError, writing nothing, when the result cannot be verified."""
     if target != "cpu":
         raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
@@ -90,6 +92,9 @@ def compile(
     destination = _destination(loaded, output)
     check_destination(destination, force)
     try:
+        if config.partition != NO_PARTITION:
+            return _compile_partitioned(loaded, config, destination, inputs, rounds, runs,
+                                        progress, force)  # fmt: skip
         result, bench = build(
             loaded, config, inputs=inputs, pipeline=pipeline, rounds=rounds, runs=runs,
             progress=progress,
@@ -99,6 +104,26 @@ def compile(
         if output is None:  # the temporary directory made for it
             shutil.rmtree(destination.parent, ignore_errors=True)
         raise
+
+
+def _compile_partitioned(
+    loaded: LoadedModel,
+    config: CompileConfig,
+    destination: Path,
+    inputs: str | Mapping[str, np.ndarray] | None,
+    rounds: int | None,
+    runs: int,
+    progress: Progress | None,
+    force: bool,
+) -> Artifact:
+    """`partition=`: several parts, each its own engine (kiln.compiler.partition)."""
+    from kiln.compiler.partition import compile_partitioned
+
+    given, source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
+    return compile_partitioned(
+        loaded, config, destination, given, source, save_result, rounds=rounds, runs=runs,
+        progress=progress, force=force,
+    )  # fmt: skip
 
 
 def load_source(
@@ -146,7 +171,7 @@ def build(
         raise KilnError("auto picks the fastest candidate by timing; use rounds > 0.")
     results, refused = [], {}
     for candidate in candidates(config):
-        label = f"{candidate.engine}/{candidate.precision}"
+        label = config_label(candidate)
         say(f"compiling for {label}")
         try:
             results.append(compile_candidate(loaded, candidate, given, given_source, specs, say))

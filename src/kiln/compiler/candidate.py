@@ -2,7 +2,8 @@
 
 The original is the reference (ONNX Runtime, basic optimisation, fp32); the pass stage runs the
 pipeline verified at the config's precision (fp32 for int8/int4, whose precision stage then
-quantizes the verified fp32 model under the accuracy guard).
+quantizes the verified fp32 model under the accuracy guard). A hand recipe (config.recipe) runs
+no passes and quantizes the original as the engine's own tool does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kiln.compiler.reference import (
     run_reference,
 )
 from kiln.compiler.unused import unused_options
-from kiln.config import CompileConfig
+from kiln.config import HAND, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir import stamp_origins
 from kiln.ir.ladder import FIRST_GUESS, Guess
@@ -34,6 +35,7 @@ from kiln.passes.simplify import count_nodes
 from kiln.precision import (
     QUANTIZED,
     Calibration,
+    Recipe,
     bf16_plan,
     bf16_refusal,
     calibration_for,
@@ -42,6 +44,7 @@ from kiln.precision import (
     no_bf16_kernels,
     pass_name,
     quantize_under_budget,
+    resolve_recipe,
 )
 from kiln.verify import Verification
 
@@ -77,11 +80,22 @@ class CompileResult:
 
     @property
     def label(self) -> str:
-        return f"{self.backend}/{self.precision}"
+        """`ort/int8`; a hand recipe `openvino/int8 hand:nncf-transformer`, with `+guard`
+        when it met the budget only with layers the guard kept in fp32."""
+        recipe = (self.plan or {}).get("recipe") or {}
+        return config_label(self.config) + ("+guard" if recipe.get("guard") else "")
 
     @property
     def ok(self) -> bool:
         return self.verification is None or self.verification.ok
+
+
+def config_label(config: CompileConfig) -> str:
+    """A candidate's name in reports and --json: engine/precision, and the hand recipe."""
+    label = f"{config.engine}/{config.precision}"
+    if config.recipe is None:
+        return label
+    return f"{label} hand" if config.recipe == HAND else f"{label} hand:{config.recipe}"
 
 
 def engine_options(engine: str, precision: str, overrides: dict[str, Any]) -> Any:
@@ -132,7 +146,12 @@ def compile_candidate(
         raise KilnError(f"{precision} is only written verified: the accuracy guard measures it.")
     specs = pipeline if pipeline is not None else resolve_pipeline(config.pipeline, engine)
     given_qdq = is_prequantized(original)  # QDQ from quantization-aware training: kept as is
-    static = quantized and (given_qdq or is_static(original, precision, engine))
+    recipe = _recipe(loaded, config, given_qdq)
+    if recipe is not None:  # the recipe's own graph: the original, every pass off
+        config, specs = config.replace(recipe=recipe.name), []
+    static = quantized and (
+        given_qdq or (recipe.static if recipe else is_static(original, precision, engine))
+    )
     if static or given_qdq:  # the quantizers know standard ops only; the engines fuse QDQ
         specs = [s for s in specs if s.engines is None]  # graphs themselves
     reference = reference_executable(original) if config.verify else None
@@ -174,8 +193,20 @@ def compile_candidate(
     if quantized and given_qdq and result.ok:
         result.plan = {"default": precision, "nodes": {}, "scheme": "QDQ given in the model"}
     elif quantized and result.ok:
-        _quantize(result, calibration, target, say)
+        _quantize(result, calibration, target, recipe, say)
     return result
+
+
+def _recipe(loaded: LoadedModel, config: CompileConfig, given_qdq: bool) -> Recipe | None:
+    """The config's hand recipe resolved for this model (None: Kiln's own compile)."""
+    if config.recipe is None:
+        return None
+    if given_qdq:
+        raise KilnError(
+            f"{loaded.source} is already quantized (QDQ): hand recipe '{config.recipe}' "
+            "quantizes fp32 models; compile it without a recipe."
+        )
+    return resolve_recipe(config.recipe, loaded.model, config.engine, config.precision)
 
 
 def is_prequantized(model: ir.Model) -> bool:
@@ -225,7 +256,13 @@ def _target(
     return target
 
 
-def _quantize(result: CompileResult, calibration: Calibration, target: Target, say: Say) -> None:
+def _quantize(
+    result: CompileResult,
+    calibration: Calibration,
+    target: Target,
+    recipe: Recipe | None,
+    say: Say,
+) -> None:
     """The precision stage, handed a check that compiles and verifies on the target engine."""
     config = result.config
     options = engine_options(config.engine, config.precision, dict(config.engine_options))
@@ -243,6 +280,7 @@ def _quantize(result: CompileResult, calibration: Calibration, target: Target, s
         block_size=config.block_size,
         check=lambda candidate: verify_on(candidate, check_target)[0],
         restored_to="bf16" if getattr(options, "inference_precision", None) == "bf16" else "fp32",
+        recipe=recipe,
         say=say,
     )
     if quantized.verification is None:  # nothing to quantize: not an accuracy failure

@@ -1,5 +1,8 @@
 """`engine="auto"` / `precision="auto"`: every concrete candidate, each built and verified, timed
-interleaved against the original under ONNX Runtime's defaults; the fastest verified one wins.
+interleaved against the original under ONNX Runtime's defaults; the fastest verified one wins,
+or, among those within noise of it, the one with the lowest P99. Precision auto also builds each
+hand recipe (an engine's own tool at its defaults on the original graph), so the pick is never
+behind what a user could run by hand.
 """
 
 from __future__ import annotations
@@ -10,11 +13,19 @@ from typing import Any
 from kiln.backends import available_backends, get_backend
 from kiln.backends.ort import OrtOptions
 from kiln.compiler.candidate import CompileResult
-from kiln.config import AUTO, ENGINES, PRECISIONS, CompileConfig
+from kiln.config import AUTO, ENGINES, HAND, PRECISIONS, RECIPES, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir.inputs import synthesize
-from kiln.precision import ENGINES_FOR, check_precision
-from kiln.timing import interleave, round_stats, speedups
+from kiln.precision import ENGINES_FOR, check_precision, has_hand_recipe
+from kiln.timing import (
+    FASTER,
+    SAME,
+    SLOWER,
+    interleave,
+    round_stats,
+    speedups,
+    tail_interval,
+)
 
 Say = Callable[[str], None]
 
@@ -34,7 +45,28 @@ def candidates(config: CompileConfig) -> list[CompileConfig]:
     if not pairs:
         check_precision(engines[0] if engines else config.engine, config.precision)
         raise KilnError(f"no installed engine runs {config.precision}; install openvino.")
-    return [config.replace(engine=e, precision=p) for e, p in pairs]
+    if config.recipe is not None:
+        return _recipe_candidates(config, pairs)
+    own = [config.replace(engine=e, precision=p) for e, p in pairs]
+    if config.precision != AUTO:
+        return own
+    # Every hand recipe is a candidate too: the pick must not lose to one a user could run.
+    by_hand = [(e, p) for e, p in pairs if has_hand_recipe(e, p)]
+    return own + [
+        config.replace(engine=e, precision=p, recipe=HAND, pipeline=()) for e, p in by_hand
+    ]
+
+
+def _recipe_candidates(config: CompileConfig, pairs: list[tuple[str, str]]) -> list[CompileConfig]:
+    """A config that names a recipe: the engines and precisions that recipe runs."""
+    wanted = RECIPES.get(config.recipe or "")
+    fits = [(e, p) for e, p in pairs if (e, p) == wanted or (wanted is None and
+                                                              has_hand_recipe(e, p))]  # fmt: skip
+    if not fits:
+        raise KilnError(
+            f"recipe '{config.recipe}' runs on none of {', '.join(f'{e}/{p}' for e, p in pairs)}."
+        )
+    return [config.replace(engine=e, precision=p) for e, p in fits]
 
 
 def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: Say) -> dict:
@@ -60,17 +92,24 @@ def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: S
         "runs_per_round": runs,
         "original_ort": round_stats(samples["ort"]).to_json(),
         "candidates": {
-            r.label: {**round_stats(samples[r.label]).to_json(), **compared[r.label].to_json()}
+            r.label: {
+                **round_stats(samples[r.label]).to_json(),
+                **tail_interval(samples[r.label]).to_json(),
+                **compared[r.label].to_json(),
+            }
             for r in results
         },
     }
 
 
 def fastest(results: list[CompileResult], timing: dict[str, Any]) -> tuple[CompileResult, dict]:
-    """The verified candidate with the best speedup, and the manifest's benchmark: its speedup,
-    spread and verdict against the original, and every candidate's."""
+    """The verified candidate with the best speedup — or, among those within noise of it, the
+    one with the lowest P99 — and the manifest's benchmark: its speedup, spread and verdict
+    against the original, every candidate's, and why it was chosen (`choice_reason`)."""
     timed = timing["candidates"]
-    best = max(results, key=lambda r: timed[r.label]["speedup"])
+    top = max(results, key=lambda r: timed[r.label]["speedup"])
+    ties = [r for r in results if within_noise(timed[r.label], timed[top.label])]
+    best = min(ties, key=lambda r: (timed[r.label]["p99_ms"], r is not top))
     chosen = timed[best.label]
     bench = {
         "rounds": timing["rounds"],
@@ -81,6 +120,7 @@ def fastest(results: list[CompileResult], timing: dict[str, Any]) -> tuple[Compi
         "speedup_spread": chosen["speedup_spread"],
         "verdict": chosen["verdict"],
         "choice": best.label,
+        "choice_reason": choice_reason(best.label, top.label, [r.label for r in ties], timed),
         "candidates": {name: c["speedup"] for name, c in timed.items()},
         "candidate_verdicts": {
             name: {k: c[k] for k in ("speedup", "speedup_spread", "verdict")}
@@ -88,3 +128,39 @@ def fastest(results: list[CompileResult], timing: dict[str, Any]) -> tuple[Compi
         },
     }
     return best, bench
+
+
+# A verdict against the original, from best to worst: a near-tie never says less than the best.
+VERDICT_RANK = {FASTER: 0, SAME: 1, SLOWER: 2}
+
+
+def within_noise(candidate: dict[str, Any], best: dict[str, Any]) -> bool:
+    """Whether `candidate`'s speedup is no different from `best`'s within noise: their
+    per-round speedup spreads overlap, and its verdict against the original is as good (a
+    pick the table calls faster is never swapped for one it calls no different). Unknown
+    spreads (fewer than 3 rounds) tell nothing apart: only the best is within noise then."""
+    if candidate is best:
+        return True
+    ours, theirs = candidate.get("speedup_spread"), best.get("speedup_spread")
+    if not ours or not theirs:
+        return False
+    rank = VERDICT_RANK.get(candidate.get("verdict"), 3)
+    return ours[1] >= theirs[0] and rank <= VERDICT_RANK.get(best.get("verdict"), 3)
+
+
+def choice_reason(chosen: str, top: str, ties: list[str], timed: dict[str, Any]) -> str:
+    """Why `chosen` won, in words: the fastest alone, or the lowest P99 among those within
+    noise of the fastest (`top`)."""
+    speed = timed[chosen]["speedup"]
+    others = [t for t in ties if t != chosen]
+    if not others:
+        alone = "no other within noise" if len(timed) > 1 else "the only candidate"
+        return f"the fastest verified candidate ({speed:.2f}×; {alone})"
+    p99 = timed[chosen]["p99_ms"]
+    rivals = ", ".join(f"{t} {timed[t]['speedup']:.2f}× P99 {timed[t]['p99_ms']:.3g} ms"
+                       for t in others)  # fmt: skip
+    if chosen == top:
+        return (f"the fastest verified candidate ({speed:.2f}×, P99 {p99:.3g} ms), and its P99 is "
+                f"the lowest of those within noise of it ({rivals})")  # fmt: skip
+    return (f"within noise of the fastest ({speed:.2f}× vs {timed[top]['speedup']:.2f}×) with the "
+            f"lowest P99 among them: {p99:.3g} ms (against {rivals})")  # fmt: skip

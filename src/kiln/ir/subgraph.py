@@ -46,6 +46,7 @@ def extract(
     known = _top_level_values(g)
     needed = {id(n) for n in _needed_nodes(g, set(inputs), outputs)}
     nodes = [n for n in g if id(n) in needed]
+    g.outputs.clear()  # the whole model's outputs: a tensor among them may start this piece
     new_inputs = [_as_input(g, known[name]) for name in inputs]
     used = {v.name for n in nodes for v in (*n.inputs, *_captured(n)) if v is not None}
     initializers = [g.initializers.pop(k) for k in list(g.initializers) if k in used]
@@ -53,7 +54,6 @@ def extract(
     for value in (*new_inputs, *new_outputs):
         if value.type is None:
             raise KilnError(f"'{value.name}' has no known type: cannot make it a graph boundary.")
-    g.outputs.clear()
     g.remove(list(g), safe=False)
     piece = ir.Graph(
         new_inputs,

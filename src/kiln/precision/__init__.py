@@ -8,6 +8,7 @@ from kiln.precision.bf16 import bf16_plan, bf16_refusal, no_bf16_kernels
 from kiln.precision.calibration import Calibration, calibration_for
 from kiln.precision.guard import PrecisionPlan, pass_name, quantize_guarded
 from kiln.precision.quantizers import is_static
+from kiln.precision.recipes import Recipe, hand_recipe, has_hand_recipe, resolve_recipe
 from kiln.precision.sensitivity import conv_heavy
 from kiln.precision.stage import Quantized, quantize_under_budget
 
@@ -38,14 +39,18 @@ __all__ = [
     "Calibration",
     "PrecisionPlan",
     "Quantized",
+    "Recipe",
     "bf16_plan",
     "bf16_refusal",
     "no_bf16_kernels",
     "calibration_for",
     "check_precision",
     "conv_heavy",
+    "hand_recipe",
+    "has_hand_recipe",
     "is_static",
     "pass_name",
     "quantize_guarded",
     "quantize_under_budget",
+    "resolve_recipe",
 ]

@@ -44,6 +44,7 @@ def quantize_guarded(
     quantize: Callable[[ir.Model, list[str]], ir.Model],
     precision: str = "int8",
     say: Callable[[str], None] = lambda _m: None,
+    every_layer: tuple[ir.Model, bool, float] | None = None,
 ) -> tuple[ir.Model, PrecisionPlan, float]:
     """Quantize all; if the budget fails, find the layers that break it by measurement and
     keep those in fp32. Layers are taken least sensitive first (by the cheap estimate); the
@@ -51,7 +52,8 @@ def quantize_guarded(
     found by bisection (each culprit costs about log2(layers) quantizations). The estimate
     only orders the search: the budget itself decides who is restored. Past a bounded number
     of trials the layers not yet judged are kept in fp32. Returns the model, its plan and its
-    metric; the plan quantizes nothing when no layer can stay quantized."""
+    metric; the plan quantizes nothing when no layer can stay quantized. `every_layer`: the
+    caller's own judged quantize-all (model, ok, metric), so it is not quantized again."""
     order = sorted(sensitivity, key=sensitivity.get)
     trials = 0
 
@@ -70,7 +72,7 @@ def quantize_guarded(
     accepted: list[str] = []
     restored: dict[str, str] = {}
     rest = list(order)
-    best = trial(rest)
+    best = every_layer if every_layer is not None else trial(rest)
     while rest and not best[1]:
         if trials >= limit:
             restored |= dict.fromkeys(rest, "restored: not judged within the search's bound")

@@ -256,6 +256,8 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
                     for k, v in bench["candidates"].items()
                 ),
             )
+        if bench.get("choice_reason") and len(bench["candidates"]) > 1:
+            table.add_row("chosen", escape(f"{bench['choice']}: {bench['choice_reason']}"))
         for name, why in bench.get("refused", {}).items():
             table.add_row(f"[yellow]refused {name}[/yellow]", escape(why))
     if summary.get("advice"):

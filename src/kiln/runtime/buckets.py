@@ -3,6 +3,7 @@ better bucket set from the shapes actually seen."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections import Counter
@@ -59,8 +60,10 @@ def key_of(sizes: Mapping[str, int]) -> BucketKey:
     return tuple(sorted(sizes.items()))
 
 
+@functools.lru_cache(maxsize=4096)
 def key_text(key: BucketKey | None) -> str:
-    """`batch=4,seq=64`; None (the dynamic executable) is `dynamic`."""
+    """`batch=4,seq=64`; None (the dynamic executable) is `dynamic`. Cached: every bucketed
+    request names its bucket, and a bucket set has few keys (no string built per request)."""
     return "dynamic" if key is None else ",".join(f"{d}={s}" for d, s in key)
 
 

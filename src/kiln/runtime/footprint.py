@@ -154,7 +154,9 @@ def _measure(argv: list[str]) -> dict[str, Any]:
     if args.mode == "baseline":
         get_backend(args.engine).describe()  # the engine's library loaded, as a session does
         return {"peak_mib": peak_rss_mib(), "rss_mib": rss_mib()}
-    session = Session(args.model, backend=args.backend)
+    # No warm-up at open: `load` is the session before any run, and the warm-up is a run
+    # (its peak is the runs' below all the same).
+    session = Session(args.model, backend=args.backend, steady=False)
     load_peak = peak_rss_mib()
     feeds = feeds if feeds is not None else synthesize(session.interface, dims=dims)
     for _ in range(args.runs):

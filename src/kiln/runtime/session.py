@@ -17,6 +17,7 @@ run_options) are read by compat.py.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from kiln.artifact.parts import is_partitioned
 from kiln.backends import Executable, get_backend, options_from_json
 from kiln.errors import KilnError
 from kiln.ir.inputs import input_bytes, synthesize
@@ -61,6 +63,7 @@ from kiln.runtime.padding import (
 from kiln.runtime.rebuild import Hooks, Rebuilder
 from kiln.runtime.records import load_record, record_path, save_record
 from kiln.runtime.source import engine_options, open_source, run_precision
+from kiln.runtime.steady import freeze_gc, release_gc, warm_up
 
 Feeds = dict[str, np.ndarray]
 # Request signatures whose verdict is kept; beyond this the cache starts afresh (a stream of
@@ -74,6 +77,15 @@ class _Checked:
 
     dims: dict[str, int]  # every symbolic dim's value (never mutated: observations share it)
     elements: int  # input elements the request brings
+
+
+class _InitSignature:
+    """`inspect.signature(cls)` reads `__init__`'s parameters, not those of the `__new__`
+    (*args, **kwargs) that hands `remote=` sessions over to kiln.runtime.remote."""
+
+    def __get__(self, instance: object, owner: type) -> inspect.Signature:
+        signature = inspect.signature(owner.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 class Session:
@@ -93,8 +105,32 @@ class Session:
     executables share one copy of the weights; `options`: backend options overriding the
     recorded ones (unknown keys are refused, naming the backend's options); `keep_requests`:
     how many recent requests to keep for replay (`recent_requests`), e.g. by the feedback loop
-    that A/B-measures a new configuration on real traffic before `reconfigure` adopts it.
+    that A/B-measures a new configuration on real traffic before `reconfigure` adopts it;
+    `steady`: once open (and warmed), run the model once at its largest bucket's shape so the
+    engine's arena is sized before the first request, and hold the process's gc.freeze until
+    `close` (see steady.py).
     """
+
+    __signature__ = _InitSignature()
+
+    def __new__(cls, *args: Any, remote: str | None = None, **kwargs: Any) -> Any:
+        """With `remote="http://host:port"` (and optionally `timeout=` seconds and
+        `link_bandwidth=` bits/s): the edge part of a `kiln split` here and the server part
+        there, a kiln.runtime.remote.RemoteSession with the same `run`."""
+        if remote is None:
+            for name in ("timeout", "link_bandwidth"):
+                if name in kwargs:
+                    raise KilnError(f"{name}= is for a remote session; give remote= too.")
+            if args and isinstance(args[0], str | Path) and is_partitioned(args[0]):
+                # several parts, each its own engine: run at once where they can (parts.py)
+                from kiln.runtime.parts import PartitionedSession
+
+                return PartitionedSession(*args, **kwargs)
+            return super().__new__(cls)
+        from kiln.runtime.remote import RemoteSession
+
+        settings = {k: kwargs.pop(k) for k in ("timeout", "link_bandwidth") if k in kwargs}
+        return RemoteSession(Session(*args, **kwargs), remote, **settings)
 
     def __init__(
         self,
@@ -110,6 +146,8 @@ class Session:
         share_weights: bool = True,
         options: dict[str, Any] | None = None,
         keep_requests: int = 0,
+        steady: bool = True,
+        remote: None = None,  # taken by __new__: a remote session is another class
     ) -> None:
         where = str(path_or_model)
         if provider_options and any(provider_options):
@@ -165,8 +203,20 @@ class Session:
         self._state = BucketSet(self._start_buckets(buckets, resume))
         if warmup:
             self._build(self._state)
+        self._frozen = steady and self._steady()
         if adaptive:
             self._rebuilder.start()
+
+    def _steady(self) -> bool:
+        """The warm-up run and the GC freeze (steady.py). A model the warm-up cannot run still
+        opens: its requests say what is wrong with theirs."""
+        names = self.output_names
+        try:
+            warm_up(self.interface, self._state.buckets, lambda f: self._dynamic.run(f, names))
+        except Exception as exc:  # synthesized inputs the model refuses: not the user's error
+            self.monitor.decide("warm-up at open", f"skipped: {exc}")
+        freeze_gc()
+        return True
 
     def _start_buckets(self, given: dict[str, list[int]] | str | None, resume: Any) -> bk.Buckets:
         """The buckets asked for, else the artifact's, else `resume`: the last set an earlier
@@ -552,8 +602,12 @@ class Session:
         return out
 
     def close(self) -> None:
-        """Stop the background worker (a build in progress finishes first)."""
+        """Stop the background worker (a build in progress finishes first); give back the GC
+        freeze a steady session holds."""
         self._rebuilder.close()
+        if self._frozen:
+            self._frozen = False
+            release_gc()
 
     def __enter__(self) -> Session:
         return self

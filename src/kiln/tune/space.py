@@ -5,7 +5,9 @@ recorded traffic the bucket set (sizes per dim proposed from the traffic's shape
 parameters, suggested define-by-run.
 
 Parameter names carry their engine (`ort.threads`, `openvino.streams`): a parameter keeps one
-set of choices across trials, which Optuna's samplers require.
+set of choices across trials, which Optuna's samplers require. Where an engine and precision
+have a hand recipe (kiln.precision.recipes), `ENGINE.PRECISION.recipe` chooses between Kiln's
+own compile ("kiln") and the recipe ("hand"); the recipes are the study's first trials.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import onnx_ir as ir
 from kiln.backends.ort import ARENA_EXTEND
 from kiln.config import CALIBRATION_METHODS, CompileConfig
 from kiln.passes import default_pipeline
-from kiln.precision import ENGINES_FOR, is_static
+from kiln.precision import ENGINES_FOR, hand_recipe, has_hand_recipe, is_static
 from kiln.tune.serving import DELAYS_MS
 from kiln.tune.traffic import PER_DIM
 
@@ -64,7 +66,7 @@ class Choice:
     def compile_key(self) -> tuple:
         """What the passes and the precision stage depend on (runtime options do not)."""
         c = self.config
-        return c.engine, c.precision, c.pipeline, c.calib_method
+        return c.engine, c.precision, c.pipeline, c.calib_method, c.recipe
 
 
 @dataclass(frozen=True)
@@ -96,16 +98,18 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
     engine = trial.suggest_categorical("engine", list(space.engines))
     here = [p for p in space.precisions if engine in ENGINES_FOR[p]]
     precision = trial.suggest_categorical(f"{engine}.precision", here)
+    recipe = _recipe(trial, model, engine, precision)
     calib_method = base.calib_method
-    if is_static(model, precision, engine) and engine == "ort":
+    if recipe is None and is_static(model, precision, engine) and engine == "ort":
         calib_method = trial.suggest_categorical("ort.calib_method", list(CALIBRATION_METHODS))
     options = _ort(trial, space) if engine == "ort" else _openvino(trial, space, precision)
     config = base.replace(
         engine=engine,
         precision=precision,
         calib_method=calib_method,
-        pipeline=_pipeline(trial, engine),
+        pipeline=() if recipe else _pipeline(trial, engine),  # a recipe: the original graph
         engine_options=options,
+        recipe=recipe,
     )
     if space.throughput and space.clients:  # the batcher has one engine stream
         batch = trial.suggest_categorical("serve.max_batch", list(BATCHES))
@@ -121,6 +125,15 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
     return Choice(config, batch, concurrency, options)
 
 
+def _recipe(trial: Any, model: ir.Model, engine: str, precision: str) -> str | None:
+    """The hand recipe the trial runs, or None for Kiln's own compile."""
+    if not has_hand_recipe(engine, precision):
+        return None
+    if trial.suggest_categorical(f"{engine}.{precision}.recipe", ["kiln", "hand"]) == "kiln":
+        return None
+    return hand_recipe(model, engine, precision)
+
+
 def _pipeline(trial: Any, engine: str) -> tuple[str, ...]:
     names = [s.name for s in default_pipeline(engine=engine)]
     off: set[str] = set()
@@ -133,15 +146,12 @@ def _pipeline(trial: Any, engine: str) -> tuple[str, ...]:
 
 def _ort(trial: Any, space: Space) -> dict[str, Any]:
     threads = trial.suggest_int("ort.threads", 1, space.cores)
-    extra: dict[str, str] = {}
     prepacking = trial.suggest_categorical("ort.prepacking", [True, False])
-    if trial.suggest_categorical("ort.denormal_as_zero", [False, True]):
-        extra["session.set_denormal_as_zero"] = "1"
-    if threads > 1 and trial.suggest_categorical("ort.pinning", [False, True]):
-        # logical processors for the pool's threads (the caller's thread is the first one)
-        extra["session.intra_op_thread_affinities"] = ";".join(
-            str(i + 2) for i in range(threads - 1)
-        )
+    # Steadiness (OrtOptions): denormals flushed; the pool pinned, which an explicit thread
+    # count otherwise turns off; spinning stopped after each run (None: by the weights' size).
+    denormals = trial.suggest_categorical("ort.denormal_as_zero", [False, True])
+    pinned = threads > 1 and trial.suggest_categorical("ort.pinning", [False, True])
+    stop = trial.suggest_categorical("ort.stop_spinning", [None, True, False])
     mode = trial.suggest_categorical("ort.execution_mode", ["sequential", "parallel"])
     # Parallel mode runs independent branches on the inter-op pool; sequential ignores it.
     inter = trial.suggest_int("ort.inter_threads", 1, space.cores) if mode == "parallel" else 0
@@ -154,7 +164,9 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
         "memory_arena": trial.suggest_categorical("ort.memory_arena", [True, False]),
         "memory_pattern": trial.suggest_categorical("ort.memory_pattern", [True, False]),
         "prepacking": prepacking,
-        "extra": extra,
+        "flush_denormals": denormals,
+        "pin_threads": pinned,
+        "stop_spinning": stop,
     }
     if space.memory and options["memory_arena"]:
         options["arena_extend"] = trial.suggest_categorical("ort.arena_extend", list(ARENA_EXTEND))
@@ -163,10 +175,7 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
 
 def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
     hint = trial.suggest_categorical("openvino.hint", ["LATENCY", "THROUGHPUT"])
-    extra = {
-        "ENABLE_CPU_PINNING": "YES" if trial.suggest_categorical("openvino.pinning", [True, False])
-        else "NO",
-    }  # fmt: skip
+    extra: dict[str, str] = {}
     group = trial.suggest_categorical("openvino.dynamic_quantization_group", [0, 32, 64, 128])
     if group:
         extra["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(group)
@@ -174,6 +183,8 @@ def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
         "performance_hint": hint,
         "num_streams": trial.suggest_int("openvino.streams", 1, space.cores),
         "inference_num_threads": trial.suggest_int("openvino.threads", 1, space.cores),
+        "pin_threads": trial.suggest_categorical("openvino.pinning", [True, False]),
+        "flush_denormals": trial.suggest_categorical("openvino.denormals", [None, True]),
         "extra": extra,
     }
     if space.memory:
@@ -215,12 +226,14 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
     own options); `default_params(space)` are Kiln's defaults: ORT, fp32."""
     params: dict[str, Any] = {"engine": engine, f"{engine}.precision": precision}
     params |= {f"{engine}.passes.{g}": True for g in PASS_GROUPS}
+    if has_hand_recipe(engine, precision):  # Kiln's own compile, not the recipe
+        params[f"{engine}.{precision}.recipe"] = "kiln"
     if engine == "ort":
         params |= {
             "ort.threads": space.cores, "ort.prepacking": True, "ort.denormal_as_zero": False,
             "ort.pinning": False, "ort.optimization": "all", "ort.spinning": True,
             "ort.memory_arena": True, "ort.memory_pattern": True, "ort.calib_method": "minmax",
-            "ort.execution_mode": "sequential",
+            "ort.execution_mode": "sequential", "ort.stop_spinning": None,
         }  # fmt: skip
         if space.memory:
             params["ort.arena_extend"] = next(iter(ARENA_EXTEND))  # ORT's own
@@ -228,6 +241,7 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
         params |= {
             "openvino.hint": "LATENCY", "openvino.pinning": True, "openvino.streams": 1,
             "openvino.threads": space.cores, "openvino.dynamic_quantization_group": 0,
+            "openvino.denormals": None,
         }  # fmt: skip
         if space.memory:
             params["openvino.mmap"] = True
@@ -268,6 +282,18 @@ def seed_params(space: Space) -> list[dict[str, Any]]:
     large = [p | {"batch": max(BATCHES)} for p in seeds]
     per_core = [p | {"concurrency": space.cores} | _one_thread(p) for p in large]
     return seeds[:1] + large + (per_core if space.cores > 1 else [])
+
+
+def recipe_params(space: Space) -> list[dict[str, Any]]:
+    """Every hand recipe in the space, at the engine's default options: a study enqueues
+    these before anything else, so even a short budget measures what a user would run by
+    hand, and its pick is never behind one."""
+    return [
+        default_params(space, engine, precision) | {f"{engine}.{precision}.recipe": "hand"}
+        for precision in space.precisions
+        for engine in space.engines
+        if engine in ENGINES_FOR[precision] and has_hand_recipe(engine, precision)
+    ]
 
 
 def _one_thread(params: dict[str, Any]) -> dict[str, Any]:

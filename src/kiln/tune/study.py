@@ -30,7 +30,15 @@ from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.signature import hardware, model_signature
-from kiln.tune.space import Space, choice_of, default_params, project, seed_params, suggest
+from kiln.tune.space import (
+    Space,
+    choice_of,
+    default_params,
+    project,
+    recipe_params,
+    seed_params,
+    suggest,
+)
 from kiln.tune.storage import GRACE_S, HEARTBEAT_S, claim, default_url, optuna_storage
 from kiln.tune.traffic import Shape, check_traffic, load_traffic
 
@@ -105,8 +113,13 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     # Seeds are enqueued once per study: workers started together would each enqueue them
     # (and then measure each other's twins); the claim is atomic on any database.
     if not study.trials and claim(plan.url, f"seeds:{storage.get_study_id_from_name(plan.study)}"):
-        # The nearest models' winners go first: what was learnt is tried before what is
-        # merely likely (the engines' defaults), which only a cold study starts from.
+        # The hand recipes go first: a pick must never be behind what a user runs by hand,
+        # however short the budget. Then the nearest models' winners: what was learnt is tried
+        # before what is merely likely (the engines' defaults), which only a cold study
+        # starts from.
+        for params in recipe_params(space):
+            study.enqueue_trial(project(params, space, loaded.model, plan.base),
+                                skip_if_exists=True)  # fmt: skip
         if warm_start:
             for d, record in library.nearest(signature, machine["class"], objective_name):
                 params = project(record.params, space, loaded.model, plan.base)

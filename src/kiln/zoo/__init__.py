@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import onnx
 
 from kiln.errors import KilnError
-from kiln.zoo import bert, gpt2, mobilenet, resnet, unet3d, vit
+from kiln.zoo import bert, gpt2, mobilenet, resnet, two_tower, unet3d, vit
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ _IMG = {"batch": 1}
 _TXT = {"batch": 1, "seq": 128}
 _TXT_4K = {"batch": 1, "seq": 4096}
 _TXT_TINY = {"batch": 1, "seq": 16}
+_TWO_TOWER = {"batch": 1, "seq": 64}
 
 _add(
     "resnet50",
@@ -119,6 +120,15 @@ _add(
 )
 
 _add(
+    "two-tower",
+    "two-tower image-text model: CNN image tower 224², 6 × 384 text tower, seq 64, ITM head",
+    _TWO_TOWER,
+    2 * two_tower.analytic_macs(two_tower.FULL, _TWO_TOWER["seq"]) / 1e9,
+    "derived analytically from the configuration (kiln.zoo.two_tower.analytic_macs)",
+    lambda n, d: two_tower.build(two_tower.FULL, n, d),
+)
+
+_add(
     "resnet-tiny",
     "ResNet bottleneck net, 32², blocks [1,1,1,1], width 8, 10 classes",
     _IMG,
@@ -157,6 +167,14 @@ _add(
     None,
     "",
     lambda n, d: unet3d.build(unet3d.TINY, n, d),
+)
+_add(
+    "two-tower-tiny",
+    "two-tower image-text model: CNN tower 32², 2 × 32 text tower, seq 16",
+    _TXT_TINY,
+    None,
+    "",
+    lambda n, d: two_tower.build(two_tower.TINY, n, d),
 )
 _add(
     "vit-tiny",

@@ -1,0 +1,183 @@
+"""`kiln.Session` on a partitioned artifact: each part opened on its own engine with the
+settings its own manifest records (its share of the cores among them), and run through the
+artifact's `Pipeline` — parts in dependency order, the independent ones at once.
+
+What a single-part session adds on top of the engine (shape buckets, background rebuilds,
+the feedback loop, engine option overrides) is not offered here yet: asking for it is refused
+with a message saying so, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.artifact.manifest import Manifest
+from kiln.artifact.parts import Event, PartSpec, Pipeline
+from kiln.artifact.store import read_partitioned
+from kiln.backends import Executable, get_backend, options_from_json
+from kiln.errors import KilnError
+from kiln.runtime.arguments import checked_feeds, output_list
+from kiln.runtime.metadata import NodeArg, graph_inputs, kserve_meta, node_arg
+
+Feeds = dict[str, np.ndarray]
+# What a partitioned session does not do yet, by Session keyword.
+_NOT_YET = {
+    "buckets": "shape buckets",
+    "warmup": "bucket warm-up",
+    "adaptive": "adaptive rebuilds",
+    "options": "engine option overrides (each part records its own)",
+    "feedback": "the feedback loop",
+    "keep_requests": "request replay",
+    "backend": "another backend (each part records its own)",
+    "providers": "providers (each part records its engine)",
+    "sess_options": "sess_options (each part records its threads)",
+    "provider_options": "provider_options",
+}
+
+
+class PartitionedSession:
+    """Runs a partitioned artifact: `run(output_names, feeds)` as `kiln.Session.run`.
+
+    `on_event(what, part)` is called on the thread running a part as it starts ("start") and
+    ends ("end"); `events` holds the last run's (what, part, perf_counter seconds, thread id).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *args: Any,
+        on_event: Callable[[str, str], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._where = str(path)
+        _refuse(self._where, args, kwargs)
+        whole, self.section, parts = read_partitioned(path)
+        self.artifact = whole
+        self.interface = interface_of(whole.manifest)
+        self.executables: dict[str, Executable] = {}
+        runners = {}
+        for spec in self.section.parts:
+            recorded = parts[spec.name].manifest.backend
+            exe = get_backend(recorded.name).compile(
+                str(parts[spec.name].model_path), options_from_json(recorded.name, recorded.options)
+            )
+            self.executables[spec.name] = exe
+            runners[spec.name] = _serialised(exe) if recorded.name == "openvino" else exe.run
+        self._pipeline = Pipeline(self.section.parts, runners, self.input_names, on_event)
+        self._outputs = [v.name for v in self.interface.graph.outputs]
+
+    # ------------------------------------------------------------------ interface
+
+    @property
+    def parts(self) -> list[PartSpec]:
+        return list(self.section.parts)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in graph_inputs(self.interface)]
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self._outputs)
+
+    def get_inputs(self) -> list[NodeArg]:
+        return [node_arg(v) for v in graph_inputs(self.interface)]
+
+    def get_outputs(self) -> list[NodeArg]:
+        return [node_arg(v) for v in self.interface.graph.outputs]
+
+    def get_providers(self) -> list[str]:
+        return sorted({p for exe in self.executables.values() for p in exe.providers})
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        return [kserve_meta(v) for v in graph_inputs(self.interface)]
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        return [kserve_meta(v) for v in self.interface.graph.outputs]
+
+    @property
+    def events(self) -> list[Event]:
+        """The last run's part starts and ends: (what, part, perf_counter s, thread id)."""
+        return list(self._pipeline.events)
+
+    # ------------------------------------------------------------------ running
+
+    def run(
+        self, output_names: list[str] | None, feeds: Feeds, run_options: Any = None
+    ) -> list[np.ndarray]:
+        """As kiln.Session.run: the outputs named (None: all), in order."""
+        names = output_list(output_names, self._outputs, self._where)
+        if run_options is not None:
+            raise KilnError(f"{self._where}: run_options are not taken by a partitioned artifact.")
+        checked = checked_feeds(feeds, self.interface, self._where)
+        values = self._pipeline.run(checked)
+        return [values[n] for n in names]
+
+    def close(self) -> None:
+        self._pipeline.close()
+
+    def __enter__(self) -> PartitionedSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def interface_of(manifest: Manifest) -> ir.Model:
+    """The whole model's inputs and outputs (no nodes), from the manifest: what requests are
+    checked against, and what synthesized inputs are made from (at the recorded dims)."""
+
+    def value(spec: dict[str, Any]) -> ir.Value:
+        dtype = ir.DataType.from_numpy(np.dtype(spec["dtype"]))
+        return ir.Value(name=spec["name"], type=ir.TensorType(dtype), shape=ir.Shape(spec["shape"]))
+
+    graph = ir.Graph(
+        [value(s) for s in manifest.inputs],
+        [value(s) for s in manifest.outputs],
+        nodes=[],
+        opset_imports={"": 17},
+        name=manifest.source.name,
+    )
+    model = ir.Model(graph, ir_version=8)
+    model.metadata_props["kiln.dims"] = _dims_json(manifest.dims)
+    return model
+
+
+def _dims_json(dims: dict[str, int]) -> str:
+    import json
+
+    return json.dumps(dims)
+
+
+def _serialised(exe: Executable) -> Callable[[Feeds], list[np.ndarray]]:
+    """OpenVINO keeps one infer request per executable: concurrent requests take turns."""
+    lock = threading.Lock()
+
+    def run(feeds: Feeds) -> list[np.ndarray]:
+        with lock:
+            return exe.run(feeds)
+
+    return run
+
+
+def _refuse(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Session arguments a partitioned artifact does not take yet: one clear error each."""
+    given = {k: v for k, v in kwargs.items() if v not in (None, False, 0, {}, [], "")}
+    given.pop("share_weights", None)  # a memory choice of ORT buckets: nothing to share here
+    given.pop("steady", None)
+    if args and any(a is not None for a in args):
+        given.setdefault("sess_options", args[0])
+    for key in given:
+        what = _NOT_YET.get(key, f"'{key}'")
+        raise KilnError(
+            f"{where} is a partitioned artifact: kiln.Session does not offer {what} on one "
+            "yet. Open it without, or build it with --partition none."
+        )

@@ -1,0 +1,204 @@
+"""Partitioned artifacts on zoo:two-tower-tiny: a model's independent branches compiled as parts
+on their own engines, verified as a whole, reopened from disk and run at once.
+
+One partitioned artifact (image on OpenVINO, the text tower and the join on ONNX Runtime) is
+built once per module through `kiln.compile`; `--partition auto` runs once through the CLI
+(in this process: a `kiln` process would pay the imports again).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import onnxruntime as ort
+import pytest
+
+import kiln
+from kiln import zoo
+from kiln.artifact import read_artifact
+from kiln.artifact.parts import PARTS_DIR
+from kiln.artifact.store import read_partitioned
+from kiln.backends import available_backends
+from kiln.compiler.partition_graph import find_cuts
+from kiln.compiler.partition_measure import cores
+from kiln.errors import KilnError
+from kiln.ir import load_model, stamp_origins
+from kiln.ir.inputs import synthesize
+from kiln.runtime.parts import PartitionedSession
+from kiln.verify import FP32_TOLERANCE, check_output
+
+MODEL = "zoo:two-tower-tiny"
+PLACEMENT = "image=openvino,text=ort"  # the join: the config's engine, ort
+BRANCHES = ("image", "text")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> kiln.compiler.api.Artifact:
+    where = tmp_path_factory.mktemp("partition") / "tt.kiln"
+    return kiln.compile(MODEL, where, partition=PLACEMENT)
+
+
+@pytest.fixture(scope="module")
+def original() -> ort.InferenceSession:
+    return ort.InferenceSession(zoo.build("two-tower-tiny").SerializeToString())
+
+
+def test_the_graph_falls_into_two_towers_and_their_join() -> None:
+    model = load_model(MODEL).model
+    stamp_origins(model)
+    cuts = {c.name: c for c in find_cuts(model)}
+    assert list(cuts) == [*BRANCHES, "join"]
+    assert cuts["image"].inputs == ("image",)
+    assert cuts["text"].inputs == ("input_ids", "attention_mask")
+    assert set(cuts["join"].inputs) == {*cuts["image"].outputs, *cuts["text"].outputs}
+    assert sum(c.nodes for c in cuts.values()) == len(model.graph)
+    single = load_model("zoo:resnet-tiny").model
+    assert [c.name for c in find_cuts(single)] == ["join"]  # one input: nothing independent
+
+
+def test_partitioned_outputs_match_the_unpartitioned_model(built, original) -> None:
+    verification = built.manifest.verification
+    assert verification.ok and verification.precision == "fp32"
+    noise = {o.name: o.engine_noise for o in verification.outputs}
+    with kiln.Session(built.path) as session:
+        assert isinstance(session, PartitionedSession)
+        for seed, batch in ((1, 1), (2, 3)):  # inputs other than the reference ones
+            feeds = synthesize(session.interface, dims={"batch": batch}, seed=seed)
+            got = session.run(None, feeds)
+            want = original.run(None, feeds)
+            for name, w, g in zip(session.output_names, want, got, strict=True):
+                # the verify budget: fp32 tolerance of the output's scale, or the engines' noise
+                check = check_output(name, w, g, FP32_TOLERANCE, noise[name])
+                assert check.ok, check
+
+
+def test_the_artifact_records_parts_crossings_and_provenance(built) -> None:
+    whole, section, parts = read_partitioned(built.path)
+    placed = {p.name: p.engine for p in section.parts}
+    assert placed == {"image": "openvino", "text": "ort", "join": "ort"}
+    share = max(cores() // len(BRANCHES), 1)
+    assert {p.name: p.threads for p in section.parts} == {"image": share, "text": share,
+                                                          "join": cores()}  # fmt: skip
+    for spec in section.parts:  # each part a whole artifact, with its own engine and threads
+        options = parts[spec.name].manifest.backend.options
+        threads = options.get("intra_op_threads", options.get("inference_num_threads"))
+        assert parts[spec.name].manifest.backend.name == spec.engine and threads == spec.threads
+        assert parts[spec.name].manifest.verification.ok
+        assert (built.path / spec.piece).is_file()
+    crossing = {c["tensor"]: (c["from"], c["to"]) for c in section.crossings}
+    join = next(p for p in section.parts if p.name == "join")
+    assert set(crossing) == set(join.inputs)
+    assert all(to == ["join"] for _, to in crossing.values())
+    originals = {n.name for n in load_model(MODEL).model.graph}
+    provenance = json.loads((built.path / "provenance.json").read_text())
+    assert {key.split("/")[0] for key in provenance} == set(placed)
+    assert all(set(e["origin"]) <= originals and e["origin"] for e in provenance.values())
+
+
+def test_independent_parts_run_at_once(built) -> None:
+    """Each tower, as it starts, waits for the other to have started: run one after the
+    other, the first would wait in vain."""
+    started = {name: threading.Event() for name in BRANCHES}
+    saw_other: list[bool] = []
+
+    def on_event(what: str, part: str) -> None:
+        if what == "start" and part in started:
+            started[part].set()
+            saw_other.append(all(e.wait(timeout=20) for e in started.values()))
+
+    with PartitionedSession(built.path, on_event=on_event) as session:
+        session.run(None, synthesize(session.interface))
+        events = session.events
+    assert saw_other == [True, True]
+    at = {(what, part): t for what, part, t, _ in events}
+    threads = {part: thread for what, part, _, thread in events if what == "start"}
+    assert threads["image"] != threads["text"]
+    for a, b in (BRANCHES, BRANCHES[::-1]):  # the towers' runs overlap in time
+        assert at[("start", a)] < at[("end", b)]
+    assert at[("start", "join")] >= max(at[("end", b)] for b in BRANCHES)
+
+
+def test_one_graph_verbs_name_the_parts_to_use(built, tmp_path) -> None:
+    with pytest.raises(KilnError, match="partitioned artifact.*parts/image.kiln"):
+        read_artifact(built.path)
+    part = read_artifact(built.path / PARTS_DIR / "image.kiln")  # a part is an artifact
+    assert part.manifest.source.path == str((built.path / "parts" / "image.onnx").absolute())
+    with pytest.raises(KilnError, match="does not offer shape buckets"):
+        kiln.Session(built.path, buckets="batch=1,4")
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def kiln_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """`kiln ARGS` in this process (the imports are paid once): exit code, stdout, stderr."""
+    from kiln.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["kiln", *args])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out = capsys.readouterr()
+    return int(stopped.value.code or 0), out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("verb", "said"),
+    [(["serve", "--port", "0"], "kiln serve serves one-part artifacts"),
+     (["bench", "--rounds", "1", "--runs", "1"], "kiln bench compares one-part artifacts")],
+)  # fmt: skip
+def test_serve_and_bench_refuse_a_partitioned_artifact_in_one_line(
+    built, verb, said, monkeypatch, capsys
+) -> None:
+    code, _, err = kiln_cli([verb[0], str(built.path), *verb[1:]], monkeypatch, capsys)
+    assert code == 2 and said in err and "partitioned artifact" in err
+    assert err.strip().count("\n") == 0, err
+
+
+BAD = {
+    "unknown part": (MODEL, "image=openvino,audio=ort",
+                     "error: --partition: zoo:two-tower-tiny has no part 'audio'; its parts are "
+                     "image, text, join."),
+    "unknown engine": (MODEL, "image=tensorrt",
+                       "error: --partition 'image=tensorrt': unknown engine 'tensorrt' for part "
+                       "'image'; use one of ort, openvino."),
+    "no branches": ("zoo:resnet-tiny", "image=ort",
+                    "error: zoo:resnet-tiny: the model has no independent branches (one part: "
+                    "join); there is nothing to place: use --partition none."),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_placement_is_one_line_exit_2_nothing_written(
+    case, tmp_path, monkeypatch, capsys
+) -> None:
+    model, placement, expected = BAD[case]
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kiln_cli(["optimize", model, "-o", "out.kiln", "--partition", placement],
+                            monkeypatch, capsys)  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert " ".join(err.split()) == expected
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_partition_auto_writes_an_artifact_and_says_why(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["optimize", MODEL, "-o", "tt.kiln", "--partition", "auto", "--rounds", "3",
+            "--runs", "3", "--json"]  # fmt: skip
+    code, out, err = kiln_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    record = summary["benchmark"]["partition"]
+    engines = [e for e in available_backends() if e in ("ort", "openvino")]
+    assert set(record["part_ms"]) == {*BRANCHES, "join"}
+    assert all(set(times) == set(engines) for times in record["part_ms"].values())
+    assert record["choice"] in ("partitioned", "single") and record["why"]
+    assert record["predicted_ms"] > 0 and record["measured_ms"] > 0
+    assert summary["benchmark"]["candidates"].keys() >= {f"{e}/fp32" for e in engines}
+    path = tmp_path / "tt.kiln"
+    assert summary["verification"]["ok"] and (path / "manifest.json").is_file()
+    assert (summary["parts"] is not None) == (record["choice"] == "partitioned")
+    with kiln.Session(path) as session:  # either way it opens and runs
+        session.run(None, synthesize(session.interface))
