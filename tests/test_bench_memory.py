@@ -70,3 +70,22 @@ def test_bench_reports_each_engines_memory_and_can_skip_it(tmp_path: Path) -> No
                                   "2", "--no-memory", "--json"])  # fmt: skip
     assert skipped.exit_code == 0, skipped.output
     assert "peak_rss_mib" not in json.loads(skipped.stdout)["engines"]["ort"]
+
+
+def test_optimize_reports_the_artifacts_memory_when_asked(tmp_path: Path) -> None:
+    """--memory measures the artifact in a process of its own; the figure follows the weights
+    (4 × 4 MiB, kept in the artifact's external file, which ONNX Runtime maps: about once).
+    Below 64 MiB of weights nothing is measured unless asked."""
+    model = _mlp(tmp_path / "mlp.onnx", 4)
+    runner = CliRunner()
+    args = ["optimize", str(model), "--rounds", "1", "--runs", "1", "--json", "--force"]
+    done = runner.invoke(app, [*args, "--memory", "-o", str(tmp_path / "a.kiln")])
+    assert done.exit_code == 0, done.output
+    memory = json.loads(done.stdout)["benchmark"]["peak_rss_mib"]
+    assert 16 * 0.9 < memory["run"] < 16 * 2  # the weights, not nothing and not many copies
+    assert memory["load"] <= memory["run"] + 1 and memory["compile"] > memory["run"]
+    manifest = json.loads((tmp_path / "a.kiln" / "manifest.json").read_text())
+    assert manifest["benchmark"]["peak_rss_mib"] == memory
+    unasked = runner.invoke(app, [*args, "-o", str(tmp_path / "b.kiln")])
+    assert unasked.exit_code == 0, unasked.output
+    assert "peak_rss_mib" not in json.loads(unasked.stdout)["benchmark"]

@@ -198,4 +198,5 @@ def test_the_memory_options_are_searched_only_when_memory_counts():
     ort = Space(("ort",), ("fp32",), cores=2)
     params = default_params(ort) | {"ort.prepacking": False}
     options = choice_of(params, ort, model, CompileConfig()).config.engine_options
-    assert options["prepacking"] is False and "session.disable_prepacking" not in options["extra"]
+    assert options["prepacking"] is False
+    assert "session.disable_prepacking" not in options.get("extra", {})

@@ -70,10 +70,13 @@ def engine_compile(name: str, model: ir.Model | str) -> Any:
     if name.startswith("openvino"):
         from kiln.backends.openvino import OpenVinoOptions
 
+        # The peers are OpenVINO as a user runs it: the mapped weights stay resident.
+        as_is = {"release_mapped": False}
         if name == "openvino-int8":  # its own default precision elsewhere
-            return get_backend("openvino").compile(model, OpenVinoOptions())
+            return get_backend("openvino").compile(model, OpenVinoOptions(**as_is))
         wanted = "bf16" if name == "openvino-bf16" else "f32"
-        exe = get_backend("openvino").compile(model, OpenVinoOptions(inference_precision=wanted))
+        options = OpenVinoOptions(inference_precision=wanted, **as_is)
+        exe = get_backend("openvino").compile(model, options)
         # OpenVINO may quietly run another precision than asked: name the engine honestly.
         if exe.precision != wanted:
             raise KilnError(

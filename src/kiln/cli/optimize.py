@@ -129,6 +129,15 @@ def optimize(
             "PART=ENGINE[:PRECISION],... e.g. image=openvino,text=ort.",
         ),
     ] = "none",
+    memory: Annotated[
+        bool | None,
+        typer.Option(
+            "--memory/--no-memory",
+            help="Measure the artifact's peak resident memory (opened and run 10 times in a "
+            "process of its own, seconds) into the JSON and the manifest's benchmark, beside "
+            "this compile's own peak. Default: on for models with 64 MiB of weights or more.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
@@ -222,6 +231,9 @@ def optimize(
             artifact, bench = _partitioned(loaded, config, destination, rounds, runs, say, force)
         else:
             result, bench = build(loaded, config, rounds=rounds, runs=runs, progress=say, fit=fit)
+            if bench is not None and budget is None and _measures_memory(memory, result):
+                say("measuring the artifact's peak resident memory (a process of its own)")
+                bench["peak_rss_mib"] = _peak_rss(result)
             say("writing the artifact")
             artifact = save_result(result, destination, bench, force=force)
     summary = _optimize_summary(artifact, bench, replaced)
@@ -300,6 +312,38 @@ def _measure_memory(result: Any) -> dict[str, float]:
         feeds = result.feeds[0] if result.feeds else None
         measured = peak_memory(path, feeds, runs=10)
     return {k: measured[k] for k in ("peak_mib", "load_mib", "steady_mib")}
+
+
+MEMORY_FROM_MIB = 64  # weights from which `kiln optimize` measures memory unless told
+
+
+def _measures_memory(asked: bool | None, result: Any) -> bool:
+    """--memory / --no-memory, else whether the weights are large enough for memory to count
+    (and the seconds of a measuring process to be small beside the compile)."""
+    if asked is not None:
+        return asked
+    weights = sum(
+        v.const_value.nbytes
+        for v in result.model.graph.initializers.values()
+        if v.const_value is not None
+    )
+    return weights >= MEMORY_FROM_MIB * 2**20
+
+
+def _peak_rss(result: Any) -> dict[str, float]:
+    """`peak_rss_mib`, in MiB, the artifact's above an interpreter with its engine loaded (as
+    `kiln bench` reports each engine's): "load" once open, "run" the high-water mark over
+    opening and 10 runs, "steady" what it keeps after them; and "compile", this process's own
+    high-water mark (the whole process: Kiln, both engines, the original and the candidates)."""
+    from kiln.runtime.footprint import peak_rss_mib
+
+    measured = _measure_memory(result)
+    return {
+        "load": round(measured["load_mib"], 1),
+        "run": round(measured["peak_mib"], 1),
+        "steady": round(measured["steady_mib"], 1),
+        "compile": round(peak_rss_mib(), 1),
+    }
 
 
 def _tried_everything(config: Any) -> bool:

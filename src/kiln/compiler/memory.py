@@ -15,7 +15,9 @@ with any of these options, because every weight page is read once either way; pr
 keeps the load to 12 MiB (345 with it) and the weights in the page cache rather than the
 process's own memory, at 1.30× the latency (1.09–1.36 over 5 rounds). An 80 MiB MLP: 105 → 91
 MiB with prepacking off; a 128 MiB one at batch 2000: 203 → 171 MiB with the memory pattern off.
-OpenVINO has no option that lowers its peak (817 MiB for bert-base: see OpenVinoOptions.mmap).
+OpenVINO: `release_mapped` (on by default) gives back the mapped weight pages its CPU plugin
+has copied: bert-base fp32 812 -> 470 MiB, NNCF int8 355 -> 254 MiB
+(benchmarks/openvino_memory.py).
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ Say = Callable[[str], None]
 # pages a doubled region never touches are not resident, so it rarely lowers the peak either);
 # no memory pattern (allocations per run instead of one block planned from the first: 1.06×,
 # within noise); no prepacking (no packed copy of the MatMul/Conv weights; GEMMs slower: 1.30×).
-# OpenVINO: none lowers it.
+# OpenVINO: `release_mapped`, for an artifact built with it off (latency within noise, 0.99-1.04×;
+# nothing to release when the weights are read rather than mapped, `mmap` off).
 SAVINGS: dict[str, tuple[tuple[str, Any], ...]] = {
     "ort": (
         ("arena_extend", "same_as_requested"),
         ("memory_pattern", False),
         ("prepacking", False),
     ),
-    "openvino": (),
+    "openvino": (("release_mapped", True),),
 }
 DEFAULT = "default"
 # An option is kept only when it lowers the peak by more than this (MiB, and fraction of it):

@@ -235,6 +235,13 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
                 text = f"max abs {o['max_abs']:.1e} ≤ {o['bound']:.1e}, max rel {o['max_rel']:.1e}"
             table.add_row(f"  output {o['name']}", text)
     bench = summary["benchmark"]
+    memory = (bench or {}).get("peak_rss_mib")
+    if memory:
+        table.add_row(
+            "peak memory",
+            f"{memory['run']:,.0f} MiB running ({memory['load']:,.0f} MiB opened, "
+            f"{memory['steady']:,.0f} MiB steady); compiling took {memory['compile']:,.0f} MiB",
+        )
     if bench:
         for key, label in (("original_ort", "original, ORT_ENABLE_ALL"), ("artifact", "artifact")):
             s = bench[key]
