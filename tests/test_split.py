@@ -23,7 +23,7 @@ from kiln.verify import cosine
 MODEL = "zoo:resnet-tiny"
 CUT = "layer2.0.Relu"  # a block's output: the skip connection has rejoined
 OVERHEAD_MS = 0.5  # given, so that tests do not measure loopback
-REQUESTS = 20
+REQUESTS = 200  # the issue's count; batches of 1-3
 
 
 def _image(seed: int, batch: int = 1) -> dict[str, np.ndarray]:
@@ -78,7 +78,9 @@ def test_two_bandwidths_choose_different_cuts() -> None:
     """With an edge 8× slower, a fast link makes any node run on the edge a loss (its time
     grows 8× and the bytes cost next to nothing): all on the server. A link so slow that the
     answer alone takes longer than the whole model on the edge makes all on the edge win."""
-    fast = kiln.split(MODEL, bandwidth="100Gbit/s", edge_slowdown=8, overhead_ms=OVERHEAD_MS)
+    # No fixed cost per request: resnet-tiny runs in a tenth of a millisecond, under any
+    # overhead, which would make all on the edge win at every bandwidth.
+    fast = kiln.split(MODEL, bandwidth="100Gbit/s", edge_slowdown=8, overhead_ms=0.0)
     whole_edge_ms = next(p for p in fast.candidates if p.cut.kind == ALL_EDGE).edge_ms
     answer_bytes = fast.chosen.response_bytes
     slow_bps = answer_bytes * 8 / (whole_edge_ms * 10 / 1e3)  # the answer alone: 10× longer
@@ -179,7 +181,7 @@ def test_edge_session_and_kiln_serve_answer_like_the_whole_model(parts, server, 
     with kiln.Session(parts.edge_path, remote=server.base, timeout=30) as remote:
         assert remote.output_names == whole.output_names
         for seed in range(REQUESTS):
-            feeds = _image(seed)
+            feeds = _image(seed, batch=1 + seed % 3)
             got = remote.run(None, feeds)[0]
             assert cosine(whole.run(None, feeds)[0], got) >= 0.99
         assert remote.bytes_sent > 0 and remote.bytes_received > 0
@@ -223,12 +225,3 @@ def test_a_session_without_remote_refuses_remote_settings(parts) -> None:
         kiln.Session(parts.edge_path, timeout=3)
     with pytest.raises(KilnError, match="not one"):
         kiln.Session(MODEL, remote="http://127.0.0.1:1")
-
-
-@pytest.mark.slow
-def test_two_hundred_requests_through_kiln_serve(parts, server, whole) -> None:
-    with kiln.Session(parts.edge_path, remote=server.base, timeout=30) as remote:
-        for seed in range(200):
-            feeds = _image(seed, batch=1 + seed % 3)
-            got = remote.run(None, feeds)[0]
-            assert cosine(whole.run(None, feeds)[0], got) >= 0.99
