@@ -43,10 +43,12 @@ def thread_shares(parts: Sequence[PartSpec], given: Sequence[str], total: int) -
 def option_overrides(engine: str, threads: int) -> dict[str, Any]:
     """A part's engine settings, as a CompileConfig's engine_options: its threads, and for ONNX
     Runtime a pool that stops spinning when a run ends — a part's idle pool must not take the
-    cores of the parts still running beside it."""
+    cores of the parts still running beside it; for OpenVINO threads left unpinned."""
     if engine == "ort":
         return {"intra_op_threads": threads, "stop_spinning": True}
-    return {"inference_num_threads": threads}
+    # Unpinned: OpenVINO pins each model's threads from the first core, so two one-thread
+    # parts running at once would share a core and take the sum of their times.
+    return {"inference_num_threads": threads, "pin_threads": False}
 
 
 @dataclass
