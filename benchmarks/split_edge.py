@@ -18,6 +18,11 @@ Also per bandwidth: the wire bytes of the chosen cut with the codec and raw (fp3
 every request actually sent and received, and the worst per-sample cosine of the outputs
 against the whole model in-process. Prints the command, CPU (kiln doctor's line), versions and
 every figure; writes JSON to `--json` (results/split_edge.json).
+
+Then where the cut changes: from the first bandwidth's candidates (each one's edge, server and
+fixed times and its bytes each way), the cut the same search picks at every bandwidth from
+0.1 Mbit/s to 10 Gbit/s, at the edge slowdown measured and at each of `--what-if-slowdowns`
+(edge times rescaled): the bandwidth ranges over which each cut is the fastest.
 """
 
 from __future__ import annotations
@@ -178,6 +183,48 @@ def run_bandwidth(args, text: str, work: Path, whole) -> dict:
     return row
 
 
+def cut_ranges(candidates: list[dict], slowdown: float, measured: float) -> list[dict]:
+    """The fastest candidate with a verified codec at each bandwidth on a log grid, as ranges
+    of Mbit/s: a candidate's time is its edge time (rescaled from `measured` to `slowdown`) + its
+    server time + the fixed cost of a request when it sends anything + its bytes at B."""
+    # Only codecs verified end to end: one not checked (None; kiln split checks the winner's
+    # and falls back when it fails) is an optimistic figure — resnet50's cut after maxpool
+    # with topk:0.1 looks fastest at 3–17 Mbit/s at 8x but fails the budget when checked.
+    rows = [c for c in candidates if c["codec_verified"]]
+    grid = np.logspace(-1, 4, 501)  # Mbit/s
+
+    def total(c: dict, mbits: float) -> float:
+        bits = (c["wire_bytes"] + c["response_bytes"]) * 8
+        transfer = c["transfer_ms"] - bits / (c["bandwidth_bps"] / 1e3) if bits else 0.0
+        return (c["edge_ms"] * slowdown / measured + c["server_ms"] + transfer
+                + bits / (mbits * 1e3))  # fmt: skip
+
+    ranges: list[dict] = []
+    for mbits in grid:
+        best = min(rows, key=lambda c: total(c, mbits))
+        label = f"{best['kind']} after {best['after']}, {best['codec']}"
+        if ranges and ranges[-1]["cut"] == label:
+            ranges[-1]["to_mbit_s"] = float(mbits)
+        else:
+            ranges.append({"cut": label, "from_mbit_s": float(mbits), "to_mbit_s": float(mbits)})
+    return ranges
+
+
+def report_ranges(row: dict, slowdowns: list[float], measured: float) -> dict[str, list]:
+    candidates = [c | {"bandwidth_bps": row["bandwidth_bps"]} for c in row["split"]["candidates"]]
+    out = {}
+    for slowdown in [measured, *slowdowns]:
+        ranges = cut_ranges(candidates, slowdown, measured)
+        out[f"{slowdown:g}"] = ranges
+        print(
+            f"edge {slowdown:g}x slower: "
+            + "; ".join(
+                f"{r['from_mbit_s']:.3g}–{r['to_mbit_s']:.3g} Mbit/s {r['cut']}" for r in ranges
+            )
+        )
+    return out
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="zoo:resnet50")
@@ -187,6 +234,11 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--overhead-ms", type=float, default=None)
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--what-if-slowdowns",
+        default="1.5,4",
+        help="Edge slowdowns to recompute the cut-by-bandwidth ranges for.",
+    )
     parser.add_argument("--work", default=None, help="Keep the parts here (default: a temp dir).")
     parser.add_argument("--json", default="results/split_edge.json")
     return parser.parse_args()
@@ -204,6 +256,9 @@ def main() -> None:
     result |= {"model": args.model, "edge_slowdown": args.edge_slowdown, "runs": rows,
                "different_cuts": len({tuple(c) for c in cuts.values()}) == len(cuts)}  # fmt: skip
     print(f"\ncuts: {cuts}; different: {result['different_cuts']}")
+    print("the fastest cut by bandwidth (the first bandwidth's candidates):")
+    slowdowns = [float(x) for x in args.what_if_slowdowns.split(",") if x.strip()]
+    result["cut_by_bandwidth"] = report_ranges(rows[0], slowdowns, args.edge_slowdown)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
