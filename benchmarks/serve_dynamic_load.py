@@ -21,7 +21,10 @@ The two sides are interleaved (`--rounds`, default 2): the stream is cut into ro
 round is served by both, in alternating order, because the machine is shared and drifts.
 Reported per side: requests/s, samples/s, P50/P99 latency (from sending a request to having
 its outputs), and throughput stability: the coefficient of variation of samples/s over 5-s
-windows. Then two runs on kiln with swaps: three forced swaps (POST /v2/models/NAME/swap,
+windows, beside its floor — the CV a server of perfectly constant speed would show answering
+the same whole requests in the same order at the same mean rate (`throughput_cv_floor_5s`):
+what the stream's granularity alone gives, which no server answering whole requests goes
+below at that rate. Then two runs on kiln with swaps: three forced swaps (POST /v2/models/NAME/swap,
 alternating two bucket sets) during the same traffic, and (bert only) one organic swap with
 `--adaptive`, triggered by a shift in the traffic mix. Both must have zero failed requests and
 no request slower than 3× the steady-state P99. Results go to results/serve_dynamic_load.json.
@@ -119,6 +122,7 @@ class Record:
     end: float
     samples: int
     error: str | None
+    work: int = 0  # what the request costs, in samples × tokens (samples for images)
 
 
 def drive(
@@ -150,7 +154,9 @@ def drive(
                 error = f"{type(exc).__name__}: {exc}"[:300]
             end = time.perf_counter()
             with lock:
-                records.append(Record(start, end, len(next(iter(feeds.values()))), error))
+                first = next(iter(feeds.values()))
+                work = int(first.shape[0] * (first.shape[1] if first.ndim == 2 else 1))
+                records.append(Record(start, end, len(first), error, work))
                 done = len(records)
             if on_done is not None:
                 on_done(done)
@@ -163,24 +169,49 @@ def drive(
     return records
 
 
+def _windows(ends: list[float], samples: list[int], t0: float, window_s: float) -> np.ndarray:
+    """Samples/s in each full window of a run whose requests ended at `ends` (the last,
+    partial window is left out)."""
+    counts = np.zeros(int((max(ends) - t0) // window_s))
+    for end, n in zip(ends, samples, strict=True):
+        index = int((end - t0) // window_s)
+        if index < len(counts):
+            counts[index] += n / window_s
+    return counts
+
+
+def floor_windows(segment: list[Record], window_s: float = 5.0) -> np.ndarray:
+    """The windows a server of perfectly constant speed would show on the same requests,
+    answered whole in the order this one answered them, at its mean rate of work (samples ×
+    tokens; busy throughout, as closed-loop clients keep it): their CV is what the stream's
+    granularity alone gives — a window holds a few whole requests of 1–16 samples each."""
+    done = sorted((r for r in segment if r.error is None), key=lambda r: r.end)
+    if len(done) < 2 or not all(r.work for r in done):
+        return np.zeros(0)
+    t0 = min(r.start for r in segment)
+    rate = sum(r.work for r in done) / (done[-1].end - t0)
+    ends = list(t0 + np.cumsum([r.work for r in done]) / rate)
+    return _windows(ends, [r.samples for r in done], t0, window_s)
+
+
+def _cv(rates: np.ndarray) -> float | None:
+    return float(rates.std() / rates.mean()) if len(rates) >= 2 and rates.mean() else None
+
+
 def summarize(segments: list[list[Record]], window_s: float = 5.0) -> dict:
     """Figures over one or more runs (the rounds of one side): wall time is the sum of the
     runs' own, and stability the CV of samples/s over every run's full 5-s windows."""
     records = [r for segment in segments for r in segment]
     ok = [r for r in records if r.error is None]
-    wall, windows = 0.0, []
+    wall, windows, floors = 0.0, [], []
     for segment in filter(None, segments):
         t0 = min(r.start for r in segment)
-        span = max(r.end for r in segment) - t0
-        wall += span
-        counts = np.zeros(int(span // window_s))  # the last, partial window is left out
-        for r in segment:
-            index = int((r.end - t0) // window_s)
-            if r.error is None and index < len(counts):
-                counts[index] += r.samples / window_s
-        windows.extend(counts)
-    rates = np.array(windows)
-    cv = float(rates.std() / rates.mean()) if len(rates) >= 2 and rates.mean() else None
+        wall += max(r.end for r in segment) - t0
+        done = [r for r in segment if r.error is None]
+        if done:
+            windows.extend(_windows([r.end for r in done], [r.samples for r in done], t0, window_s))
+        floors.extend(floor_windows(segment, window_s))
+    cv, floor = _cv(np.array(windows)), _cv(np.array(floors))
     latencies = np.array([r.end - r.start for r in ok]) * 1e3
     return {
         "requests": len(records),
@@ -193,7 +224,8 @@ def summarize(segments: list[list[Record]], window_s: float = 5.0) -> dict:
         "p99_ms": round(float(np.percentile(latencies, 99)), 1) if len(ok) else None,
         "max_ms": round(float(latencies.max()), 1) if len(ok) else None,
         "throughput_cv_5s": round(cv, 3) if cv is not None else None,
-        "windows_5s": len(rates),
+        "throughput_cv_floor_5s": round(floor, 3) if floor is not None else None,
+        "windows_5s": len(windows),
     }
 
 
@@ -301,7 +333,7 @@ def triton_dtype(array: np.ndarray) -> str:
 
 
 def run_case(case: Case, source: str, args: argparse.Namespace) -> dict:
-    n = case.requests // 4 if args.quick else case.requests
+    n = args.requests or (case.requests // 4 if args.quick else case.requests)
     if args.buckets is not None:  # an override, e.g. "" for none: every request unpadded
         case = dataclasses.replace(case, buckets=args.buckets)
     makers = [case.make] * n
@@ -440,6 +472,9 @@ def main() -> None:
     parser.add_argument("--buckets", default=None, help="override the steady run's buckets")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per side")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    parser.add_argument(
+        "--requests", type=int, default=0, help="requests per side (default: the model's own)"
+    )
     parser.add_argument("--no-organic", action="store_true")
     parser.add_argument("--organic-only", action="store_true")
     parser.add_argument(
