@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from kiln.backends.base import KernelRecord, Profile, check_flags
 from kiln.backends.cpus import allowed_cpus, pool_affinities
+from kiln.backends.ort_mapped import mapped_weights, session_on_mapped
 from kiln.errors import KilnError
 
 log = logging.getLogger("kiln.backends")
@@ -352,6 +353,11 @@ def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSe
     # Weights still in an external file would be resolved against ORT's working directory
     # when the model comes as bytes, so such models also go through a file.
     external = any(isinstance(t, ir.ExternalTensor) for t in tensors)
+    mapped = mapped_weights(model) if external else None
+    if mapped is not None:  # a large model from a file: its weights shared where they lie
+        session = session_on_mapped(model, so, mapped)
+        if session is not None:
+            return session
     if size < _INLINE_LIMIT and not external:
         return _session(ir.serde.serialize_model(model).SerializeToString(), so)
     with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
