@@ -11,34 +11,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from mlp_models import WIDTH, write_mlp
 
 import kiln
 from kiln.artifact.store import EXTERNAL_THRESHOLD
 from kiln.runtime.footprint import peak_memory
-
-WIDTH = 2048  # a WIDTH×WIDTH fp32 weight: 16 MiB
-
-
-def _mlp(path: Path, layers: int, width: int = WIDTH) -> Path:
-    """`layers` MatMul + Relu of width×width random weights (random: nothing folds)."""
-    rng = np.random.default_rng(layers)
-    nodes, weights, previous = [], [], "x"
-    for i in range(layers):
-        weight = rng.standard_normal((width, width), dtype=np.float32) / width**0.5
-        weights.append(numpy_helper.from_array(weight, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"h{i}"]))
-        previous = f"h{i}"
-    graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-        [helper.make_tensor_value_info(previous, TensorProto.FLOAT, ["batch", width])], weights,
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save(model, path, save_as_external_data=True, location=f"{path.name}.data")
-    return path
 
 
 def _feeds(width: int, batch: int = 2) -> dict[str, np.ndarray]:
@@ -47,7 +25,7 @@ def _feeds(width: int, batch: int = 2) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _mlp(tmp_path_factory.mktemp("tiny") / "tiny.onnx", 2, width=64)
+    return write_mlp(tmp_path_factory.mktemp("tiny") / "tiny.onnx", 2, width=64)
 
 
 # 5 × 16 MiB: above the size an artifact keeps its weights in a file of their own, where ONNX
@@ -58,7 +36,7 @@ LAYERS = 5
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert LAYERS * WIDTH * WIDTH * 4 > EXTERNAL_THRESHOLD
-    return _mlp(tmp_path_factory.mktemp("mlp") / "mlp.onnx", LAYERS)
+    return write_mlp(tmp_path_factory.mktemp("mlp") / "mlp.onnx", LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -7,37 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from mlp_models import write_mlp
 
 import kiln
 from kiln.backends import get_backend, ort_mapped
 from kiln.backends.ort import OrtOptions
 
 WIDTH = 128
-
-
-def _mlp(path: Path, layers: int = 3) -> Path:
-    """MatMul + Relu layers with random weights, saved with external data."""
-    rng = np.random.default_rng(0)
-    nodes, weights, previous = [], [], "x"
-    for i in range(layers):
-        weight = rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) / WIDTH**0.5
-        weights.append(numpy_helper.from_array(weight, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [f"m{i}"]))
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"h{i}"]))
-        previous = f"h{i}"
-    graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info(previous, TensorProto.FLOAT, ["batch", WIDTH])], weights,
-    )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    onnx.save(model, path, save_as_external_data=True, location=f"{path.name}.data",
-              size_threshold=0)  # fmt: skip
-    return path
 
 
 @pytest.fixture
@@ -49,7 +28,7 @@ def large(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sessions_share_the_files_one_map_and_compute_what_ort_does(
     tmp_path: Path, large: None
 ) -> None:
-    path = _mlp(tmp_path / "mlp.onnx")
+    path = write_mlp(tmp_path / "mlp.onnx", 3, width=WIDTH)
     x = np.random.default_rng(1).standard_normal((2, WIDTH)).astype(np.float32)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     # Two loads of the model: distinct tensor objects, as a pass that copies the model makes.
@@ -66,7 +45,7 @@ def test_sessions_share_the_files_one_map_and_compute_what_ort_does(
 
 
 def test_small_external_models_keep_a_session_of_their_own(tmp_path: Path) -> None:
-    path = _mlp(tmp_path / "mlp.onnx")
+    path = write_mlp(tmp_path / "mlp.onnx", 3, width=WIDTH)
     executable = get_backend("ort").compile(ir.load(path), OrtOptions())
     assert not hasattr(executable.session, "_kiln_mapped")  # prepacked weights run faster
 
@@ -74,7 +53,7 @@ def test_small_external_models_keep_a_session_of_their_own(tmp_path: Path) -> No
 def test_a_large_model_compiles_verified_and_its_artifact_matches(
     tmp_path: Path, large: None
 ) -> None:
-    path = _mlp(tmp_path / "mlp.onnx")
+    path = write_mlp(tmp_path / "mlp.onnx", 3, width=WIDTH)
     artifact = kiln.compile(str(path), tmp_path / "mlp.kiln", rounds=0)
     assert artifact.manifest.verification.ok
     x = np.random.default_rng(2).standard_normal((3, WIDTH)).astype(np.float32)
