@@ -353,7 +353,9 @@ def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSe
     # Weights still in an external file would be resolved against ORT's working directory
     # when the model comes as bytes, so such models also go through a file.
     external = any(isinstance(t, ir.ExternalTensor) for t in tensors)
-    mapped = mapped_weights(model) if external else None
+    inline = sum(t.nbytes for t in tensors if not isinstance(t, ir.ExternalTensor))
+    # The mapped path serializes the rest inline: a protobuf holds at most 2 GiB.
+    mapped = mapped_weights(model) if external and inline < _INLINE_LIMIT else None
     if mapped is not None:  # a large model from a file: its weights shared where they lie
         session = session_on_mapped(model, so, mapped)
         if session is not None:
