@@ -3,9 +3,8 @@
 A compile opens several sessions on one model (the reference, each candidate, the baselines it
 is timed against), and ONNX Runtime reads a copy of the weights into each: a 2.5 GiB
 external-data model peaked at 2.1x its weights while compiling. Here every session uses the
-weights where onnx_ir has the file memory-mapped (`SessionOptions.add_initializer` takes the
-buffer without copying), so they are resident once, shared by every session and by the
-artifact's writer. ONNX Runtime still checks each external reference before it sees the
+weights on one memory map of their file (`SessionOptions.add_initializer` takes the buffer
+without copying), so they are resident once, shared by every session. ONNX Runtime still checks each external reference before it sees the
 override, so the model handed to it points them at a sparse placeholder file of the right
 size in its own directory (it refuses paths out of it, links included); nothing reads it.
 Prepacking is off on such sessions: a packed copy per session is what sharing avoids.
