@@ -156,6 +156,23 @@ def test_serve_and_bench_refuse_a_partitioned_artifact_in_one_line(
     assert err.strip().count("\n") == 0, err
 
 
+def test_profile_covers_every_part_on_what_it_receives(built, tmp_path, monkeypatch, capsys):
+    report = tmp_path / "profile.html"
+    args = ["profile", str(built.path), "--runs", "2", "--rounds", "1", "--json", "-o", str(report)]
+    code, out, _ = kiln_cli(args, monkeypatch, capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert list(result["parts"]) == ["image", "text", "join"]  # dependency order
+    # The join receives the towers' embeddings, as computed by the parts before it.
+    assert set(result["parts"]["join"]["inputs"]) == {"image_embeds", "text_embeds"}
+    for name, part in result["parts"].items():
+        assert part["nodes"], name  # its kernels mapped to the original nodes
+        assert (tmp_path / f"profile-{name}.html").stat().st_size > 0
+    assert result["end_to_end"]["runs"] == 2 and result["end_to_end"]["p50_ms"] > 0
+    code, _, err = kiln_cli(["profile", str(built.path), "--backend", "ort"], monkeypatch, capsys)
+    assert code == 2 and "drop --backend" in err
+
+
 BAD = {
     "unknown part": (MODEL, "image=openvino,audio=ort",
                      "error: --partition: zoo:two-tower-tiny has no part 'audio'; its parts are "

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kiln.artifact.parts import is_partitioned
 from kiln.cli.console import JsonOpt, at_least, check_output, console, emit_json, progress
 from kiln.errors import KilnError
 
@@ -51,6 +52,14 @@ def profile(
     at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
     check_output(output, "-o")
     check_output(trace, "--trace")
+    if is_partitioned(model):
+        if backend is not None or shape:
+            raise KilnError(
+                f"{model} is a partitioned artifact: each part runs on its own engine and "
+                "receives what the parts before it computed; drop --backend and --shape."
+            )
+        _profile_parts(model, batch, runs, rounds, output, trace, as_json)
+        return
     with progress() as bar:
         task = bar.add_task(f"loading {model}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
@@ -80,3 +89,46 @@ def profile(
     for path, what in ((output, "report"), (trace, "trace")):
         if path is not None:
             console.print(f"wrote {what} {path}")
+
+
+def _no_records(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "records"}
+
+
+def _profile_parts(
+    model: str, batch: int, runs: int, rounds: int, output: Path | None, trace: Path | None,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Every part of a partitioned artifact profiled on what it receives; a report and a trace
+    per part (OUTPUT-PART.html), and the whole's end-to-end latency."""
+    from kiln.profile.parts import profile_parts
+    from kiln.report import print_profile, write_html, write_trace
+
+    written = []
+    with progress() as bar:
+        task = bar.add_task(f"loading {model}")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
+        result = profile_parts(model, batch=batch, runs=runs, rounds=rounds, say=say)
+        try:
+            for name, part in result["parts"].items():
+                for path, write in ((output, write_html), (trace, write_trace)):
+                    if path is not None:
+                        each = path.with_name(f"{path.stem}-{name}{path.suffix}")
+                        write(part, each)
+                        written.append(each)
+        except OSError as exc:
+            raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
+    if as_json:
+        parts = result["parts"]
+        emit_json({**result, "parts": {n: _no_records(p) for n, p in parts.items()}})
+        return
+    for name, part in result["parts"].items():
+        console.rule(f"part {name}: {result['placement'][name]}")
+        print_profile(part, console)
+    whole = result["end_to_end"]
+    console.print(
+        f"the whole, parts at once as kiln.Session runs them: P50 {whole['p50_ms']:.2f} ms, "
+        f"P99 {whole['p99_ms']:.2f} ms over {whole['runs']} runs"
+    )
+    for path in written:
+        console.print(f"wrote {path}")

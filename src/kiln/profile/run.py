@@ -43,9 +43,11 @@ def profile_model(
     rounds: int = 5,
     peaks: Any = None,
     say: Callable[[str], None] = lambda _msg: None,
+    feeds: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Profile a model (.onnx, zoo:NAME, a .pt2 program) or artifact (NAME.kiln) on a backend;
-    synthesized inputs are fitted as `kiln optimize` fits them (see `target_feeds`).
+    on `feeds` if given, else on synthesized inputs fitted as `kiln optimize` fits them (see
+    `target_feeds`).
 
     `peaks` (a `kiln.hardware.Peaks`) defaults to this machine's measured peaks.
     """
@@ -53,7 +55,7 @@ def profile_model(
         raise KilnError("--runs and --rounds must be 1 or more.")
     say(f"loading {source}")
     target = load_target(source, backend)
-    feeds = target_feeds(target, batch, shapes, say)
+    feeds = feeds if feeds is not None else target_feeds(target, batch, shapes, say)
     if peaks is None:
         from kiln.hardware import measured_peaks
 
