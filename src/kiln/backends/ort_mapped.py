@@ -4,10 +4,11 @@ A compile opens several sessions on one model (the reference, each candidate, th
 is timed against), and ONNX Runtime reads a copy of the weights into each: a 2.5 GiB
 external-data model peaked at 2.1x its weights while compiling. Here every session uses the
 weights on one memory map of their file (`SessionOptions.add_initializer` takes the buffer
-without copying), so they are resident once, shared by every session. ONNX Runtime still checks each external reference before it sees the
-override, so the model handed to it points them at a sparse placeholder file of the right
-size in its own directory (it refuses paths out of it, links included); nothing reads it.
-Prepacking is off on such sessions: a packed copy per session is what sharing avoids.
+without copying), so they are resident once, shared by every session. ONNX Runtime still
+checks each external reference before it sees the override, so the model handed to it points
+them at a sparse placeholder file of the right size in its own directory (it refuses paths
+out of it, links included); nothing reads it. Prepacking is off on such sessions: a packed
+copy per session is what sharing avoids.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`kiln profile` of a partitioned artifact: every part profiled on the tensors it really
 receives (the whole model's synthesized inputs run through the parts before it), beside the
-end-to-end latency of the parts run as `kiln.Session` runs them (independent parts at once)."""
+end-to-end latency of the parts run on the schedule `kiln.Session` runs them on (the artifact's
+Pipeline: independent parts at once)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
-from kiln.artifact.parts import read_parts
+from kiln.artifact.parts import PartSpec, Pipeline
+from kiln.artifact.store import read_partitioned
+from kiln.backends import get_backend, options_from_json
 from kiln.ir.inputs import default_dims, synthesize
 from kiln.profile.run import profile_model
 from kiln.profile.target import BATCH_DIMS
 from kiln.timing import stats
+
+Feeds = dict[str, np.ndarray]
 
 
 def profile_parts(
@@ -28,41 +34,38 @@ def profile_parts(
     say: Callable[[str], None] = lambda _msg: None,
 ) -> dict[str, Any]:
     """{"parts": {name: profile_model's dict}, "end_to_end": latency, "placement": ...}."""
-    from kiln.runtime.parts import PartitionedSession
-
     if peaks is None:
         from kiln.hardware import measured_peaks
 
         peaks = measured_peaks(progress=lambda step: say(f"measuring this machine: {step}"))
-    section = read_parts(Path(source))
-    session = PartitionedSession(source)
+    whole, section, artifacts = read_partitioned(source)
+    runners = {}
+    for spec in section.parts:
+        recorded = artifacts[spec.name].manifest.backend
+        options = options_from_json(recorded.name, recorded.options)
+        runners[spec.name] = (
+            get_backend(recorded.name).compile(str(artifacts[spec.name].model_path), options).run
+        )
+    feeds = _whole_inputs(section.parts, artifacts, whole.manifest.dims, batch)
+    pipeline = Pipeline(section.parts, runners, list(feeds))
     try:
         say("running the parts once for the tensors each receives")
-        recorded = session.artifact.manifest.dims or default_dims(session.interface)
-        dims = {**recorded, **dict.fromkeys(BATCH_DIMS, batch)}
-        tensors: dict[str, np.ndarray] = dict(synthesize(session.interface, dims))
-        wanted: dict[str, dict[str, np.ndarray]] = {}
-        for spec in section.parts:
-            feeds = {n: tensors[n] for n in spec.inputs}
-            wanted[spec.name] = feeds
-            exe = session.executables[spec.name]
-            tensors.update(zip(exe.output_names, exe.run(feeds), strict=True))
-        whole = {n: tensors[n] for n in session.input_names}
-        say("timing the whole, parts at once as kiln.Session runs them")
-        session.run(None, whole)  # warm-up
+        values = pipeline.run(feeds)  # also the warm-up
+        say("timing the whole on kiln.Session's schedule")
         latency = []
         for _ in range(runs):
             start = time.perf_counter()
-            session.run(None, whole)
+            pipeline.run(feeds)
             latency.append(time.perf_counter() - start)
     finally:
-        session.close()
+        pipeline.close()
+    runners.clear()  # each part's engine session closed before it is profiled on its own
     parts = {}
     for spec in section.parts:
         say(f"profiling part {spec.name} ({spec.engine}/{spec.precision})")
         parts[spec.name] = profile_model(
             str(Path(source) / spec.path), runs=runs, rounds=rounds, peaks=peaks, say=say,
-            feeds=wanted[spec.name],
+            feeds={n: values[n] for n in spec.inputs},
         )  # fmt: skip
     return {
         "source": source,
@@ -73,3 +76,21 @@ def profile_parts(
         "end_to_end": stats(latency, batch).to_json(),
         "parts": parts,
     }
+
+
+def _whole_inputs(
+    parts: list[PartSpec], artifacts: dict[str, Any], recorded: dict[str, int] | None, batch: int
+) -> Feeds:
+    """The whole model's inputs, synthesized from the parts that take them (a tensor no
+    earlier part produces), at the dims the artifact recorded and this batch size."""
+    feeds: Feeds = {}
+    produced: set[str] = set()
+    for spec in parts:
+        model = ir.load(str(artifacts[spec.name].model_path))  # the graph; weights stay mapped
+        dims = {**(recorded or default_dims(model)), **dict.fromkeys(BATCH_DIMS, batch)}
+        fresh = [n for n in spec.inputs if n not in produced and n not in feeds]
+        if fresh:
+            made = synthesize(model, dims)
+            feeds.update({n: made[n] for n in fresh})
+        produced.update(spec.outputs)
+    return feeds
