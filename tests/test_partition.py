@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -171,6 +172,22 @@ def test_profile_covers_every_part_on_what_it_receives(built, tmp_path, monkeypa
     assert result["end_to_end"]["runs"] == 2 and result["end_to_end"]["p50_ms"] > 0
     code, _, err = kiln_cli(["profile", str(built.path), "--backend", "ort"], monkeypatch, capsys)
     assert code == 2 and "drop --backend" in err
+
+
+def test_compare_checks_every_part_against_its_piece(built, monkeypatch, capsys) -> None:
+    code, out, _ = kiln_cli(["compare", MODEL, str(built.path), "--json"], monkeypatch, capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert list(result["parts"]) == ["image", "text", "join"]
+    for name, part in result["parts"].items():
+        piece = onnx.load(str(built.path / PARTS_DIR / f"{name}.onnx"))
+        nodes = {node.name for node in piece.graph.node}
+        compared = {row["node"] for row in part["layers"]}
+        assert compared and compared <= nodes, name  # its own layers, not another part's
+        assert part["b"]["spec"].endswith(f"{name}.kiln")
+    assert result["first_divergence"] is None  # fp32 parts within Kiln's fp32 tolerance
+    code, _, err = kiln_cli(["compare", str(built.path), MODEL], monkeypatch, capsys)
+    assert code == 2 and "give it as B" in err
 
 
 BAD = {

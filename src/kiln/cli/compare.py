@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kiln.artifact.parts import is_partitioned
 from kiln.cli.console import (
     InputsOpt,
     JsonOpt,
@@ -67,6 +68,20 @@ def compare(
 
     check_output(output, "-o")
     _check_directory(model_explorer)
+    if is_partitioned(a):
+        raise KilnError(
+            f"{a} is a partitioned artifact: give it as B, after the model it was built from "
+            f"(kiln compare MODEL {a})."
+        )
+    if is_partitioned(b):
+        if model_explorer is not None:
+            raise KilnError(
+                f"{b} is a partitioned artifact: --model-explorer overlays one graph; give "
+                f"one part ({b}/parts/PART.kiln against {b}/parts/PART.onnx)."
+            )
+        _compare_parts(a, b, str(inputs) if inputs is not None else None, parse_shapes(shape),
+                       metric, max_drop, output, as_json)  # fmt: skip
+        return
     with progress() as bar:
         task = bar.add_task(f"loading {a}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
@@ -128,3 +143,42 @@ def _write(
     except OSError as exc:
         raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
     return written
+
+
+def _compare_parts(
+    a: str, b: str, inputs: str | None, shapes: dict, metric: str, max_drop: float | None,
+    output: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """Each part of the partitioned artifact B against its original piece, on the original's
+    tensors; a report per part (OUTPUT-PART.html)."""
+    from kiln.debug.parts import compare_parts, parts_json
+    from kiln.report.compare import print_compare, write_compare_html
+
+    written = []
+    with progress() as bar:
+        task = bar.add_task(f"loading {b}")
+        say = lambda msg: bar.update(task, description=msg)  # noqa: E731
+        comparisons = compare_parts(a, b, inputs=inputs, shapes=shapes, metric=metric,
+                                    max_drop=max_drop, say=say)  # fmt: skip
+        result = parts_json(a, b, comparisons)
+        try:
+            for name, part in result["parts"].items():
+                if output is not None:
+                    each = output.with_name(f"{output.stem}-{name}{output.suffix}")
+                    written.append(write_compare_html(part, each))
+        except OSError as exc:
+            raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
+    if as_json:
+        emit_json(result)
+        return
+    for name, part in result["parts"].items():
+        console.rule(f"part {name}")
+        print_compare(part, console)
+    first = result["first_divergence"]
+    console.print(
+        f"first divergence: part {first['part']}, {first['node']}" if first
+        else "every part within the budget of its original piece",
+        highlight=False, markup=False,
+    )  # fmt: skip
+    for path in written:
+        console.print(f"wrote {path}", highlight=False, markup=False)
