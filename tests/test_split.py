@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from test_serve import Server, _start, _stop
 
 import kiln
+from kiln.artifact import read_artifact
 from kiln.compiler.split_cuts import ALL_EDGE, ALL_SERVER, parse_bandwidth
 from kiln.errors import KilnError
 from kiln.verify import cosine
@@ -62,6 +63,10 @@ def test_edge_and_server_compute_the_whole_model_within_the_codec_budget(parts, 
     assert manifest["server_model"] == "server" and manifest["cut"] == [CUT]
     assert manifest["codec"]["name"] == "int8" and manifest["verification"]["ok"]
     assert {c["kind"] for c in manifest["candidates"]} >= {ALL_SERVER, ALL_EDGE, "cut"}
+    # A known manifest field: read back through the Manifest, and kept when it is rewritten.
+    for path, role in ((parts.edge_path, "edge"), (parts.server_path, "server")):
+        read = read_artifact(path).manifest
+        assert read.split["role"] == role and read.to_json()["split"]["cut"] == [CUT]
 
 
 def test_lossless_codec_matches_the_whole_model_to_fp32_tolerance(tmp_path, whole) -> None:

@@ -78,6 +78,9 @@ class Manifest:
     # A partitioned artifact's parts (kiln.artifact.parts.PartsSection as JSON); its backend
     # is then PARTS_BACKEND, each part recording its own.
     parts: dict[str, Any] | None = None
+    # One part of a `kiln split` (kiln.compiler.split): its role (edge or server), the cut, the
+    # codec, the boundary tensors, the prediction — what `kiln.Session(remote=...)` checks.
+    split: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +142,7 @@ class Manifest:
             benchmark=data.get("benchmark"),
             notes=[str(n) for n in data.get("notes") or []],
             parts=data.get("parts") or None,
+            split=data.get("split") or None,
             format_version=FORMAT_VERSION,
         )
 

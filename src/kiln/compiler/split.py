@@ -551,7 +551,7 @@ def _record(
 
 
 def _add_section(artifact: Artifact, section: dict[str, Any]) -> None:
-    """Manifest readers keep the fields they know, so the section travels beside them."""
+    """The manifest's `split` field (Manifest.split), written into the part just built."""
     path = artifact.path / "manifest.json"
     data = json.loads(path.read_text())
     data["split"] = section
