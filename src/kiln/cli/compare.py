@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kiln.artifact.parts import is_partitioned
 from kiln.cli.console import (
     InputsOpt,
     JsonOpt,
@@ -63,6 +62,7 @@ def compare(
     Rows follow the original graph; the first divergence is the earliest layer beyond the
     budget whose inputs still agree. Fused kernels stay fused: only tensors both sides compute
     are compared."""
+    from kiln.artifact.parts import is_partitioned
     from kiln.debug import compare as compare_models
     from kiln.ir.inputs import parse_shapes
 

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from kiln.artifact.parts import is_partitioned
 from kiln.cli.console import JsonOpt, at_least, check_output, console, emit_json, progress
 from kiln.errors import KilnError
 
@@ -45,6 +44,7 @@ def profile(
 
     Latency (P50/P90/P99, jitter), per-kernel times mapped to the original nodes, a roofline
     against measured peaks, and the bottlenecks with a Kiln action for each."""
+    from kiln.artifact.parts import is_partitioned
     from kiln.ir.inputs import parse_shapes
     from kiln.profile import profile_model
     from kiln.report import print_profile, write_html, write_trace
