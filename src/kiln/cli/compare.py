@@ -16,6 +16,7 @@ from kiln.cli.console import (
     console,
     emit_json,
     err,
+    part_path,
     progress,
 )
 from kiln.errors import KilnError
@@ -164,8 +165,7 @@ def _compare_parts(
         try:
             for name, part in result["parts"].items():
                 if output is not None:
-                    each = output.with_name(f"{output.stem}-{name}{output.suffix}")
-                    written.append(write_compare_html(part, each))
+                    written.append(write_compare_html(part, part_path(output, name)))
         except OSError as exc:
             raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
     if as_json:

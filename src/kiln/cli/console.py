@@ -65,6 +65,11 @@ def check_output(path: Path | None, flag: str = "-o") -> None:
         raise KilnError(f"{flag} {path}: {problem}. Nothing was done; choose another {flag} path.")
 
 
+def part_path(path: Path, part: str) -> Path:
+    """Where a per-part report of a partitioned artifact goes: OUTPUT-PART.SUFFIX."""
+    return path.with_name(f"{path.stem}-{part}{path.suffix}")
+
+
 def speed_advice(verdict: str | None, what: str, baseline: str, source: str, auto: bool) -> str:
     """What a speedup's verdict means, and the command to try when Kiln's artifact is not
     beyond noise faster than `baseline` ("" when it is, or there is no verdict)."""

@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from kiln.cli.console import JsonOpt, at_least, check_output, console, emit_json, progress
+from kiln.cli.console import (
+    JsonOpt,
+    at_least,
+    check_output,
+    console,
+    emit_json,
+    part_path,
+    progress,
+)
 from kiln.errors import KilnError
 
 
@@ -83,7 +91,7 @@ def profile(
             raise KilnError(f"could not write the report ({exc.strerror or exc}).") from None
     if as_json:
         # The raw per-run records go to --trace; everything derived from them is here.
-        emit_json({k: v for k, v in result.items() if k != "records"})
+        emit_json(_no_records(result))
         return
     print_profile(result, console)
     for path, what in ((output, "report"), (trace, "trace")):
@@ -113,7 +121,7 @@ def _profile_parts(
             for name, part in result["parts"].items():
                 for path, write in ((output, write_html), (trace, write_trace)):
                     if path is not None:
-                        each = path.with_name(f"{path.stem}-{name}{path.suffix}")
+                        each = part_path(path, name)
                         write(part, each)
                         written.append(each)
         except OSError as exc:
