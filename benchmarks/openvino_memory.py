@@ -92,7 +92,7 @@ def child_variant(variant: str, artifact: str, runs: int) -> dict[str, Any]:
     from kiln.runtime.footprint import reset_peak
 
     backend, feeds, options, model_path = _setup(artifact)
-    b0 = _status("VmRSS")
+    b0, anon0, file0 = _status("VmRSS"), _status("RssAnon"), _status("RssFile")
     if variant == "ov-path":
         props = options_from_json("openvino", options).properties()
         compiled = ov.Core().compile_model(str(model_path), "CPU", props)
@@ -125,6 +125,10 @@ def child_variant(variant: str, artifact: str, runs: int) -> dict[str, Any]:
         "rss_mib": _status("VmRSS") - b0,
         "anon_mib": _status("RssAnon"),
         "file_mib": _status("RssFile"),
+        # above b0: library code pages this model's kernels touched, and anonymous memory
+        # (the weights as held, the graph, JIT code, activations)
+        "code_pages_mib": _status("RssFile") - file0,
+        "anon_grown_mib": _status("RssAnon") - anon0,
         "weights_held_mib": _weights_held_mib(compiled),
     }
 
@@ -137,7 +141,7 @@ def child_empty(artifact: str) -> dict[str, Any]:
     from kiln.backends import options_from_json
 
     backend, _, options, _ = _setup(artifact)
-    b0 = _status("VmRSS")
+    b0, file0 = _status("VmRSS"), _status("RssFile")
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["n", 8]))
     w = ir.Value(name="w", const_value=ir.tensor(np.ones((8, 8), np.float32), name="w"))
     node = ir.node("MatMul", [x, w], num_outputs=1)
@@ -146,7 +150,11 @@ def child_empty(artifact: str) -> dict[str, Any]:
     exe = backend.compile(ir.Model(graph, ir_version=8), options_from_json("openvino", options))
     for _ in range(10):
         exe.run({"x": np.ones((1, 8), np.float32)})
-    return {"b0_mib": b0, "empty_session_mib": _status("VmRSS") - b0}
+    return {
+        "b0_mib": b0,
+        "empty_session_mib": _status("VmRSS") - b0,
+        "code_pages_mib": _status("RssFile") - file0,
+    }
 
 
 def child_latency(artifact: str, runs: int, rounds: int) -> dict[str, Any]:
@@ -217,7 +225,8 @@ def machine() -> dict[str, Any]:
 
 
 def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
-    empty = _child("empty", artifact, runs, rounds)["empty_session_mib"]
+    empty_row = _child("empty", artifact, runs, rounds)
+    empty = empty_row["empty_session_mib"]
     variants = {v: _child(v, artifact, runs, rounds) for v in VARIANTS}
     held = variants["kiln"]["weights_held_mib"]
     floor = held + empty
@@ -232,6 +241,7 @@ def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
         "weights_file_mib": data.stat().st_size / 2**20 if data.exists() else 0.0,
         "weights_held_mib": held,
         "empty_session_mib": empty,
+        "empty_code_pages_mib": empty_row["code_pages_mib"],
         "floor_mib": floor,
         "variants": variants,
         "latency": _child("latency", artifact, runs, rounds),
@@ -248,6 +258,11 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{name:16} {row['load_mib']:6.0f} {row['first_mib']:6.0f} {row['steady_mib']:6.0f}"
               f" {row['run_mib']:6.0f} {row['anon_mib']:6.0f} {row['file_mib']:6.0f}"
               f" {row['run_over_floor']:9.2f}")  # fmt: skip
+    kiln = result["variants"]["kiln"]
+    other = kiln["anon_grown_mib"] - kiln["weights_held_mib"]
+    print(f"kiln above its weights: library code pages {kiln['code_pages_mib']:.0f} MiB (empty "
+          f"session {result['empty_code_pages_mib']:.0f}), other anonymous memory {other:.0f} "
+          "(graph, JIT code, activations)")  # fmt: skip
     lat = result["latency"]
     rounds = ", ".join(f"{r:.3f}" for r in lat["latency_ratio_per_round"])
     print(f"latency kiln / kiln-no-release: {lat['latency_ratio']:.3f} ({lat['verdict']}; per "

@@ -160,3 +160,27 @@ def test_large_weights_read_less_resident_memory_with_it_on(mlp_file, tmp_path):
     assert off >= 1.75 * weights, (off, weights, empty_off)
     assert off - on >= 0.75 * weights, (off, on, weights)
     assert on <= 1.25 * weights, (on, weights, empty_on)
+
+
+# Chunks under glibc's mmap threshold live in its heap; all freed but the last, the top of the
+# heap stays in use, so free() alone cannot give the pages back: only a trim does.
+_TRIM_CHILD = """
+from kiln.backends.release import trim_heap
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+chunks = [bytearray(64 * 1024) for _ in range(1600)]  # 100 MiB, each page touched
+last = chunks.pop()
+del chunks
+before = rss()
+trimmed = trim_heap()
+print(trimmed, before - rss())
+"""
+
+
+@LINUX
+def test_a_trimmed_heap_gives_freed_memory_back():
+    done = subprocess.run([sys.executable, "-c", _TRIM_CHILD], capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    trimmed, given_back = done.stdout.split()
+    assert trimmed == "True"
+    assert int(given_back) >= 64 * 2**20, given_back

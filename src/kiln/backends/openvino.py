@@ -86,9 +86,10 @@ class OpenVinoOptions:
     # (kiln.backends.release: madvise(MADV_DONTNEED) on the file's shared read-only mapping,
     # while compiling and while the first run at each input shape repacks; Linux only, a no-op
     # elsewhere). bert-base fp32, peak over 21 runs: 812 -> 470 MiB (floor 441), compile peak
-    # 662 -> 253; NNCF int8: 355 -> 254 MiB (floor 196); latency within noise
-    # (benchmarks/openvino_memory.py). Outputs are bit-identical; a weight the engine reads in
-    # place (the fp32 embedding table) faults back from the page cache and stays.
+    # 662 -> 253; NNCF int8: 355 -> 246 MiB (floor 196; the heap trimmed after each,
+    # `trim_heap`); latency within noise (benchmarks/openvino_memory.py). Outputs are
+    # bit-identical; a weight the engine reads in place (the fp32 embedding table) faults back
+    # from the page cache and stays.
     release_mapped: bool = True
     # Steadiness decisions; None leaves OpenVINO's own default. `flush_denormals`:
     # CPU_DENORMALS_OPTIMIZATION, the CPU plugin's threads flush denormals to zero (FTZ/DAZ;
