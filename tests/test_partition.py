@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -144,17 +145,53 @@ def kiln_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     return int(stopped.value.code or 0), out.out, out.err
 
 
-@pytest.mark.parametrize(
-    ("verb", "said"),
-    [(["serve", "--port", "0"], "kiln serve serves one-part artifacts"),
-     (["bench", "--rounds", "1", "--runs", "1"], "kiln bench compares one-part artifacts")],
-)  # fmt: skip
-def test_serve_and_bench_refuse_a_partitioned_artifact_in_one_line(
-    built, verb, said, monkeypatch, capsys
+def _kserve_json(feeds: dict) -> str:
+    from kiln.serve.protocol import datatype_of
+
+    return json.dumps({"inputs": [
+        {"name": k, "datatype": datatype_of(v), "shape": list(v.shape), "data": v.ravel().tolist()}
+        for k, v in feeds.items()
+    ]})  # fmt: skip
+
+
+def test_kiln_serve_answers_for_a_partitioned_artifact(built, original) -> None:
+    from fastapi.testclient import TestClient
+
+    from kiln.serve.app import create_app
+
+    session = kiln.Session(built.path)
+    assert isinstance(session, PartitionedSession)
+    feeds = [synthesize(load_model(MODEL).model, seed=seed) for seed in range(3)]
+    with TestClient(create_app(session, "tt")) as client:
+        for f in feeds:
+            answer = client.post("/v2/models/tt/infer", content=_kserve_json(f))
+            assert answer.status_code == 200, answer.text
+            outputs = answer.json()["outputs"]
+            got = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in outputs}
+            want = original.run(None, f)
+            for name, value in zip([o.name for o in original.get_outputs()], want, strict=True):
+                assert check_output(name, value, got[name].astype(value.dtype), FP32_TOLERANCE).ok
+        runtime = client.get("/v2/models/tt/runtime").json()
+        metrics = client.get("/metrics").text
+        swap = client.post("/v2/models/tt/swap", content="{}")
+    assert runtime["requests"] == len(feeds)
+    assert {part for part in runtime["parts"]} == {"whole", *BRANCHES, "join"}
+    assert all(figures["runs"] == len(feeds) for figures in runtime["parts"].values())
+    assert 'kiln_queue_depth{model="tt"} 0.0' in metrics  # scraped with the others
+    assert swap.status_code == 400 and "no shape buckets" in swap.text
+
+
+def test_bench_times_a_partitioned_artifact_against_the_engines(
+    built, tmp_path, monkeypatch, capsys
 ) -> None:
-    code, _, err = kiln_cli([verb[0], str(built.path), *verb[1:]], monkeypatch, capsys)
-    assert code == 2 and said in err and "partitioned artifact" in err
-    assert err.strip().count("\n") == 0, err
+    out = tmp_path / "bench.json"
+    args = ["bench", str(built.path), "--against", "ort", "--rounds", "1", "--runs", "3",
+            "--no-memory", "-o", str(out)]  # fmt: skip
+    code, _, err = kiln_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert set(report["engines"]) >= {"ort", "kiln"}
+    assert report["engines"]["kiln"]["cosine_vs_fp32"] > 0.9999  # its parts, run as a whole
 
 
 def test_profile_covers_every_part_on_what_it_receives(built, tmp_path, monkeypatch, capsys):

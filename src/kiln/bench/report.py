@@ -42,16 +42,9 @@ def _kiln_runner(
     from kiln.compiler.api import load_source
 
     if Path(model).is_dir():
-        from kiln.artifact.parts import is_partitioned
         from kiln.runtime import Session
 
-        if is_partitioned(model):  # benchmarks/partition.py times a partitioned artifact
-            raise KilnError(
-                f"{model} is a partitioned artifact: kiln bench compares one-part artifacts; "
-                "time it with benchmarks/partition.py or bench one of its parts "
-                "(PATH/parts/NAME.kiln)."
-            )
-        session = Session(model)
+        session = Session(model)  # a partitioned artifact: its parts, as kiln.Session runs them
         source = session.artifact.manifest.source.path
         try:
             original = load_source(source).model  # an .onnx, zoo:NAME or .pt2 program

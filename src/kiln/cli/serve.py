@@ -335,10 +335,12 @@ def _serving_lines(
             lines.append(f"'{row['name']}' is {row['state']}: {row['reason']}")
             continue
         batcher, sizes = model.batcher, model.session.buckets
+        parts = [p.name for p in getattr(model.session, "parts", [])]  # a partitioned artifact
         lines.append(
             f"serving '{model.name}' (version {model.version}) on {base}/v2/models/{model.name}, "
             + batching_text(batcher.max_batch, batcher.max_delay * 1000)
             + (f", buckets {format_buckets(sizes)}" if sizes else "")
+            + (f", parts {', '.join(parts)}" if parts else "")
         )
     if grpc_port is not None:
         where = f"[{host}]:{grpc_port}" if ":" in host else f"{host}:{grpc_port}"

@@ -4,12 +4,16 @@ artifact's `Pipeline` — parts in dependency order, the independent ones at onc
 
 What a single-part session adds on top of the engine (shape buckets, background rebuilds,
 the feedback loop, engine option overrides) is not offered here yet: asking for it is refused
-with a message saying so, rather than silently ignored.
+with a message saying so, rather than silently ignored. What `kiln serve` needs of a session
+is here (`run_batch`, `check_feeds`, `batch_dims`, `stats`): a batch runs its requests one
+after another through the parts, and `stats` gives every part's recent times beside the whole's.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,8 +28,11 @@ from kiln.backends import Executable, get_backend, options_from_json
 from kiln.errors import KilnError
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.metadata import NodeArg, graph_inputs, kserve_meta, node_arg
+from kiln.runtime.padding import batch_dims, input_layout
 
 Feeds = dict[str, np.ndarray]
+# Runs whose times `stats` keeps, per part and for the whole: its percentiles are recent ones.
+RECENT_RUNS = 1000
 # What a partitioned session does not do yet, by Session keyword.
 _NOT_YET = {
     "buckets": "shape buckets",
@@ -61,6 +68,7 @@ class PartitionedSession:
         self.artifact = whole
         self.interface = interface_of(whole.manifest)
         self.executables: dict[str, Executable] = {}
+        self._times: dict[str, deque[float]] = {"whole": deque(maxlen=RECENT_RUNS)}
         runners = {}
         for spec in self.section.parts:
             recorded = parts[spec.name].manifest.backend
@@ -68,7 +76,10 @@ class PartitionedSession:
                 str(parts[spec.name].model_path), options_from_json(recorded.name, recorded.options)
             )
             self.executables[spec.name] = exe
-            runners[spec.name] = _serialised(exe) if recorded.name == "openvino" else exe.run
+            run = _serialised(exe) if recorded.name == "openvino" else exe.run
+            self._times[spec.name] = deque(maxlen=RECENT_RUNS)
+            runners[spec.name] = _timed(run, self._times[spec.name])
+        self._requests = 0
         self._pipeline = Pipeline(self.section.parts, runners, self.input_names, on_event)
         self._outputs = [v.name for v in self.interface.graph.outputs]
 
@@ -104,6 +115,16 @@ class PartitionedSession:
         return [kserve_meta(v) for v in self.interface.graph.outputs]
 
     @property
+    def buckets(self) -> dict[str, list[int]]:
+        """None: every part runs its inputs' own shapes."""
+        return {}
+
+    @property
+    def batch_dims(self) -> list[str]:
+        """The dims that are a batch of independent items (axis 0 only)."""
+        return sorted(batch_dims(input_layout(self.interface)))
+
+    @property
     def events(self) -> list[Event]:
         """The last run's part starts and ends: (what, part, perf_counter s, thread id)."""
         return list(self._pipeline.events)
@@ -118,8 +139,41 @@ class PartitionedSession:
         if run_options is not None:
             raise KilnError(f"{self._where}: run_options are not taken by a partitioned artifact.")
         checked = checked_feeds(feeds, self.interface, self._where)
+        started = time.perf_counter()
         values = self._pipeline.run(checked)
+        self._times["whole"].append(time.perf_counter() - started)
+        self._requests += 1
         return [values[n] for n in names]
+
+    def run_batch(
+        self, requests: list[Feeds], output_names: list[str] | None = None
+    ) -> list[list[np.ndarray]]:
+        """Each request's outputs, in order: the requests run one after another (each part
+        already has its share of the cores; stacking requests across parts is not done)."""
+        return [self.run(output_names, feeds) for feeds in requests]
+
+    def check_feeds(self, feeds: Feeds) -> Feeds:
+        """The feeds checked against the model's inputs, as `run` checks them: what a server
+        checks before it queues a request."""
+        return checked_feeds(feeds, self.interface, self._where)
+
+    def stats(self) -> dict[str, Any]:
+        """Requests run, and P50/P99 of the recent runs of the whole and of every part (its
+        engine's time on its inputs), in ms. No buckets, rebuilds or swaps: none are made."""
+        return {
+            "requests": self._requests,
+            "swaps": 0,
+            "recompiles": 0,
+            "decisions": [],
+            "buckets": {},
+            "parts": {name: _percentiles(times) for name, times in self._times.items()},
+        }
+
+    def swap(self, *args: Any, **kwargs: Any) -> None:
+        raise KilnError(
+            f"{self._where} is a partitioned artifact: it has no shape buckets to rebuild or "
+            "swap; build it with --partition none for a bucketed session."
+        )
 
     def close(self) -> None:
         self._pipeline.close()
@@ -166,6 +220,29 @@ def _serialised(exe: Executable) -> Callable[[Feeds], list[np.ndarray]]:
             return exe.run(feeds)
 
     return run
+
+
+def _timed(
+    run: Callable[[Feeds], list[np.ndarray]], times: deque[float]
+) -> Callable[[Feeds], list[np.ndarray]]:
+    def timed(feeds: Feeds) -> list[np.ndarray]:
+        started = time.perf_counter()
+        outputs = run(feeds)
+        times.append(time.perf_counter() - started)
+        return outputs
+
+    return timed
+
+
+def _percentiles(times: deque[float]) -> dict[str, float | int]:
+    ms = np.array(times.copy()) * 1e3  # copy(): one step under the GIL, as appends are
+    if not ms.size:
+        return {"runs": 0}
+    return {
+        "runs": int(ms.size),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+    }
 
 
 def _refuse(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

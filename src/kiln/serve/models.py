@@ -159,19 +159,6 @@ def _open_session(source: str) -> Any:
     return Session(source)
 
 
-def _one_part(source: str) -> str:
-    """`source`, unless it is a partitioned artifact: no batcher, stats or swaps across parts
-    yet."""
-    from kiln.artifact.parts import is_partitioned
-
-    if is_partitioned(source):
-        raise KilnError(
-            f"{source} is a partitioned artifact: kiln serve serves one-part artifacts; run it "
-            "with kiln.Session or kiln run, or serve one of its parts (PATH/parts/NAME.kiln)."
-        )
-    return source
-
-
 class ModelSet:
     """The models a server serves, by name. `open_session` opens a source as a `kiln.Session`
     and `settings` gives its batcher's; with a `repository`, models load from it and the
@@ -281,7 +268,7 @@ class ModelSet:
 
     def open(self, name: str, source: str) -> None:
         """Open `source` and serve it as `name`; KilnError naming it if it cannot be opened."""
-        self.add(name, self._open(_one_part(source)), source)
+        self.add(name, self._open(source), source)
 
     def load_repository(self, workers: int = 2) -> list[dict[str, str]]:
         """Load every model of the repository, `workers` at a time; one that fails is
@@ -326,7 +313,7 @@ class ModelSet:
             except KilnError as exc:
                 raise self._failed(name, None, str(exc)) from None
             try:
-                session = self._open(_one_part(source))
+                session = self._open(source)
             except Exception as exc:
                 raise self._failed(name, version, _reason(exc, source)) from None
             try:
