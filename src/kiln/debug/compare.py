@@ -105,6 +105,7 @@ class Comparison:
     first: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
     related: bool = True  # False: tensors named alike are not the same (unrelated models)
+    outputs_a: Feeds = field(default_factory=dict)  # side A's own outputs, nothing exposed
 
     @property
     def shared(self) -> int:
@@ -201,7 +202,9 @@ def compare_sides(
     if lost:
         notes.append(f"{len(lost)} shared tensors could not be read back from an engine")
     first = None if unlike else first_divergence(rows, original)
-    perturbed = [s for s, ran in ((side_a, ran_a), (side_b, ran_b)) if _perturbed(s, ran, feeds)]
+    plain_a, plain_b = run_exposed(side_a, [], feeds), run_exposed(side_b, [], feeds)
+    sides = ((side_a, ran_a, plain_a), (side_b, ran_b, plain_b))
+    perturbed = [side for side, ran, plain in sides if _perturbed(ran, plain)]
     for side in perturbed:
         notes.append(
             f"exposing the intermediate tensors changed {side.spec}'s own outputs: {side.engine} "
@@ -212,8 +215,9 @@ def compare_sides(
         say(f"confirming {first['node']} with only it and its inputs exposed")
         notes.append(_confirmation(first, pairs, rows, side_a, side_b, original, budget, feeds))
     return Comparison(
-        side_a, side_b, original, budget, source, feeds, rows, first, notes, related=not unlike
-    )
+        side_a, side_b, original, budget, source, feeds, rows, first, notes,
+        related=not unlike, outputs_a=plain_a,
+    )  # fmt: skip
 
 
 def _not_the_same(
@@ -368,10 +372,9 @@ def _run(side: Side, names: list[str], feeds: Feeds, source: str) -> dict[str, A
         ) from None
 
 
-def _perturbed(side: Side, ran: dict[str, Any], feeds: Feeds) -> bool:
+def _perturbed(ran: dict[str, Any], plain: dict[str, Any]) -> bool:
     """Whether the exposed graph's own outputs differ from the plain graph's beyond the fp32
     tolerance: the engine then compiled another program, not merely one with more outputs."""
-    plain = run_exposed(side, [], feeds)
     return any(
         not check_output(name, plain[name], ran[name], FP32_TOLERANCE).ok
         for name in plain
