@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 from onnx import helper as h
@@ -96,8 +97,11 @@ def test_calib_samples_calibrate_and_a_quarter_is_held_out(tmp_path):
     x = np.random.default_rng(1).random((8, 1, 3, 32, 32), dtype=np.float32)
     np.savez(tmp_path / "calib.npz", input=x)
     artifact = kiln.compile(
-        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8",
-        calib=str(tmp_path / "calib.npz"), calib_method="percentile"
+        "zoo:resnet-tiny",
+        tmp_path / "r.kiln",
+        precision="int8",
+        calib=str(tmp_path / "calib.npz"),
+        calib_method="percentile",
     )
     manifest = artifact.manifest
     narrow = ", 7-bit weights" if cpu_info().int8_dot_saturates else ""
@@ -261,3 +265,45 @@ def test_a_metric_that_fails_is_one_line_naming_it(tmp_path, monkeypatch, body, 
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
                      shapes={"x": (16, 64)}, metric=f"{module}:score", rounds=0)  # fmt: skip
     assert not (tmp_path / "m.kiln").exists()
+
+
+def _sequence_model() -> ir.Model:
+    """x[batch, seq, 64] → MatMul → Relu → MatMul: every activation grows with seq."""
+    rng = np.random.default_rng(0)
+    weights = [rng.normal(0, 0.1, (64, 64)).astype(np.float32) for _ in range(2)]
+    nodes = [
+        h.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"),
+        h.make_node("Relu", ["a"], ["r"], name="relu"),
+        h.make_node("MatMul", ["r", "w1"], ["y"], name="mm1"),
+    ]
+    graph = h.make_graph(
+        nodes, "seq",
+        [h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 64])],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 64])],
+        [nh.from_array(w, f"w{i}") for i, w in enumerate(weights)],
+    )  # fmt: skip
+    return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]))
+
+
+@pytest.mark.parametrize("available_mib", [64, 10_000])
+def test_synthetic_calibration_is_made_short_enough_for_the_memory(available_mib, monkeypatch):
+    import types
+
+    import psutil
+
+    from kiln.ir.ladder import Guess
+    from kiln.precision.calibration import calibration_for
+
+    # The activations a, r, y hold 3 × seq × 64 × 4 B: 48 MiB at seq 65,536. A quarter of
+    # 64 MiB available is 16 MiB: halved twice, to seq 16,384 (12 MiB).
+    memory = types.SimpleNamespace(available=available_mib * 2**20, total=2**34)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    fit = Guess({"x": (1, 65_536, 64)})
+    calibration = calibration_for(_sequence_model(), True, None, "minmax", None, None, fit)
+    shapes = {s["x"].shape for s in calibration.samples}
+    note = calibration.note.get("shortened", "")
+    if available_mib == 64:
+        assert shapes == {(1, 16_384, 64)}
+        assert "seq=16384 (not seq=65536)" in note and "verified at seq=65536" in note
+    else:
+        assert shapes == {(1, 65_536, 64)} and not note

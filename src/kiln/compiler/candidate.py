@@ -223,7 +223,7 @@ def _fit_notes(fit: Guess) -> list[str]:
 
 def _calibration_notes(calibration: Calibration) -> list[str]:
     note = calibration.note or {}
-    return [note["summary"]] if "summary" in note else []
+    return [note[key] for key in ("summary", "shortened") if key in note]
 
 
 def _target(
