@@ -68,7 +68,8 @@ class PartitionedSession:
         self.artifact = whole
         self.interface = interface_of(whole.manifest)
         self.executables: dict[str, Executable] = {}
-        self._times: dict[str, deque[float]] = {"whole": deque(maxlen=RECENT_RUNS)}
+        self._whole: deque[float] = deque(maxlen=RECENT_RUNS)
+        self._times: dict[str, deque[float]] = {}
         runners = {}
         for spec in self.section.parts:
             recorded = parts[spec.name].manifest.backend
@@ -80,6 +81,7 @@ class PartitionedSession:
             self._times[spec.name] = deque(maxlen=RECENT_RUNS)
             runners[spec.name] = _timed(run, self._times[spec.name])
         self._requests = 0
+        self._count = threading.Lock()
         self._pipeline = Pipeline(self.section.parts, runners, self.input_names, on_event)
         self._outputs = [v.name for v in self.interface.graph.outputs]
 
@@ -141,8 +143,9 @@ class PartitionedSession:
         checked = checked_feeds(feeds, self.interface, self._where)
         started = time.perf_counter()
         values = self._pipeline.run(checked)
-        self._times["whole"].append(time.perf_counter() - started)
-        self._requests += 1
+        self._whole.append(time.perf_counter() - started)
+        with self._count:
+            self._requests += 1
         return [values[n] for n in names]
 
     def run_batch(
@@ -166,6 +169,7 @@ class PartitionedSession:
             "recompiles": 0,
             "decisions": [],
             "buckets": {},
+            "whole": _percentiles(self._whole),
             "parts": {name: _percentiles(times) for name, times in self._times.items()},
         }
 
