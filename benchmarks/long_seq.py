@@ -11,7 +11,8 @@ seed 0, a mask of ones), five engines:
                 (ONNX Runtime, fp32, verified at S; `--lossless-backend openvino|auto` builds it
                 for another engine), run as a user runs it (`kiln.Session`);
 * kiln-budget   Kiln's budgeted pick, `kiln optimize --backend auto --precision auto` from Python
-                (every engine × precision built, verified within the accuracy budget
+                (`--budget-precision int8`: the int8 candidates only; every engine × precision
+                built, verified within the accuracy budget
                 `--max-drop` at S, the fastest kept; it times its candidates `--pick-rounds` ×
                 `--pick-runs`);
 * ort           ONNX Runtime as-is: ORT_ENABLE_ALL on the original model, fp32 (the baseline);
@@ -95,6 +96,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pick-rounds", type=int, default=3,
                         help="rounds the budgeted pick times its candidates over")  # fmt: skip
     parser.add_argument("--pick-runs", type=int, default=2, help="... and runs per round")
+    parser.add_argument("--budget-precision", default="auto",
+                        help="the budgeted pick's --precision (auto: every one; e.g. int8 where "
+                        "holding every candidate does not fit in memory)")  # fmt: skip
     parser.add_argument("--no-budget", action="store_true", help="leave the budgeted pick out")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--memory-runs", type=int, default=2, help="runs in each memory child")
@@ -179,7 +183,8 @@ def artifact(name: str, seq: int, kind: str, work: Path, args: argparse.Namespac
     request: dict[str, Any] = {"model": f"zoo:{name}", "shapes": {"seq": [seq]},
                                "kiln": kiln.__version__}  # fmt: skip
     if kind == BUDGET:
-        request |= {"backend": "auto", "precision": "auto", "max_drop": args.max_drop}
+        request |= {"backend": "auto", "precision": args.budget_precision,
+                    "max_drop": args.max_drop}  # fmt: skip
     elif args.lossless_backend != "ort":
         request |= {"backend": args.lossless_backend, "precision": "fp32"}
     if request.get("backend") == "auto":  # auto picks by timing its candidates
