@@ -175,3 +175,27 @@ def test_doctor_measures_the_floor_and_shows_it(cached_peaks):
     text = rendered(print_doctor, info)
     assert f"jitter floor {floor['floor']:.2f}" in text
     assert all(name in text for name in floor["probes"])
+
+
+def test_a_blocks_first_run_after_another_engine_is_not_timed():
+    """The run after another engine's block pays for that engine (its threads still spinning):
+    interleave leaves it untimed, so no engine's tail is the switch."""
+    import time
+
+    from kiln.timing import interleave
+
+    last = [""]
+
+    def engine(name: str):
+        def run() -> None:
+            if last[0] != name:  # the switch: 50 ms of work, as a spinning pool steals
+                end = time.perf_counter() + 0.05
+                while time.perf_counter() < end:
+                    pass
+            last[0] = name
+
+        return run
+
+    samples = interleave({"a": engine("a"), "b": engine("b")}, rounds=4, runs=5, warmup=1)
+    timed = [t for rounds in samples.values() for block in rounds for t in block]
+    assert len(timed) == 2 * 4 * 5 and max(timed) < 0.025

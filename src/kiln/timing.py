@@ -60,8 +60,15 @@ def interleave(
     runs: int = 10,
     warmup: int = 3,
     on_round: Callable[[int], None] | None = None,
+    settle: int = 1,
 ) -> dict[str, list[list[float]]]:
-    """Per engine, per round, the per-run latencies in seconds."""
+    """Per engine, per round, the per-run latencies in seconds.
+
+    Each block starts with `settle` untimed runs: the first run after another engine's block
+    pays for that engine's threads still spinning on the cores and for the caches it left —
+    on a 2-core EPYC one run in a hundred, exactly a P99, up to 1.9x the P50 (resnet50). The
+    blocks are there to share the machine's drift, not to time the switch; what alternating
+    sessions cost each other is measured apart (benchmarks/steady.py)."""
     names = list(runners)
     for name in names:
         _time(runners[name], warmup)
@@ -69,6 +76,7 @@ def interleave(
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
+            _time(runners[name], settle)
             samples[name].append(_time(runners[name], runs))
         if on_round is not None:
             on_round(round_index + 1)

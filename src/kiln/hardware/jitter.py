@@ -24,6 +24,8 @@ from kiln.timing import MIN_RUNS_FOR_P99, round_stats, tail_interval
 TARGET_SECONDS = 1e-3  # per probe run: long enough to time, short enough for 1,000 of them
 FLOOR_RUNS = 1000  # per probe: the issue's minimum for a jitter floor
 FLOOR_WINDOWS = 10
+# Untimed probe runs before each window kiln bench takes between its engines' rounds.
+SETTLE_S = 0.05
 _SIZING_RUNS = 5  # at least this many runs per size tried; the fastest counts
 _SIZING_STEPS = 8
 _SIZING_SECONDS = 0.02  # per size tried
@@ -122,9 +124,13 @@ class FloorSampler:
         self.samples: dict[str, list[list[float]]] = {p.name: [] for p in self.probes}
 
     def window(self, runs: int) -> None:
-        """Time `runs` runs of each probe, the order rotating from window to window."""
+        """Time `runs` runs of each probe, the order rotating from window to window, each
+        after SETTLE_S of untimed runs: a window follows an engine's round, whose thread pool
+        may still spin on the cores for milliseconds (inside kiln bench the python-loop's
+        first runs after ONNX Runtime read a jitter of 0.83 where it reads 0.11 alone)."""
         shift = len(self.samples[self.probes[0].name]) % len(self.probes)
         for probe in self.probes[shift:] + self.probes[:shift]:
+            _settle(probe.run, self.clock)
             self.samples[probe.name].append(time_runs(probe.run, runs, self.clock))
 
     def result(self, seed: int = 0, measured: str = "") -> JitterFloor:
@@ -133,6 +139,14 @@ class FloorSampler:
         lowest = min(found.values(), key=lambda p: p.jitter)
         when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         return JitterFloor(lowest.jitter, lowest.probe, found, measured, when)
+
+
+def _settle(run: Callable[[], object], clock: Clock) -> None:
+    """Run `run` untimed for SETTLE_S (at least once)."""
+    end = clock() + int(SETTLE_S * 1e9)
+    run()
+    while clock() < end:
+        run()
 
 
 def probe_jitter(name: str, work: str, windows: list[list[float]], seed: int = 0) -> ProbeJitter:
