@@ -155,8 +155,8 @@ class LoadMonitor:
                     "runs": s.runs,
                     "requests": s.requests,
                     "padding_waste": _waste(s.real, s.executed),
-                    "p50_ms": _percentile(s.latencies, 50),
-                    "p99_ms": _percentile(s.latencies, 99),
+                    "p50_ms": percentile_ms(s.latencies, 50),
+                    "p99_ms": percentile_ms(s.latencies, 99),
                 }
                 for key, s in self._buckets.items()
             }
@@ -186,7 +186,8 @@ def _waste(real: int, executed: int) -> float:
     return 0.0 if executed == 0 else 1.0 - real / executed
 
 
-def _percentile(latencies: deque, q: float) -> float:
+def percentile_ms(latencies: deque, q: float) -> float:
+    """The q-th percentile of latencies in seconds, in ms (0.0 for none)."""
     return float(np.percentile(latencies, q) * 1e3) if latencies else 0.0
 
 

@@ -28,6 +28,7 @@ from kiln.backends import Executable, get_backend, options_from_json
 from kiln.errors import KilnError
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.metadata import NodeArg, graph_inputs, kserve_meta, node_arg
+from kiln.runtime.monitor import percentile_ms
 from kiln.runtime.padding import batch_dims, input_layout
 
 Feeds = dict[str, np.ndarray]
@@ -239,14 +240,11 @@ def _timed(
 
 
 def _percentiles(times: deque[float]) -> dict[str, float | int]:
-    ms = np.array(times.copy()) * 1e3  # copy(): one step under the GIL, as appends are
-    if not ms.size:
+    recent = times.copy()  # one step under the GIL, as appends are
+    if not recent:
         return {"runs": 0}
-    return {
-        "runs": int(ms.size),
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
-    }
+    return {"runs": len(recent), "p50_ms": percentile_ms(recent, 50),
+            "p99_ms": percentile_ms(recent, 99)}  # fmt: skip
 
 
 def _refuse(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
