@@ -7,7 +7,7 @@ note goes into the manifest and the table, since accuracy on real data is then u
 A calibration run exposes the model's activations at once (NNCF and ONNX Runtime's
 calibrators read every quantized tensor of a sample), so synthetic samples are made no longer
 than the memory available allows: where every intermediate tensor at the model's dims would
-exceed a quarter of it (bert-base at 4,096 tokens: 21 GiB, its S² scores 768 MiB a layer),
+exceed a quarter of it (bert-base-4k at 4,096 tokens: 43 GiB, its S² scores 768 MiB a tensor),
 the dims past the batch axis are halved until they fit, and the note says so. The artifact
 is still verified at its own dims: a range calibrated short that does not hold there is what
 the accuracy guard catches.
