@@ -150,3 +150,24 @@ def test_two_commands_started_together_share_one_new_study(tmp_path):
 def test_twenty_pairs_of_commands_started_together_never_fail(tmp_path):
     problems = [p for i in range(20) for p in _pair(tmp_path, i)]
     assert problems == []
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # ask() stands in for a worker
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed_and_retried(tmp_path):
+    """The kill can land before the heartbeat thread writes once; Optuna's stale check skips
+    such a trial, and every worker then waited on it for ever."""
+    from kiln.tune.storage import fail_silent_trials, optuna_storage
+
+    storage = optuna_storage(f"sqlite:///{tmp_path / 'silent.db'}", heartbeat_s=1, grace_s=2)
+    study = optuna.create_study(study_name="silent", storage=storage)
+    dead = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})  # RUNNING, silent
+    alive = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    assert fail_silent_trials(study) == []  # within the grace period: not yet
+    time.sleep(2.5)  # the grace period itself is what is waited for
+    storage.record_heartbeat(alive._trial_id)
+    assert fail_silent_trials(study) == [dead._trial_id]
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert states[dead.number] == "FAIL" and states[alive.number] == "RUNNING"
+    retried = [t for t in study.get_trials() if t.system_attrs.get("failed_trial") == dead.number]
+    assert len(retried) == 1 and retried[0].state.name == "WAITING"
+    assert fail_silent_trials(study) == []  # failed once, retried once

@@ -81,6 +81,49 @@ def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRAC
         raise KilnError(f"--storage {_safe(url)}: cannot open the study storage ({exc}).") from None
 
 
+def fail_silent_trials(study: Any) -> list[int]:
+    """Fail (and retry, through the storage's stale-trial callback) the running trials that
+    never sent a heartbeat and started more than the grace period ago: their worker died
+    before its heartbeat thread wrote once. Optuna's `fail_stale_trials` skips a trial without
+    a heartbeat, so such a trial stayed RUNNING for ever and every waiting worker with it.
+    A live trial writes its first heartbeat as it starts, so only a dead one stays silent
+    that long. The start is the creating machine's clock: across machines, clocks must agree
+    within the grace period (NTP does)."""
+    import datetime
+
+    import optuna
+    from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
+
+    storage = study._storage
+    backend = getattr(storage, "_backend", storage)
+    grace = getattr(backend, "grace_period", None)
+    if grace is None or not hasattr(backend, "scoped_session"):
+        return []
+    cutoff = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+    with backend.scoped_session() as session:
+        silent = [
+            t.trial_id
+            for t in session.query(TrialModel).filter(
+                TrialModel.study_id == study._study_id,
+                TrialModel.state == optuna.trial.TrialState.RUNNING,
+                TrialModel.datetime_start < cutoff,
+                ~sa.exists().where(TrialHeartbeatModel.trial_id == TrialModel.trial_id),
+            )
+        ]
+        session.rollback()
+    failed = []
+    for trial_id in silent:
+        try:
+            if storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL):
+                failed.append(trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:  # another worker failed it first
+            pass
+    retry = storage.get_heartbeat_stale_trial_callback()
+    for trial_id in failed if retry is not None else []:
+        retry(study, storage.get_trial(trial_id))
+    return failed
+
+
 def create_once(url: str, make: Callable[[], T]) -> T:
     """`make()` (which creates the storage's tables when missing), safe against other
     processes doing the same at the same moment: under a lock file beside a SQLite database,

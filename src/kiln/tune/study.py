@@ -39,7 +39,14 @@ from kiln.tune.space import (
     seed_params,
     suggest,
 )
-from kiln.tune.storage import GRACE_S, HEARTBEAT_S, claim, default_url, optuna_storage
+from kiln.tune.storage import (
+    GRACE_S,
+    HEARTBEAT_S,
+    claim,
+    default_url,
+    fail_silent_trials,
+    optuna_storage,
+)
 from kiln.tune.traffic import Shape, check_traffic, load_traffic
 
 Say = Callable[[str], None]
@@ -299,6 +306,7 @@ def run_worker(
     if on_trial is not None:
         callbacks.append(lambda s, _t: _report(s, plan, on_trial))
     timeout = _trials_left_s(plan)
+    fail_silent_trials(study)  # a dead worker's trial is retried, not counted as running
     if _remaining(study, plan.trials) > 0 and (timeout is None or timeout > 0):
         study.optimize(objective_function(plan, loaded, bench), n_trials=share,
                        timeout=timeout, callbacks=callbacks)  # fmt: skip
@@ -331,6 +339,7 @@ def _wait_for_others(study: Any, plan: Plan, say: Say) -> None:
         say(f"waiting for {len(running)} trial{'s' * (len(running) > 1)} other workers "
             "are measuring")  # fmt: skip
         optuna.storages.fail_stale_trials(study)
+        fail_silent_trials(study)
         time.sleep(1.0)
 
 
@@ -347,6 +356,7 @@ def _enough(trials: int) -> Callable[[Any, Any], None]:
     )
 
     def callback(study: Any, _trial: Any) -> None:
+        fail_silent_trials(study)
         if len(study.get_trials(deepcopy=False, states=states)) >= trials:
             study.stop()
 
