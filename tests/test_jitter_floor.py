@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kiln.cli import app
 from kiln.hardware import FloorSampler, Peaks, jitter_floor, measured_peaks
 from kiln.hardware import peaks as peaks_module
-from kiln.hardware.jitter import Probe, probe_jitter
+from kiln.hardware.jitter import Probe, probe_jitter, time_runs
 from kiln.report.terminal import print_bench, print_doctor
 from kiln.timing import MIN_RUNS_FOR_P99, cqi, round_stats, tail_interval
 
@@ -125,6 +125,16 @@ def test_the_real_probes_give_a_sane_floor():
         assert probe.jitter_interval[0] <= probe.jitter <= probe.jitter_interval[1]
 
 
+def test_probes_are_sized_to_the_run_they_stand_beside():
+    """A stall of 1 ms is a jitter of 1 for a 1 ms probe and 0.02 for a 50 ms model: kiln bench
+    sizes the probes to the engines' run, so the floor is the one that run meets."""
+    from kiln.hardware.jitter import default_probes
+
+    for probe in default_probes(target_s=0.02):
+        best = min(time_runs(probe.run, 3))
+        assert 0.005 <= best <= 0.08, (probe.work, best)
+
+
 # ---------------------------------------------------------------------------- the verbs
 @pytest.fixture
 def cached_peaks(monkeypatch) -> Peaks:
@@ -153,6 +163,7 @@ def test_bench_puts_each_jitter_beside_the_floor_and_reports_cqi(cached_peaks):
     floor = result["jitter_floor"]
     assert floor["floor"] == min(p["jitter"] for p in floor["probes"].values())
     assert all(p["runs"] >= 1000 for p in floor["probes"].values())
+    assert "the fastest engine's run" in floor["measured"]
     assert result["p99_runs"] == 2 * 5 and result["p99_backed"] is False
     assert result["flops_per_run"] > 0
     for engine in result["engines"].values():

@@ -14,7 +14,7 @@ from kiln import __version__
 from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
 from kiln.hardware import FloorSampler, JitterFloor, Peaks, cpu_info
-from kiln.hardware.jitter import FLOOR_RUNS
+from kiln.hardware.jitter import FLOOR_RUNS, TARGET_SECONDS, time_runs
 from kiln.ir.inputs import default_dims, synthesize
 from kiln.timing import (
     BOOTSTRAP_RESAMPLES,
@@ -29,6 +29,9 @@ from kiln.timing import (
 
 # The precision whose peak an engine's achieved FLOP/s is held to (the rest: fp32). The int8
 # engines keep some nodes in fp32, but their matrix products, the FLOPs counted, are int8.
+# The floor probes' run, bounded: below a millisecond the clock's own cost shows; above a
+# quarter second 1,000 probe runs would outlast the engines' timing.
+FLOOR_SCALE_S = (TARGET_SECONDS, 0.25)
 ENGINE_PRECISION = {"openvino-bf16": "bf16", "ort-int8": "int8", "openvino-int8": "int8"}
 
 
@@ -166,8 +169,9 @@ def _timed_with_floor(
     """The engines timed interleaved, and the host's jitter floor measured between their
     rounds: the probes see the same moments of the machine as the engines, and run at least
     `FLOOR_RUNS` times each whatever the rounds."""
-    say("sizing the jitter floor's probes")
-    floor = FloorSampler()
+    scale = _run_scale(runners)
+    say(f"sizing the jitter floor's probes to the fastest engine's run ({scale * 1e3:.1f} ms)")
+    floor = FloorSampler(target_s=scale)
     per_round = -(-FLOOR_RUNS // rounds)
 
     def after_round(done: int) -> None:
@@ -176,8 +180,16 @@ def _timed_with_floor(
 
     say("timing, interleaved")
     samples = interleave(runners, rounds=rounds, runs=runs, on_round=after_round)
-    how = f"in this run ({per_round} runs of each probe after each round of the engines)"
+    how = (f"in this run ({per_round} runs of each probe after each round of the engines, "
+           f"each probe run sized to {scale * 1e3:.1f} ms, the fastest engine's run)")  # fmt: skip
     return samples, floor.result(measured=how)
+
+
+def _run_scale(runners: dict[str, Callable[[], object]]) -> float:
+    """The fastest engine's run in seconds (the best of three, warm), within the probes'
+    reach: the floor's probes take as long, so a stall weighs on them as on the engines."""
+    fastest = min(min(time_runs(run, 3)) for run in runners.values())
+    return min(max(fastest, FLOOR_SCALE_S[0]), FLOOR_SCALE_S[1])
 
 
 def _timing_row(

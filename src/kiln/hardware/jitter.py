@@ -31,8 +31,8 @@ _SIZING_STEPS = 8
 _SIZING_SECONDS = 0.02  # per size tried
 # Bounds of the sizing. The matmul's lower one keeps it a GEMM numpy's BLAS threads share
 # (a 48×48 one is fixed costs on one thread), whatever a busy moment makes the sizing say.
-_LOOP_SIZES = (1_000, 10_000_000)
-_MATMUL_SIZES = (128, 2048)
+_LOOP_SIZES = (1_000, 20_000_000)
+_MATMUL_SIZES = (128, 4096)
 
 Clock = Callable[[], int]  # nanoseconds, as time.perf_counter_ns
 
@@ -118,8 +118,16 @@ class FloorSampler:
     """The probes and the windows timed so far: a caller that times other work (kiln bench)
     takes one `window` between its own rounds, so the probes see the same conditions."""
 
-    def __init__(self, probes: list[Probe] | None = None, clock: Clock = time.perf_counter_ns):
-        self.probes = probes if probes is not None else default_probes(clock=clock)
+    def __init__(
+        self,
+        probes: list[Probe] | None = None,
+        clock: Clock = time.perf_counter_ns,
+        target_s: float = TARGET_SECONDS,
+    ):
+        """`target_s`: how long one probe run takes. A caller timing a model sizes it to the
+        model's run: a stall of a millisecond is a jitter of 1 for a 1 ms probe and 0.02 for
+        a 50 ms model, so only work of the same length shows the floor that model meets."""
+        self.probes = probes if probes is not None else default_probes(target_s, clock)
         self.clock = clock
         self.samples: dict[str, list[list[float]]] = {p.name: [] for p in self.probes}
 
@@ -229,11 +237,15 @@ def _sized(
     """The size (within `sizes`, lowest and highest) whose run takes about `target_s`: the
     time of the fastest of a few runs, scaled by the work's power of the size, a few times
     over (a first estimate from fixed costs or a disturbed moment is corrected); below a
-    tenth of the target fixed costs dominate, so the size only doubles."""
+    tenth of the target fixed costs dominate, so the size only doubles. A size that lands
+    near the target is timed twice: a moment when the BLAS threads wait for a core can make
+    a GEMM of 128² take as long as one of 1,024² for tens of milliseconds."""
     low, high = sizes
     n = low
     for _ in range(_SIZING_STEPS):
         seconds = _best(make(n), clock)
+        if target_s / 2 <= seconds <= 2 * target_s:
+            seconds = min(seconds, _best(make(n), clock))
         if target_s / 2 <= seconds <= 2 * target_s:
             break
         grow = 2.0 if seconds < target_s / 10 else (target_s / seconds) ** (1 / exponent)
