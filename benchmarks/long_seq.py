@@ -325,9 +325,17 @@ def memory(source: Path, feeds: dict, builds: dict, peers: list[str],
     return found
 
 
+# How each peer runs, where its name alone does not say it (kiln.bench.engines).
+PEER_RUNS_AS = {
+    "openvino-bf16": "openvino bf16",
+    "ort-int8": "ort int8 (quantize_dynamic)",
+    "openvino-int8": "openvino int8 (NNCF)",
+}
+
+
 def precisions(builds: dict, peers: list[str]) -> dict[str, str]:
     out = {ORT: "ort fp32"}
-    out |= {p: "openvino bf16" if p == "openvino-bf16" else f"{p} fp32" for p in peers}
+    out |= {p: PEER_RUNS_AS.get(p, f"{p} fp32") for p in peers}
     out |= {kind: f"{b['engine']} {b['precision']}" for kind, b in builds.items()}
     return out
 
@@ -341,7 +349,7 @@ def print_cell(result: dict) -> None:
         pick = f"; picked {b['pick']['choice']}" if b["pick"].get("choice") else ""
         print(f"  {kind}: {b['engine']} {b['precision']}{pick}; fused ops: {fused}; "
               f"verified: {b['verification']}")  # fmt: skip
-    print(f"  {'engine':13} {'runs as':16} {'P50 ms':>10} {'(rounds)':>21} {'× ORT':>7} "
+    print(f"  {'engine':13} {'runs as':28} {'P50 ms':>10} {'(rounds)':>21} {'× ORT':>7} "
           f"{'(rounds)':>15} {'load MiB':>9} {'run MiB':>9} {'cosine':>9}")  # fmt: skip
     for engine, e in result["engines"].items():
         low, high = min(e["round_p50_ms"]), max(e["round_p50_ms"])
@@ -349,7 +357,7 @@ def print_cell(result: dict) -> None:
         ratio = f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "–"
         mem = e.get("memory", {}).get("peak_rss_mib")
         load, run = (f"{mem['load']:9.0f}", f"{mem['run']:9.0f}") if mem else ("–", "–")
-        print(f"  {engine:13} {result['precision'][engine]:16} {e['p50_ms']:10.1f} "
+        print(f"  {engine:13} {result['precision'][engine]:28} {e['p50_ms']:10.1f} "
               f"({low:9.1f}–{high:9.1f}) {e['speedup']:6.2f}× ({ratio:>13}) {load:>9} {run:>9} "
               f"{e['cosine']:9.6f}", flush=True)  # fmt: skip
 
@@ -446,6 +454,7 @@ def main() -> None:
                 kept = json.loads(done.read_text())
                 if kept.get("settings") == settings and kept.get("kiln") == kiln.__version__:
                     print(f"\n== {name}, seq {seq}: reusing {done}", flush=True)
+                    kept["precision"] |= {p: PEER_RUNS_AS[p] for p in peers if p in PEER_RUNS_AS}
                     cells.append(kept)
                     print_cell(kept)
                     continue

@@ -27,7 +27,7 @@ FLOOR_WINDOWS = 10
 # Untimed probe runs before each window kiln bench takes between its engines' rounds.
 SETTLE_S = 0.05
 _SIZING_RUNS = 5  # at least this many runs per size tried; the fastest counts
-_SIZING_STEPS = 8
+_SIZING_STEPS = 12
 _SIZING_SECONDS = 0.02  # per size tried
 # Bounds of the sizing. The matmul's lower one keeps it a GEMM numpy's BLAS threads share
 # (a 48×48 one is fixed costs on one thread), whatever a busy moment makes the sizing say.
@@ -237,9 +237,9 @@ def _sized(
     """The size (within `sizes`, lowest and highest) whose run takes about `target_s`: the
     time of the fastest of a few runs, scaled by the work's power of the size, a few times
     over (a first estimate from fixed costs or a disturbed moment is corrected); below a
-    tenth of the target fixed costs dominate, so the size only doubles. A size that lands
-    near the target is timed twice: a moment when the BLAS threads wait for a core can make
-    a GEMM of 128² take as long as one of 1,024² for tens of milliseconds."""
+    tenth of the target fixed costs may dominate, so the work grows at most 8× a step. A
+    size that lands near the target is timed twice: a moment when the BLAS threads wait for
+    a core can make a GEMM of 128² take as long as one of 1,024² for tens of milliseconds."""
     low, high = sizes
     n = low
     for _ in range(_SIZING_STEPS):
@@ -248,7 +248,9 @@ def _sized(
             seconds = min(seconds, _best(make(n), clock))
         if target_s / 2 <= seconds <= 2 * target_s:
             break
-        grow = 2.0 if seconds < target_s / 10 else (target_s / seconds) ** (1 / exponent)
+        grow = (target_s / seconds) ** (1 / exponent)
+        if seconds < target_s / 10:  # fixed costs may dominate: at most 8× the work at once
+            grow = min(grow, 8 ** (1 / exponent))
         resized = int(min(max(round(n * grow), low), high))
         if resized == n:  # at a bound
             break
