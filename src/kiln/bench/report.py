@@ -27,11 +27,11 @@ from kiln.timing import (
     tail_interval,
 )
 
-# The precision whose peak an engine's achieved FLOP/s is held to (the rest: fp32). The int8
-# engines keep some nodes in fp32, but their matrix products, the FLOPs counted, are int8.
 # The floor probes' run, bounded: below a millisecond the clock's own cost shows; above a
 # quarter second 1,000 probe runs would outlast the engines' timing.
 FLOOR_SCALE_S = (TARGET_SECONDS, 0.25)
+# The precision whose peak an engine's achieved FLOP/s is held to (the rest: fp32). The int8
+# engines keep some nodes in fp32, but their matrix products, the FLOPs counted, are int8.
 ENGINE_PRECISION = {"openvino-bf16": "bf16", "ort-int8": "int8", "openvino-int8": "int8"}
 
 

@@ -81,6 +81,15 @@ def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRAC
         raise KilnError(f"--storage {_safe(url)}: cannot open the study storage ({exc}).") from None
 
 
+def fail_dead_trials(study: Any) -> None:
+    """Fail and retry every trial whose worker is dead: silent past the grace period after a
+    heartbeat (Optuna's check) or without ever having sent one (`fail_silent_trials`)."""
+    import optuna
+
+    optuna.storages.fail_stale_trials(study)
+    fail_silent_trials(study)
+
+
 def fail_silent_trials(study: Any) -> list[int]:
     """Fail (and retry, through the storage's stale-trial callback) the running trials that
     never sent a heartbeat and started more than the grace period ago: their worker died

@@ -44,6 +44,7 @@ from kiln.tune.storage import (
     HEARTBEAT_S,
     claim,
     default_url,
+    fail_dead_trials,
     fail_silent_trials,
     optuna_storage,
 )
@@ -338,8 +339,7 @@ def _wait_for_others(study: Any, plan: Plan, say: Say) -> None:
             return
         say(f"waiting for {len(running)} trial{'s' * (len(running) > 1)} other workers "
             "are measuring")  # fmt: skip
-        optuna.storages.fail_stale_trials(study)
-        fail_silent_trials(study)
+        fail_dead_trials(study)
         time.sleep(1.0)
 
 
