@@ -16,6 +16,7 @@ import pytest
 
 import kiln
 from kiln import zoo
+from kiln.compiler import select
 from kiln.compiler.candidate import config_label
 from kiln.ir.inputs import synthesize
 from kiln.precision import pass_name
@@ -115,6 +116,23 @@ def test_auto_from_python_builds_every_candidate_and_keeps_the_fastest(tmp_path)
     # the concrete choice (a hand recipe's label also names the recipe, and the guard's help)
     assert bench["choice"].removesuffix("+guard") == config_label(config)
     assert not config.is_auto
+
+
+def test_auto_times_every_candidate_against_the_original_when_memory_holds_one_at_a_time(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(select, "_room_for", lambda footprint: False)
+    said: list[str] = []
+    artifact = kiln.compile(
+        "zoo:resnet-tiny", tmp_path / "auto.kiln", backend="auto", precision="fp32",
+        rounds=1, runs=2, progress=said.append,
+    )  # fmt: skip
+    bench = artifact.manifest.benchmark
+    timed = bench["candidate_verdicts"]
+    assert len(timed) == 2 and all(c["speedup"] > 0 for c in timed.values())
+    assert bench["groups"] == 2
+    groups = [m for m in said if "group" in m]
+    assert len(groups) == 2 and "1 candidate, interleaved (group 2" in groups[1]
 
 
 # ---------------------------------------------------------------- provenance of quantized nodes
@@ -227,3 +245,14 @@ def test_zero_size_synthesized_inputs_are_refused(tmp_path):
                        r"with no elements: input_ids 0x16"):  # fmt: skip
         kiln.compile("zoo:bert-tiny", tmp_path / "a.kiln", shapes={"input_ids": (0, 16)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reference_outputs_a_compile_holds_do_not_pin_the_reference_session():
+    # ONNX Runtime's outputs are views into its session's arena; a compile holds the
+    # reference's for every candidate, so each must own its memory.
+    from kiln.compiler.reference import reference_executable, run_reference
+
+    model = ir.from_proto(zoo.build("bert-tiny"))
+    feeds = [synthesize(model, seed=s) for s in range(2)]
+    outputs = run_reference(reference_executable(model), feeds, "synthesized")
+    assert outputs and all(o.flags.owndata for outs in outputs for o in outs)

@@ -12,10 +12,42 @@ import contextlib
 import io
 import logging
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from kiln.errors import KilnError
+
+
+def _with_transposed_weights_folded(proto: Any) -> Any:
+    """The model with each MatMul weight that is a Transpose of an initializer (gpt2's lm_head
+    reads its tied embedding so) made an initializer of its own. NNCF's SmoothQuant, part of
+    the TRANSFORMER preset, takes such a MatMul for a weighted one, then finds no weight
+    tensor by that name and fails ("'NoneType' object has no attribute 'shape'"). Costs a
+    transposed copy of each such weight (gpt2: 154 MB); the model itself is left as it is."""
+    work = ir.serde.deserialize_model(proto)
+    folded: dict[str, ir.Value] = {}
+    for node in list(work.graph):
+        weight = node.inputs[1] if node.op_type == "MatMul" and len(node.inputs) > 1 else None
+        transpose = weight.producer() if weight is not None else None
+        if transpose is None or transpose.op_type != "Transpose":
+            continue
+        source = transpose.inputs[0]
+        if source is None or source.const_value is None or not source.is_initializer():
+            continue
+        if weight.name not in folded:
+            perm = transpose.attributes.get_ints("perm", None)
+            array = np.transpose(source.const_value.numpy(), perm)
+            value = ir.Value(name=f"{weight.name}_folded", const_value=ir.tensor(array))
+            work.graph.register_initializer(value)
+            folded[weight.name] = value
+        node.replace_input_with(1, folded[weight.name])
+    if not folded:
+        return proto
+    ir.passes.common.RemoveUnusedNodesPass()(work)
+    return ir.serde.serialize_model(work)
 
 
 def quantize_nncf_int8(
@@ -29,6 +61,9 @@ def quantize_nncf_int8(
         import nncf
     except ImportError:
         raise KilnError("OpenVINO int8 needs NNCF: pip install nncf.") from None
+    proto = ir.serde.serialize_model(model)
+    if transformer:
+        proto = _with_transposed_weights_folded(proto)
     nncf_log = logging.getLogger("nncf")
     level = nncf_log.level
     nncf_log.setLevel(logging.ERROR)  # advice on every call
@@ -36,7 +71,7 @@ def quantize_nncf_int8(
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             quantized = nncf.quantize(
-                ir.serde.serialize_model(model),
+                proto,
                 nncf.Dataset(list(calibration)),
                 subset_size=len(calibration),
                 model_type=nncf.ModelType.TRANSFORMER if transformer else None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import os
 import sys
 import threading
@@ -76,6 +77,17 @@ def trim_heap() -> bool:
     after a compile or a first run, never per request."""
     trim = _malloc_trim()
     return bool(trim is not None and trim(0))
+
+
+def collect_garbage() -> bool:
+    """Free what only reference cycles keep alive, then `trim_heap`. An onnx_ir model is a web
+    of cycles (a node names its graph, a value its producer), so a discarded copy — every
+    candidate and every accuracy-guard trial of a compile is one, with all its weights — stays
+    resident until the collector's rare full pass: a precision search at 512 tokens climbed
+    from 5.2 to 11.5 GiB before one ran. Tens of milliseconds: called between compiles,
+    never per request."""
+    gc.collect()
+    return trim_heap()
 
 
 @functools.cache

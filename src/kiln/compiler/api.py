@@ -23,6 +23,7 @@ from kiln.artifact import (
     source_path,
     write_artifact,
 )
+from kiln.backends.release import collect_garbage
 from kiln.compiler.candidate import CompileResult, compile_candidate, config_label
 from kiln.compiler.framework import EXAMPLE, check_against_framework
 from kiln.compiler.select import candidates, fastest, time_candidates
@@ -179,6 +180,7 @@ def build(
             if not config.is_auto:
                 raise
             refused[label] = str(exc)  # one candidate failing must not cost the others
+        collect_garbage()  # its reference session and discarded trials, before the next
     verified = [r for r in results if r.ok]
     refused |= {r.label: r.verification.summary() for r in results if not r.ok}
     if not results:

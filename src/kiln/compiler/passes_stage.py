@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.backends import get_backend
+from kiln.backends.release import collect_garbage
 from kiln.compiler.reference import Feeds, copy_model
 from kiln.errors import KilnError
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
@@ -52,6 +53,7 @@ class Built:
 def verify_on(model: ir.Model, target: Target) -> tuple[Verification, Any]:
     """Compile `model` for the target's engine and compare it with the reference."""
     names = [v.name for v in model.graph.outputs]
+    collect_garbage()  # the trial before this one, its model and its engine's session
     try:
         exe = get_backend(target.engine).compile(model, target.options)
         outputs = [exe.run(f) for f in target.feeds]

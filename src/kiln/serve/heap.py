@@ -9,28 +9,12 @@ free pages back (glibc ≥ 2.8 trims all arenas). Elsewhere (musl, macOS) nothin
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+from kiln.backends.release import trim_heap
 
 # Below this, what a refused request leaves is not worth a walk over the heap.
 TRIM_ABOVE_BYTES = 1 << 20
 
 
-@functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc.malloc_trim if libc is not None else None
-    except (OSError, AttributeError):  # no glibc: no malloc_trim
-        return None
-
-
 def give_back_free_memory() -> bool:
     """Trim the heap; whether anything could be done (False off glibc)."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
+    return trim_heap()
