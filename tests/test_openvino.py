@@ -243,3 +243,37 @@ def test_nncf_transformer_preset_quantizes_a_model_whose_head_reads_a_transposed
     got = get_backend("openvino").compile(quantized, OpenVinoOptions()).run(samples[0])[0]
     cosine = float(want.ravel() @ got.ravel() / np.linalg.norm(want) / np.linalg.norm(got))
     assert cosine > 0.99
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_an_int8_embedding_table_is_gathered_before_it_is_dequantized(zero_point):
+    # OpenVINO folds DequantizeLinear(constant) into fp32: the table would be held 4× larger.
+    from kiln.backends.openvino_quant import gather_before_dequantize
+
+    rng = np.random.default_rng(0)
+    table = rng.integers(-128, 127, size=(50, 8), dtype=np.int8)
+    inits = [
+        numpy_helper.from_array(table, "q"),
+        numpy_helper.from_array(rng.random(50, dtype=np.float32) / 50, "s"),
+    ]
+    if zero_point:
+        inits.append(numpy_helper.from_array(rng.integers(-5, 5, 50, dtype=np.int8), "zp"))
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["q", "s"] + ["zp"] * zero_point, ["w"], axis=0),
+            helper.make_node("Gather", ["w", "ids"], ["rows"]),
+        ],
+        "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [2, 3, 8])],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"ids": np.array([[0, 7, 49], [3, 3, 12]], dtype=np.int64)}
+    want = get_backend("ort").compile(ir.from_proto(proto), OrtOptions()).run(feeds)[0]
+    model = gather_before_dequantize(ir.from_proto(proto))
+    assert "DequantizeLinear" not in {n.op_type for n in model.graph}
+    assert [v.name for v in model.graph.outputs] == ["rows"]
+    for engine, options in (("ort", OrtOptions()), ("openvino", OpenVinoOptions())):
+        got = get_backend(engine).compile(model, options).run(feeds)[0]
+        np.testing.assert_array_equal(got, want)
