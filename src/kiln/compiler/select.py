@@ -70,10 +70,12 @@ def _recipe_candidates(config: CompileConfig, pairs: list[tuple[str, str]]) -> l
     return [config.replace(engine=e, precision=p) for e, p in fits]
 
 
-# Room a candidate's session must leave beyond the largest one seen, for the next one's
-# compile temporaries and the engines' per-run buffers.
-HEADROOM = 1.25
-RESERVE_BYTES = 512 << 20
+# Room to leave before holding one more session: twice the largest one's footprint after its
+# first run (the next one's, and what those held still grow: at 4,096 tokens the process held
+# 17.8 GiB once the original's and seven candidates' sessions had run once, 21.4 GiB by the end
+# of the timing), and 1 GiB.
+HEADROOM = 2.0
+RESERVE_BYTES = 1 << 30
 
 
 def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: Say) -> dict:
