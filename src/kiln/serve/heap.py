@@ -16,5 +16,5 @@ TRIM_ABOVE_BYTES = 1 << 20
 
 
 def give_back_free_memory() -> bool:
-    """Trim the heap; whether anything could be done (False off glibc)."""
+    """Trim the heap; whether any free pages went back (always False off glibc)."""
     return trim_heap()
