@@ -248,7 +248,7 @@ def test_nncf_transformer_preset_quantizes_a_model_whose_head_reads_a_transposed
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_an_int8_embedding_table_is_gathered_before_it_is_dequantized(zero_point):
     # OpenVINO folds DequantizeLinear(constant) into fp32: the table would be held 4× larger.
-    from kiln.backends.openvino_quant import gather_before_dequantize
+    from kiln.passes.int8_rows import Int8RowsPass
 
     rng = np.random.default_rng(0)
     table = rng.integers(-128, 127, size=(50, 8), dtype=np.int8)
@@ -271,7 +271,9 @@ def test_an_int8_embedding_table_is_gathered_before_it_is_dequantized(zero_point
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     feeds = {"ids": np.array([[0, 7, 49], [3, 3, 12]], dtype=np.int64)}
     want = get_backend("ort").compile(ir.from_proto(proto), OrtOptions()).run(feeds)[0]
-    model = gather_before_dequantize(ir.from_proto(proto))
+    result = Int8RowsPass()(ir.from_proto(proto))
+    model = result.model
+    assert result.modified
     assert "DequantizeLinear" not in {n.op_type for n in model.graph}
     assert [v.name for v in model.graph.outputs] == ["rows"]
     for engine, options in (("ort", OrtOptions()), ("openvino", OpenVinoOptions())):

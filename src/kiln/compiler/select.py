@@ -107,13 +107,10 @@ def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: S
             continue
         groups += 1
         say(_group_message(len(group), groups, index < len(results) - 1 or groups > 1))
-        got = interleave(
-            {"ort": lambda: baseline.run(feeds), **group}, rounds=rounds, runs=runs,
-            on_round=lambda r: say(f"timing round {r}/{rounds}"),
-        )  # fmt: skip
-        samples["ort"] += got["ort"]
-        samples |= {name: got[name] for name in group}
-        compared |= {name: ratio for name, ratio in speedups(got, "ort").items() if name in group}
+        got, ratios = _time_group(lambda: baseline.run(feeds), group, rounds, runs, say)
+        compared |= ratios
+        samples["ort"] += got.pop("ort")
+        samples |= got
         group.clear()
         collect_garbage()
     return {
@@ -130,6 +127,22 @@ def time_candidates(results: list[CompileResult], rounds: int, runs: int, say: S
             for r in results
         },
     }
+
+
+def _time_group(
+    original: Callable[[], object],
+    group: dict[str, Callable[[], object]],
+    rounds: int,
+    runs: int,
+    say: Say,
+) -> tuple[dict[str, list[list[float]]], dict[str, Any]]:
+    """One group of candidates timed interleaved with the original (`"ort"`): every run's
+    samples, the original's included, and each candidate's speedup over the original."""
+    got = interleave(
+        {"ort": original, **group}, rounds=rounds, runs=runs,
+        on_round=lambda r: say(f"timing round {r}/{rounds}"),
+    )  # fmt: skip
+    return got, {name: ratio for name, ratio in speedups(got, "ort").items() if name in group}
 
 
 def _group_message(size: int, number: int, grouped: bool) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.hardware import cpu_info
+from kiln.passes.int8_rows import Int8RowsPass
 from kiln.precision.recipes import Recipe
 from kiln.precision.sensitivity import (
     activation_matmuls,
@@ -77,13 +78,7 @@ def quantizer_for(
     if recipe is not None:
         return Quantizer(f"hand recipe: {recipe.tool}", _by_hand(recipe, samples), estimate)
     if engine == "openvino":
-        from kiln.backends.openvino_quant import quantize_nncf_int8
-
-        return Quantizer(
-            "static QDQ (NNCF)",
-            lambda m, kept: quantize_nncf_int8(m, samples or [], kept, transformer=not conv),
-            estimate,
-        )
+        return Quantizer("static QDQ (NNCF)", _nncf(samples, transformer=not conv), estimate)
     # 7-bit weights where the host's int8 kernels would saturate on full-range ones.
     narrow = cpu_info().int8_dot_saturates
     if samples is not None:
@@ -105,10 +100,19 @@ def _by_hand(recipe: Recipe, samples: list[dict[str, np.ndarray]] | None) -> Qua
     from kiln.backends.ort_quant import quantize_dynamic_int8, quantize_static_int8
 
     if recipe.name.startswith("nncf-"):
-        from kiln.backends.openvino_quant import quantize_nncf_int8
-
-        transformer = recipe.name == "nncf-transformer"
-        return lambda m, kept: quantize_nncf_int8(m, samples or [], kept, transformer=transformer)
+        return _nncf(samples, transformer=recipe.name == "nncf-transformer")
     if recipe.name == "ort-static":
         return lambda m, kept: quantize_static_int8(m, samples or [], kept, per_channel=False)
     return lambda m, kept: quantize_dynamic_int8(m, kept, per_channel=False)
+
+
+def _nncf(samples: list[dict[str, np.ndarray]] | None, transformer: bool) -> Quantize:
+    """NNCF's static int8, its embedding tables then read as int8 (`Int8RowsPass`: OpenVINO
+    would hold them as fp32); bit-identical outputs, so a recipe's point is still its own."""
+    from kiln.backends.openvino_quant import quantize_nncf_int8
+
+    def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
+        quantized = quantize_nncf_int8(model, samples or [], kept, transformer=transformer)
+        return Int8RowsPass()(quantized).model
+
+    return quantize
