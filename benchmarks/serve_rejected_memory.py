@@ -84,10 +84,17 @@ def main() -> None:
     print(f"{cpu.model}, {cpu.logical_cores} cores, {platform.platform()}")
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features,
-                    "platform": platform.platform()},  # fmt: skip
-        "versions": {"kiln": kiln.__version__, "onnxruntime": onnxruntime.__version__,
-                     "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "cpu": cpu.model,
+            "cores": cpu.logical_cores,
+            "features": cpu.features,
+            "platform": platform.platform(),
+        },  # fmt: skip
+        "versions": {
+            "kiln": kiln.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
         "requests": args.requests,
         "body_mb": len(payload) / 1e6,
         "statuses": sorted(set(statuses)),

@@ -95,10 +95,17 @@ def main() -> None:
     cpu = cpu_info()
     result: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features,
-                    "platform": platform.platform()},  # fmt: skip
-        "versions": {"kiln": kiln.__version__, "onnxruntime": ort.__version__,
-                     "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "cpu": cpu.model,
+            "cores": cpu.logical_cores,
+            "features": cpu.features,
+            "platform": platform.platform(),
+        },  # fmt: skip
+        "versions": {
+            "kiln": kiln.__version__,
+            "onnxruntime": ort.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
         "rounds": args.rounds,
         "runs_per_round": args.runs,
         "models": {},

@@ -40,11 +40,22 @@ from typing import Any
 TASKS = {
     # The LM's recipe (AdamW lr 3e-4, gradients clipped at norm 1) is the task's, the same
     # in every row; see kiln.train.examples.lm_optimizer for why not the default lr 1e-3.
-    "lm": {"model": "kiln.train.examples:byte_lm_small",
-           "data": "kiln.train.examples:stdlib_text_small", "batch": 8, "metric": "val_loss",
-           "optimizer": "kiln.train.examples:lm_optimizer", "clip": 1.0},
-    "cnn": {"model": "kiln.train.examples:digits_cnn_wide", "data": "kiln.train.examples:digits",
-            "batch": 64, "metric": "accuracy", "optimizer": None, "clip": None},  # fmt: skip
+    "lm": {
+        "model": "kiln.train.examples:byte_lm_small",
+        "data": "kiln.train.examples:stdlib_text_small",
+        "batch": 8,
+        "metric": "val_loss",
+        "optimizer": "kiln.train.examples:lm_optimizer",
+        "clip": 1.0,
+    },
+    "cnn": {
+        "model": "kiln.train.examples:digits_cnn_wide",
+        "data": "kiln.train.examples:digits",
+        "batch": 64,
+        "metric": "accuracy",
+        "optimizer": None,
+        "clip": None,
+    },  # fmt: skip
 }
 VAL_SAMPLES = 512  # validation windows/images every row is judged on
 ROWS = ("plain", "fp32", "bf16", "fp16", "compile", "accumulation", "checkpointing", "ddp",
@@ -65,7 +76,8 @@ def row_config(feature: str, batch: int, bf16_kernels: bool) -> dict[str, Any]:
         "fsdp2": {"micro_batch": batch // 2, "parallel": {"strategy": "fsdp2", **two}},
         "pipeline": {"parallel": {"strategy": "pipeline", "microbatches": 4, **two}},
         "loader": {"loader": {"workers": 1, "prefetch_factor": 4, "persistent_workers": True}},
-        "combined": {"precision": "bf16", "compile": "default"} if bf16_kernels
+        "combined": {"precision": "bf16", "compile": "default"}
+        if bf16_kernels
         else {"compile": "default"},
     }
     return {"micro_batch": batch, **rows[feature]}
@@ -205,9 +217,12 @@ def main() -> None:
     parser.add_argument("--json", default="results/train.json")
     parser.add_argument("--tuned-lm", help="kiln train --tune -o FILE for the lm task")
     parser.add_argument("--tuned-cnn", help="kiln train --tune -o FILE for the cnn task")
-    parser.add_argument("--row-samples", default="",
-                        help="FEATURE=N,...: train these rows on N samples only (e.g. fp16 "
-                        "on CPUs without fp16 kernels); their accuracy is not comparable")
+    parser.add_argument(
+        "--row-samples",
+        default="",
+        help="FEATURE=N,...: train these rows on N samples only (e.g. fp16 "
+        "on CPUs without fp16 kernels); their accuracy is not comparable",
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row in this process
     args = parser.parse_args()
     if args.row:
@@ -225,10 +240,17 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features,
-                    "platform": platform.platform()},  # fmt: skip
-        "versions": {"kiln": kiln.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "cpu": cpu.model,
+            "cores": cpu.logical_cores,
+            "features": cpu.features,
+            "platform": platform.platform(),
+        },  # fmt: skip
+        "versions": {
+            "kiln": kiln.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
         "tasks": {},
     }
     print(result["command"])

@@ -135,8 +135,10 @@ def main() -> None:
             "warm_quarter_vs_cold_best": ratio,
             "within_quarter": ratio is not None and ratio["value"] <= 1 + WITHIN,
         }  # fmt: skip
-        say(f"{name}: the warm study's best of its first {quarter} trials runs at "
-            f"{ratio['value'] if ratio else float('nan'):.3f}× the cold best's P50 (interleaved)")
+        say(
+            f"{name}: the warm study's best of its first {quarter} trials runs at "
+            f"{ratio['value'] if ratio else float('nan'):.3f}× the cold best's P50 (interleaved)"
+        )
         Path(args.output).write_text(json.dumps(results, indent=2))
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     Path(args.output).write_text(json.dumps(results, indent=2))

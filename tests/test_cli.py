@@ -173,10 +173,14 @@ def test_precision_auto_builds_every_precision_and_keeps_one_that_verifies(tmp_p
         (["optimize", "zoo:resnet-tiny", "--rounds", "-1"], "--rounds -1: use at least 0."),
         (["optimize", "zoo:resnet-tiny", "--runs", "-3"], "--runs -3: use at least 1."),
         (["profile", "zoo:resnet-tiny", "--batch", "0"], "--batch 0: use at least 1."),
-        (["serve", "zoo:resnet-tiny", "--feedback-interval", "5"],
-         "--feedback-interval sets the feedback loop: add --feedback, or drop it."),
-        (["serve", "zoo:resnet-tiny", "--min-gain", "0.2"],
-         "--min-gain sets the feedback loop: add --feedback, or drop it."),
+        (
+            ["serve", "zoo:resnet-tiny", "--feedback-interval", "5"],
+            "--feedback-interval sets the feedback loop: add --feedback, or drop it.",
+        ),
+        (
+            ["serve", "zoo:resnet-tiny", "--min-gain", "0.2"],
+            "--min-gain sets the feedback loop: add --feedback, or drop it.",
+        ),
     ],
 )
 def test_counts_below_their_minimum_are_refused_before_any_work(args, message, tmp_path):

@@ -129,7 +129,6 @@ def test_int8_guard_meets_the_budget_on_real_weights(minilm):
 
 @pytest.mark.slow  # NNCF runs once per guard trial: minutes on 2 cores
 def test_openvino_int8_on_real_weights_calibrated_on_real_sentences(minilm):
-
     artifact = kiln.compile(
         minilm / "minilm.onnx", minilm / "ov-int8.kiln", precision="int8", backend="openvino",
         inputs=str(minilm / "sentences.npz"),

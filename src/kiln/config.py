@@ -79,8 +79,7 @@ class CompileConfig:
             )
         if self.precision not in (*PRECISIONS, AUTO):
             raise KilnError(
-                f"unknown precision '{self.precision}'; use one of {', '.join(PRECISIONS)} "
-                "or auto."
+                f"unknown precision '{self.precision}'; use one of {', '.join(PRECISIONS)} or auto."
             )
         if self.calib_method not in CALIBRATION_METHODS:
             raise KilnError(
@@ -160,7 +159,7 @@ def read_config(path: str | Path) -> tuple[CompileConfig, str | None]:
     if "config" not in data:
         return CompileConfig.from_json(data, str(path)), None
     if not isinstance(data["config"], dict):
-        raise KilnError(f"{path}: its \"config\" must be a JSON object.")
+        raise KilnError(f'{path}: its "config" must be a JSON object.')
     source = data.get("source")
     source = source.get("path") if isinstance(source, dict) else None
     return CompileConfig.from_json(data["config"], f"{path} (config)"), source

@@ -112,8 +112,9 @@ def serve(
     ] = False,
     feedback_objective: Annotated[
         str | None,
-        typer.Option(help="With --feedback: what the loop improves, latency (default) or "
-                     "throughput."),  # fmt: skip
+        typer.Option(
+            help="With --feedback: what the loop improves, latency (default) or throughput."
+        ),  # fmt: skip
     ] = None,
     feedback_interval: Annotated[
         float | None,
@@ -121,8 +122,10 @@ def serve(
     ] = None,
     min_gain: Annotated[
         float | None,
-        typer.Option(help="With --feedback: the improvement a strategy must show to be "
-                     "adopted (default 0.10: 10 %)."),  # fmt: skip
+        typer.Option(
+            help="With --feedback: the improvement a strategy must show to be "
+            "adopted (default 0.10: 10 %)."
+        ),  # fmt: skip
     ] = None,
     storage: Annotated[
         str | None,

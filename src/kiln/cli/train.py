@@ -44,18 +44,24 @@ def train(
     time: Annotated[str | None, typer.Option("--time", help="Train this long, e.g. 10m.")] = None,
     loss: Annotated[
         str | None,
-        typer.Option(help="module:fn(output, target) -> loss (default: cross-entropy over the "
-                     "last dim, so [B, T, V] token logits work)."),  # fmt: skip
+        typer.Option(
+            help="module:fn(output, target) -> loss (default: cross-entropy over the "
+            "last dim, so [B, T, V] token logits work)."
+        ),  # fmt: skip
     ] = None,
     optimizer: Annotated[
         str | None,
-        typer.Option(help="module:fn(params) -> torch.optim.Optimizer (default: AdamW, lr "
-                     "1e-3, weight decay 0.01)."),  # fmt: skip
+        typer.Option(
+            help="module:fn(params) -> torch.optim.Optimizer (default: AdamW, lr "
+            "1e-3, weight decay 0.01)."
+        ),  # fmt: skip
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="A TrainConfig JSON (a bare config, or a training record's "
-                     "\"config\"); the flags below override its fields."),  # fmt: skip
+        typer.Option(
+            help="A TrainConfig JSON (a bare config, or a training record's "
+            '"config"); the flags below override its fields.'
+        ),  # fmt: skip
     ] = None,
     precision: Annotated[
         str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
@@ -73,24 +79,32 @@ def train(
     ] = None,
     nproc: Annotated[
         int | None,
-        typer.Option(help="Ranks on this machine, started by torchrun's launcher (gloo on "
-                     "CPUs, NCCL on GPUs); default the config's ranks."),  # fmt: skip
+        typer.Option(
+            help="Ranks on this machine, started by torchrun's launcher (gloo on "
+            "CPUs, NCCL on GPUs); default the config's ranks."
+        ),  # fmt: skip
     ] = None,
     nnodes: Annotated[
         str,
-        typer.Option(help="Machines taking part, torchrun's N or MIN:MAX (each runs this same "
-                     "command; the world is --nproc × nodes)."),  # fmt: skip
+        typer.Option(
+            help="Machines taking part, torchrun's N or MIN:MAX (each runs this same "
+            "command; the world is --nproc × nodes)."
+        ),  # fmt: skip
     ] = "1",
     rdzv_endpoint: Annotated[
         str | None,
-        typer.Option(help="host:port where the machines meet (torchrun's c10d rendezvous); "
-                     "needed with --nnodes above 1."),  # fmt: skip
+        typer.Option(
+            help="host:port where the machines meet (torchrun's c10d rendezvous); "
+            "needed with --nnodes above 1."
+        ),  # fmt: skip
     ] = None,
     checkpoint: Annotated[
         Path | None,
-        typer.Option(help="Directory for torch.distributed.checkpoint checkpoints (every "
-                     "--checkpoint-every steps and at the end; written whole or not at all, so "
-                     "Ctrl-C or a killed job leaves the newest one loadable)."),  # fmt: skip
+        typer.Option(
+            help="Directory for torch.distributed.checkpoint checkpoints (every "
+            "--checkpoint-every steps and at the end; written whole or not at all, so "
+            "Ctrl-C or a killed job leaves the newest one loadable)."
+        ),  # fmt: skip
     ] = None,
     checkpoint_every: Annotated[
         int, typer.Option(min=1, help="Optimizer steps between checkpoints.")
@@ -100,45 +114,59 @@ def train(
     ] = False,
     profile: Annotated[
         Path | None,
-        typer.Option(help="After training, profile a few steps (data, forward, backward, "
-                     "optimizer, communication; FLOP/s and MFU; memory) into this HTML "
-                     "report."),  # fmt: skip
+        typer.Option(
+            help="After training, profile a few steps (data, forward, backward, "
+            "optimizer, communication; FLOP/s and MFU; memory) into this HTML "
+            "report."
+        ),  # fmt: skip
     ] = None,
     tune: Annotated[
         bool,
-        typer.Option("--tune", help="Search the fastest TrainConfig at this --batch instead of "
-                     "training: each trial trains --steps steps (default 20) in a process of "
-                     "its own, must train as well as the config given and is confirmed against "
-                     "it; -o writes the tuned config, which --config reads."),  # fmt: skip
+        typer.Option(
+            "--tune",
+            help="Search the fastest TrainConfig at this --batch instead of "
+            "training: each trial trains --steps steps (default 20) in a process of "
+            "its own, must train as well as the config given and is confirmed against "
+            "it; -o writes the tuned config, which --config reads.",
+        ),  # fmt: skip
     ] = False,
     trials: Annotated[
         int | None, typer.Option(help="With --tune: configurations to measure (default 12).")
     ] = None,
     max_memory: Annotated[
         str | None,
-        typer.Option(help="With --tune: the peak memory a trial's processes may reach, "
-                     "with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB; a trial past it is "
-                     "stopped."),  # fmt: skip
+        typer.Option(
+            help="With --tune: the peak memory a trial's processes may reach, "
+            "with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB; a trial past it is "
+            "stopped."
+        ),  # fmt: skip
     ] = None,
     target_loss: Annotated[
         float | None,
-        typer.Option(help="With --tune: minimise the time to reach this training loss instead "
-                     "of maximising samples/s."),  # fmt: skip
+        typer.Option(
+            help="With --tune: minimise the time to reach this training loss instead "
+            "of maximising samples/s."
+        ),  # fmt: skip
     ] = None,
     storage: Annotated[
         str | None,
-        typer.Option(help="With --tune: study and strategy-library database URL (default: "
-                     "sqlite under KILN_HOME), as kiln tune."),  # fmt: skip
+        typer.Option(
+            help="With --tune: study and strategy-library database URL (default: "
+            "sqlite under KILN_HOME), as kiln tune."
+        ),  # fmt: skip
     ] = None,
     study: Annotated[
         str | None,
-        typer.Option(help="With --tune: the study's name (default: from the model, data, "
-                     "batch, objective and limits); reuse it to resume."),  # fmt: skip
+        typer.Option(
+            help="With --tune: the study's name (default: from the model, data, "
+            "batch, objective and limits); reuse it to resume."
+        ),  # fmt: skip
     ] = None,
     record: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Write the training record here (with --tune: "
-                     "the tuned config)."),  # fmt: skip
+        typer.Option(
+            "-o", "--output", help="Write the training record here (with --tune: the tuned config)."
+        ),  # fmt: skip
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

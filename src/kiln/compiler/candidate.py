@@ -178,7 +178,9 @@ def compile_candidate(
         nodes_before=nodes_before,
         feeds=target.feeds,
         reference=target.reference,
-        notes=unused_options(config, static) + _fit_notes(fit) + _calibration_notes(calibration)
+        notes=unused_options(config, static)
+        + _fit_notes(fit)
+        + _calibration_notes(calibration)
         + built.notes,
     )
     if precision == "bf16" and result.ok:

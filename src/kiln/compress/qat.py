@@ -39,6 +39,8 @@ ACTIVATION = FakeQuantize.with_args(
     observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
     qscheme=torch.per_tensor_affine, reduce_range=False,
 )  # fmt: skip
+
+
 def weight_range(saturates: bool) -> tuple[int, int]:
     """The int8 weight range the host's kernels compute exactly: 7 bits where their int8 dot
     product saturates (255 · 64 · 2 fits int16; 255 · 128 · 2 does not), else 8 bits."""
@@ -52,6 +54,7 @@ def qconfig() -> QConfig:
         dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0, reduce_range=False,
     )  # fmt: skip
     return QConfig(activation=ACTIVATION, weight=weight)
+
 
 # Fine-tuning: a fraction of the training recipe at a tenth of its learning rate.
 QAT_EPOCHS, QAT_LR_FACTOR = 0.5, 0.1

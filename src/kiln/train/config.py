@@ -311,7 +311,7 @@ def _no_unknown(kind: type, fields: Mapping[str, Any], where: str, what: str) ->
 
 def _names(value: Any, where: str) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) for v in value or ()):
-        raise KilnError(f"{where}: expected a list of names, e.g. [\"LayerNorm\"].")
+        raise KilnError(f'{where}: expected a list of names, e.g. ["LayerNorm"].')
     return tuple(value)
 
 

@@ -45,9 +45,14 @@ def make_loader(dataset: Any, config: TrainConfig, dist: Dist, **overrides: Any)
     settings = config.loader
     replicas = config.parallel.strategy in ("ddp", "fsdp2") and dist.world > 1
     sampler = (
-        DistributedSampler(dataset, num_replicas=dist.world, rank=dist.rank,
-                           shuffle=settings.shuffle, seed=config.seed,
-                           drop_last=settings.drop_last)  # fmt: skip
+        DistributedSampler(
+            dataset,
+            num_replicas=dist.world,
+            rank=dist.rank,
+            shuffle=settings.shuffle,
+            seed=config.seed,
+            drop_last=settings.drop_last,
+        )  # fmt: skip
         if replicas
         else None
     )

@@ -208,8 +208,11 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, t
         "loss": losses,
         "step_seconds": times,
         "final_loss": _tail_mean(losses),
-        "scale": {"events": [asdict(e) for e in prepared.scale_events],
-                  "skipped": prepared.skipped, "final": prepared.loss_scale},  # fmt: skip
+        "scale": {
+            "events": [asdict(e) for e in prepared.scale_events],
+            "skipped": prepared.skipped,
+            "final": prepared.loss_scale,
+        },  # fmt: skip
         "checkpoint": str(saved) if saved else None,
     }
 
@@ -354,8 +357,7 @@ def _first_sample(dataset: Any) -> Any:
     for part, what in zip(sample, ("input", "target"), strict=True):
         if not isinstance(part, torch.Tensor | int | float):
             raise KilnError(
-                f"the dataset's {what} is a {type(part).__name__}; expected a tensor or a "
-                "number."
+                f"the dataset's {what} is a {type(part).__name__}; expected a tensor or a number."
             )
     return sample
 
@@ -444,5 +446,8 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[st
     findings = diagnose(found, prepared.config)
     assert run.profile is not None
     write_report(found, findings, run.profile)
-    return {"report": run.profile, **found.to_json(),
-            "findings": [f.to_json() if hasattr(f, "to_json") else asdict(f) for f in findings]}
+    return {
+        "report": run.profile,
+        **found.to_json(),
+        "findings": [f.to_json() if hasattr(f, "to_json") else asdict(f) for f in findings],
+    }

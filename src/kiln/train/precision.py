@@ -77,4 +77,3 @@ def grad_scaler(config: TrainConfig, device: torch.device, sharded: bool) -> Any
 
         return ShardedGradScaler(device.type, **kwargs)
     return torch.amp.GradScaler(device.type, **kwargs)
-
