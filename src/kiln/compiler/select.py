@@ -146,12 +146,11 @@ def _time_group(
 
 
 def _group_message(size: int, number: int, grouped: bool) -> str:
+    what = f"{size} candidates" if size > 1 else "1 candidate" if grouped else "the artifact"
+    message = f"timing the original (ORT_ENABLE_ALL) and {what}, interleaved"
     if not grouped:
-        return "timing the original (ORT_ENABLE_ALL) and the artifact, interleaved"
-    return (
-        f"timing the original (ORT_ENABLE_ALL) and {size} candidate{'s' * (size != 1)}, "
-        f"interleaved (group {number}: memory holds no more sessions at once)"
-    )
+        return message
+    return f"{message} (group {number}: memory holds no more sessions at once)"
 
 
 def _resident_bytes() -> int:
