@@ -256,3 +256,37 @@ def test_the_reference_outputs_a_compile_holds_do_not_pin_the_reference_session(
     feeds = [synthesize(model, seed=s) for s in range(2)]
     outputs = run_reference(reference_executable(model), feeds, "synthesized")
     assert outputs and all(o.flags.owndata for outs in outputs for o in outs)
+
+
+@pytest.mark.parametrize("verdict", ["slower", "faster"])
+def test_an_artifact_the_passes_made_slower_gives_way_to_the_original_graph(
+    tmp_path, monkeypatch, verdict
+):
+    # The timing is planted (a real slowdown is a CPU's, not a test's): the passes' artifact
+    # against the original as-is, and the untouched graph under Kiln at par with it.
+    import kiln.compiler.api as api
+
+    ratio = {"slower": 0.80, "faster": 1.25}[verdict]
+    timed_sets: list[list[str]] = []
+
+    def planted(results, rounds, runs, say):
+        timed_sets.append([r.label for r in results])
+        passes = {"speedup": ratio, "speedup_spread": [ratio - 0.02, ratio + 0.02],
+                  "verdict": verdict, "p50_ms": 1 / ratio, "p99_ms": 2.0}  # fmt: skip
+        plain = {"speedup": 1.0, "speedup_spread": [0.98, 1.02], "verdict": "no different",
+                 "p50_ms": 1.0, "p99_ms": 2.0}  # fmt: skip
+        timed = {r.label: plain if r.config.pipeline == () else passes for r in results}
+        return {"rounds": rounds, "runs_per_round": runs, "original_ort": {}, "candidates": timed}
+
+    monkeypatch.setattr(api, "time_candidates", planted)
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", rounds=2, runs=2)
+    manifest = artifact.manifest
+    assert manifest.verification.ok
+    if verdict == "faster":
+        assert timed_sets == [["ort/fp32"]]  # nothing more is built or timed
+        assert manifest.passes and manifest.benchmark["choice"] == "ort/fp32"
+        return
+    assert timed_sets == [["ort/fp32"], ["ort/fp32", "ort/fp32 original graph"]]
+    assert manifest.benchmark["choice"] == "ort/fp32 original graph"
+    assert manifest.config.pipeline == () and not manifest.passes
+    assert manifest.nodes["after"] == manifest.nodes["before"]

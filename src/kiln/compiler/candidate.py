@@ -91,10 +91,11 @@ class CompileResult:
 
 
 def config_label(config: CompileConfig) -> str:
-    """A candidate's name in reports and --json: engine/precision, and the hand recipe."""
+    """A candidate's name in reports and --json: engine/precision, and the hand recipe or
+    "original graph" (no pass ran)."""
     label = f"{config.engine}/{config.precision}"
     if config.recipe is None:
-        return label
+        return f"{label} original graph" if config.pipeline == () else label
     return f"{label} hand" if config.recipe == HAND else f"{label} hand:{config.recipe}"
 
 
