@@ -60,6 +60,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime
 import openvino
+from _machine import machine  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln import zoo
@@ -126,12 +127,7 @@ def header(args: argparse.Namespace) -> dict:
     cpu = cpu_info()
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "cpu": cpu.model,
-            "cores": cpu.logical_cores,
-            "features": cpu.features,
-            "platform": platform.platform(),
-        },  # fmt: skip
+        "machine": machine(),
         "versions": {
             "kiln": kiln.__version__,
             "onnxruntime": onnxruntime.__version__,

@@ -32,6 +32,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+from _machine import machine  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.compiler.candidate import resolve_pipeline
@@ -107,8 +108,7 @@ def main() -> None:
               f"{ratio['speedup']:.3f} ({low:.3f}–{high:.3f})  {ratio['verdict']}")  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        machine = {"cpu": cpu.model, "cores": cpu.physical_cores, "features": list(cpu.features)}
-        args.json.write_text(json.dumps({"machine": machine, "variants": rows}, indent=1))
+        args.json.write_text(json.dumps({"machine": machine(), "variants": rows}, indent=1))
         print(f"wrote {args.json}")
 
 

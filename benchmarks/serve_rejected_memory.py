@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import onnxruntime
 import psutil
+from _machine import machine  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.hardware import cpu_info
@@ -84,12 +85,7 @@ def main() -> None:
     print(f"{cpu.model}, {cpu.logical_cores} cores, {platform.platform()}")
     result = {
         "command": " ".join(sys.argv),
-        "machine": {
-            "cpu": cpu.model,
-            "cores": cpu.logical_cores,
-            "features": cpu.features,
-            "platform": platform.platform(),
-        },  # fmt: skip
+        "machine": machine(),
         "versions": {
             "kiln": kiln.__version__,
             "onnxruntime": onnxruntime.__version__,

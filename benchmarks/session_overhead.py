@@ -27,6 +27,7 @@ from pathlib import Path
 
 import onnx
 import onnxruntime as ort
+from _machine import machine  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln import zoo
@@ -95,12 +96,7 @@ def main() -> None:
     cpu = cpu_info()
     result: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "cpu": cpu.model,
-            "cores": cpu.logical_cores,
-            "features": cpu.features,
-            "platform": platform.platform(),
-        },  # fmt: skip
+        "machine": machine(),
         "versions": {
             "kiln": kiln.__version__,
             "onnxruntime": ort.__version__,

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime
+from _machine import machine  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.compiler.split_cuts import parse_bandwidth
@@ -53,12 +54,7 @@ def header() -> dict:
     cpu = cpu_info()
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {
-            "cpu": cpu.model,
-            "cores": cpu.logical_cores,
-            "features": cpu.features,
-            "platform": platform.platform(),
-        },  # fmt: skip
+        "machine": machine(),
         "versions": {
             "kiln": kiln.__version__,
             "onnxruntime": onnxruntime.__version__,

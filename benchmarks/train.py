@@ -232,6 +232,7 @@ def main() -> None:
         print(json.dumps(run_row(task, feature, samples, args.warmup, tuned)))
         return
     import torch
+    from _machine import machine  # benchmarks/ is the script's own directory
 
     import kiln
     from kiln.hardware import cpu_info
@@ -240,12 +241,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": cpu.model,
-            "cores": cpu.logical_cores,
-            "features": cpu.features,
-            "platform": platform.platform(),
-        },  # fmt: skip
+        "machine": machine(),
         "versions": {
             "kiln": kiln.__version__,
             "torch": torch.__version__,

@@ -24,6 +24,7 @@ from kiln.hardware import cpu_info
 from kiln.home import output_problem
 from kiln.ir.load import read_checked
 from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins, trace_of
+from kiln.ir.weights import weight_bytes
 
 REBUILD = "Rebuild it with kiln optimize."
 MODEL_FILE = "model.onnx"
@@ -105,8 +106,7 @@ def write_artifact(
     """
 
     def fill(tmp: Path) -> None:
-        size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
-        if size > EXTERNAL_THRESHOLD:
+        if weight_bytes(model) > EXTERNAL_THRESHOLD:
             ir.save(model, tmp / MODEL_FILE, external_data=DATA_FILE)
         else:
             ir.save(model, tmp / MODEL_FILE)

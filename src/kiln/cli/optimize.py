@@ -322,12 +322,9 @@ def _measures_memory(asked: bool | None, result: Any) -> bool:
     (and the seconds of a measuring process to be small beside the compile)."""
     if asked is not None:
         return asked
-    weights = sum(
-        v.const_value.nbytes
-        for v in result.model.graph.initializers.values()
-        if v.const_value is not None
-    )
-    return weights >= MEMORY_FROM_MIB * 2**20
+    from kiln.ir.weights import weight_bytes
+
+    return weight_bytes(result.model) >= MEMORY_FROM_MIB * 2**20
 
 
 def _peak_rss(result: Any) -> dict[str, float]:

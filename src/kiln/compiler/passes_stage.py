@@ -18,6 +18,7 @@ from kiln.backends import get_backend
 from kiln.backends.release import collect_garbage
 from kiln.compiler.reference import Feeds, copy_model
 from kiln.errors import KilnError
+from kiln.ir.weights import weight_bytes
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
 from kiln.passes.unfused import unfused_notes
 from kiln.verify import Budget, Verification, compare
@@ -57,7 +58,7 @@ class Built:
 def verify_on(model: ir.Model, target: Target) -> tuple[Verification, Any]:
     """Compile `model` for the target's engine and compare it with the reference."""
     names = [v.name for v in model.graph.outputs]
-    if _weight_bytes(model) > COLLECT_ABOVE_BYTES:
+    if weight_bytes(model) > COLLECT_ABOVE_BYTES:
         collect_garbage()  # the trial before this one, its model and its engine's session
     try:
         exe = get_backend(target.engine).compile(model, target.options)
@@ -69,12 +70,6 @@ def verify_on(model: ir.Model, target: Target) -> tuple[Verification, Any]:
         noise=target.noise, budget=target.budget,
     )  # fmt: skip
     return verification, exe
-
-
-def _weight_bytes(model: ir.Model) -> int:
-    return sum(
-        v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None
-    )
 
 
 def run_passes(original: ir.Model, pipeline: list[PassSpec], target: Target, say: Say) -> Built:

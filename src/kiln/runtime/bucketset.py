@@ -13,6 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.backends import Executable
+from kiln.ir.weights import weight_bytes
 from kiln.runtime import buckets as bk
 from kiln.runtime.monitor import LoadMonitor
 
@@ -76,7 +77,7 @@ def executable_cap(model: ir.Model, shared: bool) -> int:
     """How many bucket executables stay loaded: their estimated memory (a weight copy each,
     about 2x the weights for OpenVINO as measured on BERT-base; an eighth of that when the
     weights are shared) within a quarter of the machine's memory; between 2 and 32."""
-    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+    weights = weight_bytes(model)
     each = max(weights // 8 if shared else weights * 2, 16 << 20)
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
