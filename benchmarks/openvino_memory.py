@@ -10,7 +10,10 @@ plugin loaded and the inputs made (`b0`).
 
 - floor = the weights as the engine holds them (the bytes of the compiled model's runtime
   constants: repacked, constant-folded, at their element types) + an empty session's
-  footprint (a child compiling a 64-weight MatMul and running it 10 times: its RSS above b0);
+  footprint (a child compiling a 64-weight MatMul and running it 10 times: its RSS above b0),
+  OpenVINO's own (nothing released); `floor_released_mib` is the stricter floor with the
+  empty session's library pages given back as Kiln's `release_code` gives back the model's
+  (it can fall below b0: the pages the import read go too);
 - per variant, each in a child of its own: `load` (peak while compiling), `first` (peak over
   the first run), `steady` (peak over the next `--runs` runs), `run` (the peak over all runs,
   first included, as `kiln bench`'s memory child reads it), RSS at the end split into
@@ -19,9 +22,11 @@ plugin loaded and the inputs made (`b0`).
   in one process and timed interleaved (`--rounds` rounds of `--runs` runs), P50 ratio with
   the per-round spread: this machine is shared, so read the spread, not one ratio.
 
-Variants: `kiln` (Kiln's default now: mmap + release_mapped), `kiln-no-release` (mmap only:
-Kiln before), `kiln-no-mmap` (weights read into memory), `ov-path` (OpenVINO as-is:
-`Core().compile_model(path)`, no Kiln in the way).
+Variants: `kiln` (Kiln's default now: mmap + release_mapped + release_code),
+`kiln-no-code-release` (release_code off: Kiln before 2026-12-04), `kiln-no-release` (mmap
+only), `kiln-no-mmap` (weights read into memory), `ov-path` (OpenVINO as-is:
+`Core().compile_model(path)`, no Kiln in the way). Each row also has the first three runs' times
+(`first_runs_ms`): what the first runs pay for what was released.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ import json
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("kiln", "kiln-no-release", "kiln-no-mmap", "ov-path")
+VARIANTS = ("kiln", "kiln-no-code-release", "kiln-no-release", "kiln-no-mmap", "ov-path")
+_NONE = {"release_mapped": False, "release_code": False}
 _SETTINGS = {
     "kiln": {},
-    "kiln-no-release": {"release_mapped": False},
-    "kiln-no-mmap": {"mmap": False, "release_mapped": False},
+    "kiln-no-code-release": {"release_code": False},
+    "kiln-no-release": _NONE,
+    "kiln-no-mmap": {"mmap": False, **_NONE},
 }
 
 
@@ -110,10 +118,11 @@ def child_variant(variant: str, artifact: str, runs: int) -> dict[str, Any]:
 
     load = _status("VmHWM") - b0
     reset_peak()
-    run()
+    times = [_timed(run)]
     first = _status("VmHWM") - b0
     reset_peak()
-    for _ in range(runs):
+    times += [_timed(run) for _ in range(2)]
+    for _ in range(runs - 2):
         run()
     steady = _status("VmHWM") - b0
     return {
@@ -130,11 +139,19 @@ def child_variant(variant: str, artifact: str, runs: int) -> dict[str, Any]:
         "code_pages_mib": _status("RssFile") - file0,
         "anon_grown_mib": _status("RssAnon") - anon0,
         "weights_held_mib": _weights_held_mib(compiled),
+        "first_runs_ms": times,
     }
 
 
-def child_empty(artifact: str) -> dict[str, Any]:
-    """An empty session's footprint: a 64-weight MatMul compiled and run 10 times."""
+def _timed(run: Any) -> float:
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) * 1e3
+
+
+def child_empty(artifact: str, released: bool) -> dict[str, Any]:
+    """An empty session's footprint: a 64-weight MatMul compiled and run 10 times, by
+    OpenVINO as it is (`released` False) or with its library pages given back."""
     import numpy as np
     import onnx_ir as ir
 
@@ -147,7 +164,8 @@ def child_empty(artifact: str) -> dict[str, Any]:
     node = ir.node("MatMul", [x, w], num_outputs=1)
     node.outputs[0].name = "y"
     graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 17})
-    exe = backend.compile(ir.Model(graph, ir_version=8), options_from_json("openvino", options))
+    settings = {**options, **({} if released else _NONE)}
+    exe = backend.compile(ir.Model(graph, ir_version=8), options_from_json("openvino", settings))
     for _ in range(10):
         exe.run({"x": np.ones((1, 8), np.float32)})
     return {
@@ -184,8 +202,8 @@ def child_latency(artifact: str, runs: int, rounds: int) -> dict[str, Any]:
 
 def _child_main(argv: list[str]) -> None:
     mode, artifact, runs, rounds = argv[0], argv[1], int(argv[2]), int(argv[3])
-    if mode == "empty":
-        answer = child_empty(artifact)
+    if mode.startswith("empty"):
+        answer = child_empty(artifact, released=mode == "empty-released")
     elif mode == "latency":
         answer = child_latency(artifact, runs, rounds)
     else:
@@ -227,12 +245,14 @@ def machine() -> dict[str, Any]:
 def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
     empty_row = _child("empty", artifact, runs, rounds)
     empty = empty_row["empty_session_mib"]
+    empty_released = _child("empty-released", artifact, runs, rounds)["empty_session_mib"]
     variants = {v: _child(v, artifact, runs, rounds) for v in VARIANTS}
     held = variants["kiln"]["weights_held_mib"]
     floor = held + empty
     for row in variants.values():
         row["run_over_floor"] = row["run_mib"] / floor
         row["steady_over_floor"] = row["steady_mib"] / floor
+        row["steady_over_floor_released"] = row["steady_mib"] / (held + empty_released)
     manifest = json.loads((artifact / "manifest.json").read_text())
     data = artifact / "model.onnx.data"
     return {
@@ -243,6 +263,8 @@ def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
         "empty_session_mib": empty,
         "empty_code_pages_mib": empty_row["code_pages_mib"],
         "floor_mib": floor,
+        "empty_session_released_mib": empty_released,
+        "floor_released_mib": held + empty_released,
         "variants": variants,
         "latency": _child("latency", artifact, runs, rounds),
     }
@@ -251,13 +273,17 @@ def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
 def _print(result: dict[str, Any]) -> None:
     print(f"\n{result['artifact']}: weights file {result['weights_file_mib']:.0f} MiB, held "
           f"{result['weights_held_mib']:.0f} MiB + empty session {result['empty_session_mib']:.0f}"
-          f" = floor {result['floor_mib']:.0f} MiB")  # fmt: skip
-    print(f"{'variant':16} {'load':>6} {'first':>6} {'steady':>6} {'run':>6} {'anon':>6} "
-          f"{'file':>6} {'run/floor':>9}")  # fmt: skip
+          f" = floor {result['floor_mib']:.0f} MiB; with the empty session's library pages "
+          f"released {result['empty_session_released_mib']:.0f} -> floor "
+          f"{result['floor_released_mib']:.0f}")  # fmt: skip
+    print(f"{'variant':21} {'load':>6} {'first':>6} {'steady':>6} {'run':>6} {'anon':>6} "
+          f"{'file':>6} {'run/floor':>9} {'/released':>9}  first runs ms")  # fmt: skip
     for name, row in result["variants"].items():
-        print(f"{name:16} {row['load_mib']:6.0f} {row['first_mib']:6.0f} {row['steady_mib']:6.0f}"
+        runs = " ".join(f"{t:.0f}" for t in row["first_runs_ms"])
+        print(f"{name:21} {row['load_mib']:6.0f} {row['first_mib']:6.0f} {row['steady_mib']:6.0f}"
               f" {row['run_mib']:6.0f} {row['anon_mib']:6.0f} {row['file_mib']:6.0f}"
-              f" {row['run_over_floor']:9.2f}")  # fmt: skip
+              f" {row['run_over_floor']:9.2f} {row['steady_over_floor_released']:9.2f}  "
+              f"{runs}")  # fmt: skip
     kiln = result["variants"]["kiln"]
     other = kiln["anon_grown_mib"] - kiln["weights_held_mib"]
     print(f"kiln above its weights: library code pages {kiln['code_pages_mib']:.0f} MiB (empty "

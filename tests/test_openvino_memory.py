@@ -1,5 +1,6 @@
 """OpenVINO's mapped weights given back once its CPU plugin holds its own copy
-(`OpenVinoOptions.release_mapped`, kiln.backends.release)."""
+(`OpenVinoOptions.release_mapped`), and the pages of its libraries only a compile reads
+(`OpenVinoOptions.release_code`): kiln.backends.release."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def test_bad_values_are_refused_in_one_line():
     with pytest.raises(KilnError, match="OpenVINO option 'release_mapped' must be true or false"):
         OpenVinoOptions(release_mapped="yes").properties()  # type: ignore[arg-type]
     assert OpenVinoOptions().release_mapped is True  # on by default
+    with pytest.raises(KilnError, match="OpenVINO option 'release_code' must be true or false"):
+        OpenVinoOptions(release_code=1).properties()  # type: ignore[arg-type]
+    assert OpenVinoOptions().release_code is True
 
 
 @LINUX
@@ -71,6 +75,9 @@ def test_outputs_are_bit_identical_and_the_state_is_reported(mlp_file):
     off = OpenVinoBackend().compile(str(mlp_file), OpenVinoOptions(**F32, release_mapped=False))
     assert on.settings()["release_mapped"] == "on (1 mapped file)"
     assert off.settings()["release_mapped"] == "off"
+    bare = OpenVinoOptions(**F32, release_mapped=False, release_code=False)
+    off = OpenVinoBackend().compile(str(mlp_file), bare)
+    assert (on.settings()["release_code"], off.settings()["release_code"]) == ("on", "off")
     for n in (4, 4, 7, 4):  # a first run, a steady one, a new shape, the first shape again
         feeds = _feeds(n)
         for got, want in zip(on.run(feeds), off.run(feeds), strict=True):
@@ -108,6 +115,29 @@ def test_only_shared_read_only_mappings_are_released(tmp_path):
     private.close()
 
 
+@LINUX
+def test_only_read_only_mappings_under_the_library_folder_are_paged_out(tmp_path):
+    library = tmp_path / "libs" / "libengine.so"
+    library.parent.mkdir()
+    library.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    other = tmp_path / "weights.bin"
+    other.write_bytes(library.read_bytes())
+    with open(library, "rb") as lib, open(other, "rb") as data, open(library, "r+b") as rw:
+        code = mmap.mmap(lib.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        written = mmap.mmap(rw.fileno(), 0, access=mmap.ACCESS_COPY)  # rw-p: never advised
+        elsewhere = mmap.mmap(data.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    written[:4] = b"kiln"
+    assert code[:8] == elsewhere[:8] == bytes(range(8))  # resident
+    advised = release.release_code([library.parent])
+    if advised == 0:
+        pytest.skip("this kernel has no MADV_PAGEOUT")
+    assert advised == len(code)  # the private read-only mapping under the folder only
+    assert code[:8] == bytes(range(8)) and code[-1] == 255  # read back from the file
+    assert written[:4] == b"kiln"
+    for mapping in (code, written, elsewhere):
+        mapping.close()
+
+
 def test_the_option_is_recorded_and_reaches_the_engine(tmp_path):
     options = {"release_mapped": False}
     artifact = kiln.compile(_mlp(64, 1), tmp_path / "off.kiln", backend="openvino",
@@ -129,7 +159,8 @@ from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096
 backend = OpenVinoBackend(); backend.describe()
-options = OpenVinoOptions(inference_precision="f32", release_mapped=sys.argv[3] == "on")
+options = OpenVinoOptions(inference_precision="f32", release_mapped=sys.argv[3] == "on",
+                          release_code=False)
 sizes = []
 for path, width in ((sys.argv[1], 64), (sys.argv[2], int(sys.argv[4]))):
     before = rss()
@@ -160,6 +191,43 @@ def test_large_weights_read_less_resident_memory_with_it_on(mlp_file, tmp_path):
     assert off >= 1.75 * weights, (off, weights, empty_off)
     assert off - on >= 0.75 * weights, (off, on, weights)
     assert on <= 1.25 * weights, (on, weights, empty_on)
+
+
+# A child per setting: the resident pages of OpenVINO's libraries after a compile and 5 runs.
+_CODE_CHILD = """
+import sys, numpy as np, openvino
+from pathlib import Path
+from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
+folder = str(Path(openvino.__file__).resolve().parent)
+def library_kib():
+    total, inside = 0, False
+    for line in open('/proc/self/smaps'):
+        fields = line.split()
+        if not fields[0].endswith(':'):
+            inside = len(fields) > 5 and fields[5].startswith(folder)
+        elif fields[0] == 'Rss:' and inside:
+            total += int(fields[1])
+    return total
+options = OpenVinoOptions(inference_precision="f32", release_code=sys.argv[2] == "on")
+exe = OpenVinoBackend().compile(sys.argv[1], options)
+for n in (4, 4, 4, 4, 4, 7):
+    exe.run({"x": np.ones((n, int(sys.argv[3])), np.float32)})
+print(library_kib())
+"""
+
+
+@LINUX
+def test_library_pages_only_the_compile_read_are_given_back(mlp_file):
+    def library_kib(setting: str) -> int:
+        command = [sys.executable, "-c", _CODE_CHILD, str(mlp_file), setting, str(WIDTH)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        return int(done.stdout.split()[-1])
+
+    off, on = library_kib("off"), library_kib("on")
+    if on == off:
+        pytest.skip("this kernel has no MADV_PAGEOUT")
+    # graph transformations and kernel generation: megabytes of code inference never reads
+    assert off - on >= 4096, (off, on)
 
 
 # Chunks under glibc's mmap threshold live in its heap; all freed but the last, the top of the

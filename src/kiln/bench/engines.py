@@ -70,8 +70,9 @@ def engine_compile(name: str, model: ir.Model | str) -> Any:
     if name.startswith("openvino"):
         from kiln.backends.openvino import OpenVinoOptions
 
-        # The peers are OpenVINO as a user runs it: the mapped weights stay resident.
-        as_is = {"release_mapped": False}
+        # The peers are OpenVINO as a user runs it: the mapped weights and the library pages
+        # its compile read stay resident.
+        as_is = {"release_mapped": False, "release_code": False}
         if name == "openvino-int8":  # its own default precision elsewhere
             return get_backend("openvino").compile(model, OpenVinoOptions(**as_is))
         wanted = "bf16" if name == "openvino-bf16" else "f32"

@@ -43,14 +43,15 @@ Say = Callable[[str], None]
 # no memory pattern (allocations per run instead of one block planned from the first: 1.06×,
 # within noise); no prepacking (no packed copy of the MatMul/Conv weights; GEMMs slower: 1.30×).
 # OpenVINO: `release_mapped`, for an artifact built with it off (latency within noise, 0.99-1.04×;
-# nothing to release when the weights are read rather than mapped, `mmap` off).
+# nothing to release when the weights are read rather than mapped, `mmap` off); `release_code`
+# (the library pages only the compile read: one slower run after each first run at a shape).
 SAVINGS: dict[str, tuple[tuple[str, Any], ...]] = {
     "ort": (
         ("arena_extend", "same_as_requested"),
         ("memory_pattern", False),
         ("prepacking", False),
     ),
-    "openvino": (("release_mapped", True),),
+    "openvino": (("release_mapped", True), ("release_code", True)),
 }
 DEFAULT = "default"
 # An option is kept only when it lowers the peak by more than this (MiB, and fraction of it):
