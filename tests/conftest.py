@@ -1,11 +1,18 @@
 """Shared fixtures: keep Kiln's state out of the user's home during tests."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kiln.hardware.peaks import Peaks, cache_path, save_peaks
+from kiln.passes.fused_op_pays import ENV as FUSED_OPS_ENV
+
+# The same graphs on every machine: fusions into contrib ops are not timed against their parts
+# (kiln.passes.fused_op_pays), so fusion counts do not depend on this CPU. Subprocesses inherit
+# it. tests/test_fused_op_pays.py sets "measure" where it tests the measured decision.
+os.environ[FUSED_OPS_ENV] = "fuse"
 
 # Every test's KILN_HOME starts with peaks cached, at fixed plausible values: the verbs that
 # place work on a roofline (`kiln bench`'s CQI, `kiln profile`) would otherwise measure this

@@ -54,6 +54,7 @@ class PassRecord:
     name: str
     rewrites: int
     nodes_created: int
+    note: str = ""  # why the pass left the model alone, where a measurement decided
 
 
 @dataclass

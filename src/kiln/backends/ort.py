@@ -93,12 +93,22 @@ class OrtOptions:
     # this puts it back; with 0 threads ONNX Runtime pins by itself and nothing is added.
     flush_denormals: bool = False
     pin_threads: bool = False
+    # ONNX Runtime's own graph optimizers left out (InferenceSession's disabled_optimizers),
+    # by name: Kiln leaves out "SkipLayerNormFusion" where the fused kernel measured slower
+    # than its parts here (kiln.passes.fused_op_pays): given the shapes Kiln's graphs state,
+    # ORT would fuse Add + LayerNormalization into it by itself.
+    disabled_optimizers: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["disabled_optimizers"] = list(self.disabled_optimizers)
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OrtOptions:
+        data = dict(data)
+        if "disabled_optimizers" in data:
+            data["disabled_optimizers"] = tuple(data["disabled_optimizers"])
         return cls(**data)
 
     def session_options(self) -> ort.SessionOptions:
@@ -216,7 +226,7 @@ class OrtExecutable:
             so = self.options.session_options()
             so.enable_profiling = True
             so.profile_file_prefix = str(Path(tmp) / "ort")
-            session = _open(self._model, so)
+            session = _open(self._model, so, self.options.disabled_optimizers)
             session.run(None, feeds)
             for _ in range(runs):
                 session.run(None, feeds)
@@ -250,7 +260,7 @@ class OrtBackend:
                 so.add_initializer(name, value)
         if _stops_spinning(model, options):
             so.add_session_config_entry("session.force_spinning_stop", "1")
-        executable = OrtExecutable(_open(model, so), options, model)
+        executable = OrtExecutable(_open(model, so, options.disabled_optimizers), options, model)
         executable.weights = weights  # the shared copy lives as long as a session using it
         return executable
 
@@ -304,11 +314,13 @@ def _stops_spinning(model: ir.Model | str, options: OrtOptions) -> bool:
     )
 
 
-def _open(model: ir.Model | str, so: ort.SessionOptions) -> ort.InferenceSession:
+def _open(
+    model: ir.Model | str, so: ort.SessionOptions, disabled: tuple[str, ...] = ()
+) -> ort.InferenceSession:
     try:
         if isinstance(model, str | os.PathLike):
-            return _session(str(model), so)
-        return _session_from_ir(model, so)
+            return _session(str(model), so, disabled)
+        return _session_from_ir(model, so, disabled)
     except KilnError:
         raise
     except Exception as exc:  # ORT raises many pybind types; all mean "cannot run this"
@@ -343,11 +355,18 @@ def _kernel_records(events: list[dict[str, Any]]) -> list[KernelRecord]:
     return records
 
 
-def _session(path_or_bytes: str | bytes, so: ort.SessionOptions) -> ort.InferenceSession:
-    return ort.InferenceSession(path_or_bytes, so, providers=["CPUExecutionProvider"])
+def _session(
+    path_or_bytes: str | bytes, so: ort.SessionOptions, disabled: tuple[str, ...] = ()
+) -> ort.InferenceSession:
+    return ort.InferenceSession(
+        path_or_bytes, so, providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(disabled) or None,
+    )  # fmt: skip
 
 
-def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSession:
+def _session_from_ir(
+    model: ir.Model, so: ort.SessionOptions, disabled: tuple[str, ...] = ()
+) -> ort.InferenceSession:
     tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value]
     size = sum(t.nbytes for t in tensors)
     # Weights still in an external file would be resolved against ORT's working directory
@@ -357,15 +376,15 @@ def _session_from_ir(model: ir.Model, so: ort.SessionOptions) -> ort.InferenceSe
     # The mapped path serializes the rest inline: a protobuf holds at most 2 GiB.
     mapped = mapped_weights(model) if external and inline < _INLINE_LIMIT else None
     if mapped is not None:  # a large model from a file: its weights shared where they lie
-        session = session_on_mapped(model, so, mapped)
+        session = session_on_mapped(model, so, mapped, disabled)
         if session is not None:
             return session
     if size < _INLINE_LIMIT and not external:
-        return _session(ir.serde.serialize_model(model).SerializeToString(), so)
+        return _session(ir.serde.serialize_model(model).SerializeToString(), so, disabled)
     with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
         path = Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
-        return _session(str(path), so)
+        return _session(str(path), so, disabled)
 
 
 # What ONNX Runtime wraps its messages in: status prefixes, the step that failed, and the C++

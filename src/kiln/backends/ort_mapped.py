@@ -63,7 +63,10 @@ def _mapped(tensor: ir.ExternalTensor) -> np.ndarray:
 
 
 def session_on_mapped(
-    model: ir.Model, so: ort.SessionOptions, arrays: dict[str, np.ndarray]
+    model: ir.Model,
+    so: ort.SessionOptions,
+    arrays: dict[str, np.ndarray],
+    disabled: tuple[str, ...] = (),
 ) -> ort.InferenceSession | None:
     """A session whose initializers named in `arrays` are those arrays; None when the model
     holds an external reference this cannot override (in a subgraph, say)."""
@@ -89,7 +92,10 @@ def session_on_mapped(
         path.write_bytes(proto.SerializeToString())
         with (Path(tmp) / _PLACEHOLDER).open("wb") as placeholder:
             os.truncate(placeholder.fileno(), size)  # sparse: no disk, no memory
-        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(path), so, providers=["CPUExecutionProvider"],
+            disabled_optimizers=list(disabled) or None,
+        )  # fmt: skip
     session._kiln_mapped = values  # the buffers live as long as the session
     return session
 

@@ -265,7 +265,7 @@ def save_result(
         model=model,
         config=result.config,
         backend=BackendInfo(result.backend, result.options.to_json()),
-        passes=[PassRecord(r.name, r.rewrites, r.nodes_created) for r in result.reports],
+        passes=[PassRecord(r.name, r.rewrites, r.nodes_created, r.note) for r in result.reports],
         dropped_passes=result.dropped,
         nodes={"before": result.nodes_before, "after": count_nodes(model)},
         precision=result.plan or {"default": result.precision, "nodes": {}},

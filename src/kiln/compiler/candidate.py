@@ -9,7 +9,7 @@ no passes and quantizes the original as the engine's own tool does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from kiln.ir import stamp_origins
 from kiln.ir.ladder import FIRST_GUESS, Guess
 from kiln.ir.load import LoadedModel
 from kiln.passes import PassReport, PassSpec, default_pipeline
+from kiln.passes.fused_op_pays import SKIP_LAYERNORM_FUSION, skip_layernorm_slower
 from kiln.passes.simplify import count_nodes
 from kiln.precision import (
     QUANTIZED,
@@ -112,6 +113,18 @@ def engine_options(engine: str, precision: str, overrides: dict[str, Any]) -> An
             f"unknown option among {sorted(overrides)} for engine '{engine}'; its options are "
             f"{known}."
         ) from None
+
+
+def _measured(options: Any, config: CompileConfig, model: ir.Model) -> Any:
+    """The engine's options with what was measured here: for ORT, its own SkipLayerNormFusion
+    left out where that fused kernel is slower than its parts (kiln.passes.fused_op_pays),
+    unless the config names the optimizers to leave out itself."""
+    if config.engine != "ort" or "disabled_optimizers" in config.engine_options:
+        return options
+    if SKIP_LAYERNORM_FUSION in options.disabled_optimizers or not skip_layernorm_slower(model):
+        return options
+    disabled = (*options.disabled_optimizers, SKIP_LAYERNORM_FUSION)
+    return replace(options, disabled_optimizers=disabled)
 
 
 def resolve_pipeline(names: tuple[str, ...] | None, engine: str) -> list[PassSpec]:
@@ -239,7 +252,8 @@ def _target(
     reference: tuple[Any, Guess],
     say: Say,
 ) -> Target:
-    options = engine_options(config.engine, precision, dict(config.engine_options))
+    options = _measured(engine_options(config.engine, precision, dict(config.engine_options)),
+                        config, original)  # fmt: skip
     target = Target(config.engine, options, precision, [], [], "none", verify=config.verify)
     if not config.verify:
         return target
@@ -269,6 +283,7 @@ def _quantize(
     """The precision stage, handed a check that compiles and verifies on the target engine."""
     config = result.config
     options = engine_options(config.engine, config.precision, dict(config.engine_options))
+    options = _measured(options, config, result.loaded.model)
     check_target = Target(
         config.engine, options, config.precision, target.feeds, target.reference,
         target.source, budget=target.budget,

@@ -106,6 +106,11 @@ def _ort_settings(options: dict[str, Any], notes: list[str]) -> dict[str, Any]:
             "ONNX Runtime's spinning is off in the artifact (session.intra_op.allow_spinning=0); "
             "the onnxruntime backend has no parameter for it, so Triton's sessions spin"
         )
+    for name in options.get("disabled_optimizers") or []:
+        notes.append(
+            f"ONNX Runtime's {name} optimizer is off in the artifact (measured slower here); "
+            "the onnxruntime backend has no parameter for it, so Triton's sessions run it"
+        )
     _note_extra(options, notes, "onnxruntime")
     return config
 

@@ -29,6 +29,7 @@ class KilnPass(ir.passes.InPlacePass):
     stage: str = "simplify"
     summary: str = ""  # one line for `--show-pipeline`
     count: int = 0  # rewrites made by the last call
+    note: str = ""  # why the last call left the model as it was, where a measurement decided
     # Engines that can run what the pass emits; None: any (it emits standard ONNX only).
     engines: frozenset[str] | None = None
 

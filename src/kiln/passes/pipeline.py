@@ -60,6 +60,7 @@ class PassReport:
     nodes_created: int
     nodes_after: int
     seconds: float
+    note: str = ""  # the pass's own word on what it left alone (KilnPass.note)
 
 
 def _spec(make: Callable[[], KilnPass]) -> PassSpec:
@@ -127,6 +128,7 @@ def run_pipeline(
                 nodes_created=created,
                 nodes_after=count_nodes(model),
                 seconds=time.perf_counter() - start,
+                note=kiln_pass.note,
             )
         )
     return reports

@@ -28,6 +28,7 @@ from onnxscript.rewriter.ort_fusions import (
 from kiln.ir import onnxscript_internals as internals
 from kiln.passes import kiln_rules
 from kiln.passes.base import KilnPass
+from kiln.passes.fused_op_pays import skip_layernorm_slower
 from kiln.passes.gemm_as_matmul import gemm_as_matmul_rules
 from kiln.passes.probed_attention import probed_attention_rules
 from kiln.passes.refine_shapes import RefineShapesPass
@@ -48,6 +49,9 @@ class FusionSpec:
     infer_shapes: bool = False  # some rules need shapes of the values they match
     # Standard ONNX out: any engine runs it. Otherwise the one engine whose ops it emits.
     portable: bool = False
+    # Asked before the rules run: None when the fused op is worth it here, else why not (the
+    # pass then leaves the model as it is and says so). For fused ops slower than their parts.
+    declines: Callable[[ir.Model], str | None] | None = None
 
 
 def _rules(*sets: pattern.RewriteRuleSet | list) -> RuleSource:
@@ -100,6 +104,7 @@ _EARLY: list[FusionSpec] = [
         "Add + LayerNormalization become SkipLayerNormalization (bias folded in).",
         _rules(skip_normalization.skip_layer_normalization_ruleset),
         infer_shapes=True,
+        declines=skip_layernorm_slower,
     ),
     FusionSpec(
         "fuse-causal-attention",
@@ -207,6 +212,10 @@ class FusionPass(KilnPass):
         rules = self.spec.rules()
         if not rules:
             return 0
+        if self.spec.declines is not None:
+            self.note = self.spec.declines(model) or ""
+            if self.note:
+                return 0
         total = 0
         for _ in range(MAX_ROUNDS if self.spec.infer_shapes else 1):
             if self.spec.infer_shapes:

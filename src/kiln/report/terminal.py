@@ -185,9 +185,12 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
     rewrites: dict[str, int] = {}
     for p in summary["passes"]:  # simplify and refine-shapes run several times
         rewrites[p["name"]] = rewrites.get(p["name"], 0) + p["rewrites"]
+    notes = {p["name"]: p["note"] for p in summary["passes"] if p.get("note")}
     for name, count in rewrites.items():
         if count:
             table.add_row(f"pass {name}", f"{count} rewrites")
+        elif name in notes:
+            table.add_row(f"pass {name}", escape(notes[name]))
     for name in summary["dropped_passes"]:
         table.add_row(f"pass {name}", "[red]dropped: it broke the outputs or crashed[/red]")
     nodes = summary["nodes"]
