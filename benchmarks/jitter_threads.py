@@ -33,7 +33,7 @@ from _machine import machine  # benchmarks/ is the script's own directory
 from threadpoolctl import threadpool_limits
 
 from kiln.hardware import cpu_info
-from kiln.hardware.jitter import _matmul, _sized, python_loop_probe, time_runs
+from kiln.hardware.jitter import numpy_matmul_probe, python_loop_probe, time_runs
 from kiln.ir.inputs import synthesize
 from kiln.ir.load import load_model
 from kiln.timing import interleave, round_stats, tail_interval
@@ -57,24 +57,16 @@ def _openvino(path: Path, threads: int) -> Callable[[], object]:
     return lambda: request.infer(feeds)
 
 
-def _matmul_at(threads: int, target_s: float) -> Callable[[], object]:
+def _matmul_at(threads: int, target_s: float) -> tuple[Callable[[], object], str]:
     """numpy's matmul with its BLAS held to `threads`, sized to `target_s` at that count."""
     with threadpool_limits(limits=threads):
-        n = _sized(_matmul, (128, 4096), 3, target_s, _clock)
-    run = _matmul(n)
+        probe = numpy_matmul_probe(target_s)
 
     def limited() -> object:
         with threadpool_limits(limits=threads):
-            return run()
+            return probe.run()
 
-    limited.__doc__ = f"{n}×{n}"
-    return limited
-
-
-def _clock() -> int:
-    import time
-
-    return time.perf_counter_ns()
+    return limited, f"{probe.work}, {threads} BLAS thread{'s' if threads > 1 else ''}"
 
 
 def runners(model: str, openvino: bool, work: Path) -> tuple[dict[str, Callable], dict[str, str]]:
@@ -88,13 +80,11 @@ def runners(model: str, openvino: bool, work: Path) -> tuple[dict[str, Callable]
         if openvino:
             engines[f"openvino {n}t"] = _openvino(path, n)
     fastest = min(min(time_runs(run, 3)) for run in engines.values())
-    loop = python_loop_probe(fastest, _clock)
+    loop = python_loop_probe(fastest)
     probes: dict[str, Callable[[], object]] = {"python-loop 1t": loop.run}
     work_of = {"python-loop 1t": loop.work}
     for n in counts:
-        probe = _matmul_at(n, fastest)
-        probes[f"numpy-matmul {n}t"] = probe
-        work_of[f"numpy-matmul {n}t"] = f"numpy fp32 matmul {probe.__doc__}, {n} BLAS threads"
+        probes[f"numpy-matmul {n}t"], work_of[f"numpy-matmul {n}t"] = _matmul_at(n, fastest)
     return {**engines, **probes}, work_of
 
 
