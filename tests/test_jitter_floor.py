@@ -169,6 +169,8 @@ def test_bench_puts_each_jitter_beside_the_floor_and_reports_cqi(cached_peaks):
     assert result["flops_per_run"] > 0
     for engine in result["engines"].values():
         assert engine["jitter_over_floor"] == pytest.approx(engine["jitter"] / floor["floor"])
+        every_core = floor["probes"]["numpy-matmul"]["jitter"]
+        assert engine["jitter_over_parallel_floor"] == pytest.approx(engine["jitter"] / every_core)
         low, high = engine["jitter_interval"]
         assert low <= engine["jitter"] <= high
         assert engine["roofline_fraction"] > 0 and 0 <= engine["cqi"] <= 1

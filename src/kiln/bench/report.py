@@ -14,7 +14,7 @@ from kiln import __version__
 from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
 from kiln.hardware import FloorSampler, JitterFloor, Peaks, cpu_info
-from kiln.hardware.jitter import FLOOR_RUNS, TARGET_SECONDS, time_runs
+from kiln.hardware.jitter import FLOOR_RUNS, PARALLEL_PROBE, TARGET_SECONDS, time_runs
 from kiln.ir.inputs import default_dims, synthesize
 from kiln.timing import (
     BOOTSTRAP_RESAMPLES,
@@ -198,12 +198,18 @@ def _timing_row(
     """An engine's latency figures, its speedup, and its jitter beside the host's floor."""
     latency = round_stats(rounds, batch)
     tails = tail_interval(rounds)
+    parallel = floor.probes.get(PARALLEL_PROBE)
+    parallel_jitter = parallel.jitter if parallel is not None else 0.0
     return {
         "description": ENGINES.get(name, "Kiln artifact (compiled, verified)"),
         **latency.to_json(),
         "p99_interval_ms": list(tails.p99_ms),
         "jitter_interval": list(tails.jitter),
         "jitter_over_floor": latency.jitter / floor.floor if floor.floor > 0 else None,
+        # beside fixed work on every core, as an engine with every core runs
+        "jitter_over_parallel_floor": (
+            latency.jitter / parallel_jitter if parallel_jitter > 0 else None
+        ),
         "speedup_vs_baseline": compared.value,
         "speedup_spread": compared.to_json()["speedup_spread"],
         "verdict": compared.verdict,

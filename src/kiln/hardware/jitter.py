@@ -35,6 +35,10 @@ _LOOP_SIZES = (1_000, 20_000_000)
 _MATMUL_SIZES = (128, 4096)
 
 Clock = Callable[[], int]  # nanoseconds, as time.perf_counter_ns
+# The probe whose work runs on every core (numpy's BLAS threads): on a 2-core VM, fixed work
+# on both cores read 1.5–2× the jitter of fixed work on one (benchmarks/jitter_threads.py), so
+# an engine using every core is also set beside this probe's jitter.
+PARALLEL_PROBE = "numpy-matmul"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kiln.hardware.jitter import PARALLEL_PROBE
+
 TOP_FINDINGS = 5
 TOP_NODES = 5
 
@@ -381,6 +383,15 @@ def _cqi(engine: dict[str, Any]) -> str:
     return f"{engine['cqi']:.3f} ({engine['roofline_fraction']:.1%})"
 
 
+def _parallel_note(floor: dict[str, Any]) -> str:
+    """The probe on every core, whose jitter engines using every core also stand beside."""
+    probe = floor.get("probes", {}).get(PARALLEL_PROBE)
+    if probe is None or probe["probe"] == floor["probe"]:
+        return ""
+    return (f" (fixed work on every core, {probe['probe']}, read {probe['jitter']:.2f}: JSON "
+            "jitter_over_parallel_floor)")  # fmt: skip
+
+
 def _floor_note(result: dict[str, Any]) -> str:
     """What the jitter and CQI columns stand beside: the floor measured in this run, how many
     runs back each P99, and what CQI is."""
@@ -390,7 +401,8 @@ def _floor_note(result: dict[str, Any]) -> str:
     return (
         f"Jitter floor of this host: {floor['floor']:.2f} ({floor['probe']}, 95 % interval "
         f"{low:.2f}–{high:.2f}), measured {floor['measured']}; "
-        f"× floor = the engine's jitter ÷ the floor. Each engine's P99 is from "
+        f"× floor = the engine's jitter ÷ the floor{_parallel_note(floor)}. Each engine's P99 "
+        "is from "
         f"{result.get('p99_runs', '?')} runs, which {backed} a P99 at 99 % confidence. "
         "CQI = fraction of the measured peak of the engine's precision (in brackets) × "
         "(1 − jitter), each clamped to [0, 1]."
