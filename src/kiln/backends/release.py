@@ -56,13 +56,18 @@ def release_mapped(paths: Collection[str | os.PathLike[str]]) -> int:
     if not SUPPORTED or not paths:
         return 0
     wanted = {os.path.realpath(p) for p in paths}
+    return _advise(lambda perms, path: perms == "r--s" and path in wanted, _MADV_DONTNEED)
+
+
+def _advise(wanted: Callable[[str, str], bool], advice: int) -> int:
+    """madvise(`advice`) on every mapping whose (perms, path) are `wanted`; the bytes advised."""
     try:
-        ranges = _ranges(lambda perms, path: perms == "r--s" and path in wanted)
+        ranges = _ranges(wanted)
     except OSError:
         return 0
     advised = 0
     for start, end in ranges:
-        if _madvise()(start, end - start, _MADV_DONTNEED) == 0:
+        if _madvise()(start, end - start, advice) == 0:
             advised += end - start
     return advised
 
@@ -88,15 +93,9 @@ def release_code(libraries: Collection[str | os.PathLike[str]]) -> int:
     if not SUPPORTED or not libraries:
         return 0
     folders = tuple(os.path.join(os.path.realpath(f), "") for f in libraries)
-    try:
-        ranges = _ranges(lambda perms, path: perms in _READ_ONLY and path.startswith(folders))
-    except OSError:
-        return 0
-    advised = 0
-    for start, end in ranges:
-        if _madvise()(start, end - start, _MADV_PAGEOUT) == 0:
-            advised += end - start
-    return advised
+    return _advise(
+        lambda perms, path: perms in _READ_ONLY and path.startswith(folders), _MADV_PAGEOUT
+    )
 
 
 # Private read-only mappings: a library's code (r-xp) and its constants (r--p).
