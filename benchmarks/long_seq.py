@@ -232,14 +232,23 @@ def _described(built: Any, request: dict, seconds: float | None) -> dict:
 
 
 def fused_ops(model_path: Path) -> dict[str, int]:
-    """How many of each non-default-domain op the artifact holds (com.microsoft Attention...)."""
+    """How many of each non-default-domain op the artifact holds (com.microsoft Attention...),
+    If branches included: each long-sequence Attention sits in one beside its flash form."""
     model = onnx.load(str(model_path), load_external_data=False)
     counts: dict[str, int] = {}
-    for node in model.graph.node:
+    for node in _nodes(model.graph):
         if node.domain not in ("", "ai.onnx"):
             key = f"{node.domain}:{node.op_type}"
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def _nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attr.g)
 
 
 # ---------------------------------------------------------------------------------- one cell

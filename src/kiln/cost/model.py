@@ -1,6 +1,8 @@
 """Cost of every node of an ONNX model: FLOPs and bytes moved, from shapes alone.
 
-What is counted, per node of the main graph (control-flow bodies are not entered):
+What is counted, per node of the main graph (Loop and Scan bodies are not entered; an ``If``
+costs as its costlier branch, named after that branch's costliest op: Kiln's
+``flash-attention`` wraps each ``Attention`` in one whose branches compute the same products):
 
 * **FLOPs.** Matrix products at 2 per multiply-accumulate (``macs``, which
   :func:`kiln.cost.count_flops` sums) for MatMul/Gemm/Conv/ConvTranspose, and likewise for their
@@ -93,6 +95,8 @@ def unknown_ops(costs: Mapping[str, NodeCost]) -> list[str]:
 
 
 def _node_cost(node: onnx.NodeProto, t: Tensors) -> NodeCost:
+    if node.op_type == "If" and node.domain in ("", "ai.onnx"):
+        return _if_cost(node, t)
     try:
         macs, flops = node_flops(node, t)
         known = True
@@ -101,6 +105,18 @@ def _node_cost(node: onnx.NodeProto, t: Tensors) -> NodeCost:
         # the cost is advisory, so the node is marked rather than the whole model refused
         macs, flops, known = 0, 0, False
     return NodeCost(node.op_type, flops, node_bytes(node, t), macs, node_precision(node, t), known)
+
+
+def _if_cost(node: onnx.NodeProto, t: Tensors) -> NodeCost:
+    """The costlier branch, its nodes costed with what the outer graph knows (a value made
+    inside the branch has no shape there, so such a node is marked unknown)."""
+    branches = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    totals = []
+    for branch in branches:
+        costs = [_node_cost(inner, t) for inner in branch.node]
+        costliest = max(costs, key=lambda c: c.flops, default=None)
+        totals.append(total_cost(costs, costliest.op_type if costliest else "If"))
+    return max(totals, key=lambda c: c.flops, default=NodeCost("If", 0, 0, known=False))
 
 
 def _common(values: set[str]) -> str | None:

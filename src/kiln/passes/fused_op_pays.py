@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from kiln.backends import get_backend
 from kiln.backends.ort import OrtOptions
-from kiln.timing import interleave, speedups
+from kiln.timing import Speedup, interleave, speedups
 
 ROWS = 128  # tokens: the zoo's sequence length; the ratio held from 128 to 4,096 rows
 ROUNDS, RUNS = 7, 20
@@ -104,4 +104,64 @@ def _skip_layernorm(width: int, fused: bool) -> ir.Model:
     out.name, out.type, out.shape = "y", float32, shape
     graph = ir.Graph([x, skip], [out], nodes=nodes, initializers=[gamma, beta, bias],
                      opset_imports={"": 17, "com.microsoft": 1})  # fmt: skip
+    return ir.Model(graph, ir_version=8)
+
+
+FLASH_ROWS = 1024  # tokens from which the flash branch runs (and where it is timed)
+FLASH_ROUNDS, FLASH_RUNS = 5, 4
+
+
+def flash_attention_slower(heads: int, width: int) -> str | None:
+    """None unless ORT's mask-free MultiHeadAttention (its CPU flash path), with the packed
+    projection and Split before it, is slower than its Attention at `FLASH_ROWS` tokens in every
+    round; else why the flash branch is not taken. Not slower at its shortest is enough: its
+    lead grows with the length (bert-base, one layer: 1.04–1.08× at 1,024, 1.18× at 4,096)."""
+    if os.environ.get(ENV, "measure") == "fuse":
+        return None
+    ratio = _flash_over_attention(heads, width)
+    if ratio.verdict != "slower":
+        return None
+    return (
+        f"ONNX Runtime's flash MultiHeadAttention runs {ratio.value:.2f}× as fast as its "
+        f"Attention here ({FLASH_ROWS} tokens × {width}, {heads} heads, measured): left as is"
+    )
+
+
+@functools.cache
+def _flash_over_attention(heads: int, width: int) -> Speedup:
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, FLASH_ROWS, width), dtype=np.float32)}
+    ort = get_backend("ort")
+    runners = {}
+    for flash in (False, True):
+        exe = ort.compile(_attention(heads, width, flash), OrtOptions())
+        runners[str(flash)] = (lambda e: lambda: e.run(feeds))(exe)
+    samples = interleave(runners, rounds=FLASH_ROUNDS, runs=FLASH_RUNS, warmup=1)
+    return speedups(samples, "False")["True"]
+
+
+def _attention(heads: int, width: int, flash: bool) -> ir.Model:
+    """One self-attention layer over x [1, FLASH_ROWS, width]: Attention, or MatMul + Split +
+    mask-free MultiHeadAttention."""
+    rng = np.random.default_rng(0)
+    float32 = ir.TensorType(ir.DataType.FLOAT)
+    x = ir.Value(name="x", type=float32, shape=ir.Shape([1, FLASH_ROWS, width]))
+    weight = ir.Value(name="w", const_value=ir.tensor(
+        (rng.standard_normal((width, 3 * width)) * 0.05).astype(np.float32)))  # fmt: skip
+    bias = ir.Value(name="b", const_value=ir.tensor(np.zeros(3 * width, np.float32)))
+    sizes = ir.Value(name="sizes", const_value=ir.tensor(np.array([width] * 3)))
+    if flash:
+        packed = ir.node("MatMul", [x, weight])
+        split = ir.node("Split", [packed.outputs[0], sizes], attributes={"axis": -1},
+                        num_outputs=3)  # fmt: skip
+        attend = ir.node("MultiHeadAttention", [*split.outputs, bias], domain="com.microsoft",
+                         attributes={"num_heads": heads})  # fmt: skip
+        nodes = [packed, split, attend]
+    else:
+        nodes = [ir.node("Attention", [x, weight, bias], domain="com.microsoft",
+                         attributes={"num_heads": heads})]  # fmt: skip
+    out = nodes[-1].outputs[0]
+    out.name, out.type, out.shape = "y", float32, x.shape
+    graph = ir.Graph([x], [out], nodes=nodes, initializers=[weight, bias, sizes],
+                     opset_imports={"": 18, "com.microsoft": 1})  # fmt: skip
     return ir.Model(graph, ir_version=8)

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from kiln.ir.provenance import PassTracker
 from kiln.passes.base import KilnPass
 from kiln.passes.canonical_mask import CanonicalMaskPass
+from kiln.passes.flash_attention import FlashAttentionPass
 from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.prune_rows import PruneRowsPass
 from kiln.passes.refine_shapes import RefineShapesPass
@@ -80,6 +81,7 @@ def default_pipeline(engine: str = "ort") -> list[PassSpec]:
     specs.append(_spec(ShapeReadsPass))
     specs.append(_spec(PruneRowsPass))
     specs += [_spec(lambda spec=spec: FusionPass(spec)) for spec in FUSIONS]
+    specs.append(_spec(FlashAttentionPass))
     specs.append(_spec(CleanupPass))
     return [s for s in specs if s.engines is None or engine in s.engines]
 
