@@ -3,13 +3,14 @@
     python benchmarks/flash_attention.py ART.kiln --seq 4096 [--rounds 6] [--json F]
 
 ART is an artifact Kiln built for ONNX Runtime at ≥ 1,024 tokens (`kiln optimize
-zoo:bert-base-4k --shape seq=4096`, or `benchmarks/long_seq.py --work DIR`), whose attention
-`kiln.passes.flash_attention` wrapped in `If` nodes. Two plain ORT sessions, as Kiln opens the
-artifact (2 threads, ORT's SkipLayerNormFusion off): the model as built, and the same model with
-each `If` replaced by its masked branch — the `Attention` node it wrapped, so everything else is
-identical. Inputs: a mask of ones (the flash branch runs), seed 0 ids. Timed one run per engine
-per round, the order alternating, `kiln.timing.speedup` over the rounds; cosine between the
-two outputs. Prints the command, CPU, versions and every figure; writes JSON.
+zoo:bert-base-4k`: the zoo compiles it for 4,096; or `benchmarks/long_seq.py --work DIR`),
+whose attention `kiln.passes.flash_attention` wrapped in `If` nodes. Two plain ORT sessions,
+as Kiln opens the artifact (2 threads, ORT's SkipLayerNormFusion off): the model as built,
+and the same model with each `If` replaced by its masked branch — the `Attention` node it
+wrapped, so everything else is identical. Inputs: a mask of ones (the flash branch runs),
+seed 0 ids. One run per engine per round, the order rotating, `kiln.timing.speedup` over the
+rounds; cosine between the two outputs. Prints the command, CPU, versions and every figure;
+writes JSON.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class FlashAttentionPass(KilnPass):
     summary = (
         "Non-causal com.microsoft Attention runs mask-free MultiHeadAttention (ONNX Runtime's "
         f"CPU flash path) when the mask is all ones and the sequence ≥ {FLASH_ROWS} tokens, "
-        "where measured faster."
+        "unless measured slower here."
     )
     engines = frozenset({"ort"})
 
