@@ -69,6 +69,7 @@ from kiln.bench.engines import engine_runner
 from kiln.bench.memory import engine_memory
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
+from kiln.ir.load import graphs
 from kiln.runtime import Session
 from kiln.timing import interleave, round_stats, speedups
 from kiln.verify import cosine
@@ -236,19 +237,11 @@ def fused_ops(model_path: Path) -> dict[str, int]:
     If branches included: each long-sequence Attention sits in one beside its flash form."""
     model = onnx.load(str(model_path), load_external_data=False)
     counts: dict[str, int] = {}
-    for node in _nodes(model.graph):
+    for node in (n for g in graphs(model.graph) for n in g.node):
         if node.domain not in ("", "ai.onnx"):
             key = f"{node.domain}:{node.op_type}"
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
-
-
-def _nodes(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attr.g)
 
 
 # ---------------------------------------------------------------------------------- one cell

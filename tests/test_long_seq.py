@@ -18,6 +18,7 @@ import kiln
 from kiln import zoo
 from kiln.cost.memory_plan import plan_memory
 from kiln.ir.inputs import synthesize
+from kiln.ir.load import graphs
 from kiln.zoo import bert
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "long_seq.py"
@@ -33,17 +34,9 @@ def _scores_bytes(cfg: bert.BertConfig, seq: int) -> int:
     return cfg.heads * seq * seq * 4
 
 
-def _nodes(graph: onnx.GraphProto):
-    """Every node, If branches included (kiln.passes.flash_attention wraps long attention)."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attr.g)
-
-
 def _fused_attentions(model: onnx.ModelProto) -> int:
-    nodes = _nodes(model.graph)
+    """If branches included (kiln.passes.flash_attention wraps long attention in one)."""
+    nodes = (n for g in graphs(model.graph) for n in g.node)
     return sum(n.domain == "com.microsoft" and n.op_type == "Attention" for n in nodes)
 
 

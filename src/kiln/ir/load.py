@@ -12,7 +12,7 @@ import codecs
 import hashlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,7 +269,7 @@ def _check_interface(proto: onnx.ModelProto, source: str) -> None:
     element type pass; ONNX Runtime then fails on them without naming the model)."""
     if not proto.graph.output:
         raise ModelError(f"{source}: the graph has no outputs; there is nothing to run.", REEXPORT)
-    for graph in _graphs(proto.graph):
+    for graph in graphs(proto.graph):
         kinds = {"input": graph.input, "output": graph.output, "value": graph.value_info}
         for kind, values in kinds.items():
             for value in values:
@@ -354,7 +354,8 @@ def _check_opsets(proto: onnx.ModelProto, source: str) -> None:
                 )
 
 
-def _graphs(graph: onnx.GraphProto):
+def graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every graph inside it (If branches, Loop and Scan bodies), depth first."""
     yield graph
     yield from _subgraphs(graph.node)
 
@@ -363,19 +364,19 @@ def _subgraphs(nodes):
     for node in nodes:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
+                yield from graphs(attr.g)
             for sub in attr.graphs:
-                yield from _graphs(sub)
+                yield from graphs(sub)
 
 
 def _tensors(proto: onnx.ModelProto):
     """Every tensor that may hold external data: weights, sparse weights, constant attributes."""
-    graphs = [*_graphs(proto.graph), *(g for f in proto.functions for g in _subgraphs(f.node))]
-    for graph in graphs:
+    every = [*graphs(proto.graph), *(g for f in proto.functions for g in _subgraphs(f.node))]
+    for graph in every:
         yield from graph.initializer
         for sparse in graph.sparse_initializer:
             yield from (sparse.values, sparse.indices)
-    nodes = [n for g in graphs for n in g.node] + [n for f in proto.functions for n in f.node]
+    nodes = [n for g in every for n in g.node] + [n for f in proto.functions for n in f.node]
     for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
@@ -389,7 +390,7 @@ def _check_ops(proto: onnx.ModelProto, source: str) -> None:
     """Name the first op that no engine Kiln drives can run."""
     versions = {o.domain or "": o.version for o in proto.opset_import}
     local_functions = {(f.domain, f.name) for f in proto.functions}
-    for graph in _graphs(proto.graph):
+    for graph in graphs(proto.graph):
         for node in graph.node:
             domain = node.domain or ""
             if (domain, node.op_type) in local_functions:
