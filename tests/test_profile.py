@@ -152,7 +152,11 @@ def resnet_openvino():
 
 def test_openvino_kernels_are_the_same_kernels_in_every_compile(resnet_openvino):
     nodes = resnet_openvino["nodes"]
-    assert all(n["calls_per_run"] == 1 for n in nodes)  # one entry per kernel, every run
+    # One entry per kernel, every run; but OpenVINO may skip a layout Reorder in a run (on an
+    # AVX-512 EPYC resnet-tiny's avgpool_acdb_abcd_flatten was not executed in 1 run of 6, in
+    # 2 profiles of 6): such a kernel shows in fewer runs, never twice in one.
+    assert all(n["calls_per_run"] == 1 for n in nodes if n["op_type"] != "Reorder")
+    assert all(0 < n["calls_per_run"] <= 1 for n in nodes)
     convs = [n for n in nodes if n["op_type"] == "Convolution"]
     model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
     assert len(convs) == sum(n.op_type == "Conv" for n in model.graph)

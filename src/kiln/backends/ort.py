@@ -331,8 +331,12 @@ def _is_run(event: dict[str, Any]) -> bool:
     return event.get("cat") == "Session" and event.get("name") == "model_run"
 
 
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+
+
 def _kernel_records(events: list[dict[str, Any]]) -> list[KernelRecord]:
-    """Node events of an ORT profile; the first run (the warm-up) is dropped."""
+    """Node events of an ORT profile; the first run (the warm-up) is dropped, and so are
+    control-flow nodes' own events: counted with the kernels inside, each would count twice."""
     records, run = [], -1
     for event in events:
         if _is_run(event):
@@ -342,6 +346,8 @@ def _kernel_records(events: list[dict[str, Any]]) -> list[KernelRecord]:
         if not event.get("name", "").endswith("_kernel_time"):
             continue
         args = event.get("args", {})
+        if args.get("op_name") in _CONTROL_FLOW:
+            continue  # its time holds its branch's or body's kernels, which ORT reports too
         records.append(
             KernelRecord(
                 node=event["name"][: -len("_kernel_time")],

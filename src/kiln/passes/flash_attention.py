@@ -167,6 +167,10 @@ def _wrap(graph: ir.Graph, node: ir.Node, condition: ir.Value) -> None:
     }
     for suffix, made in named.items():
         made.name = f"{base}.kiln_{suffix}"
+    # Node names unique across branches too: a profile and provenance tell layers apart by them.
+    for inner, suffix in ((sizes, "sizes"), (packed, "qkv_matmul"), (split, "split"),
+                          (flash, "flash_mha"), (masked, "masked_attention")):  # fmt: skip
+        inner.name = f"{base}.kiln_{suffix}"
     name = out.name
     ir.convenience.replace_all_uses_with(out, choice.outputs[0], replace_graph_outputs=True)
     graph.remove(node, safe=True)
