@@ -14,10 +14,12 @@ import pytest
 
 import kiln
 from kiln.cost import count_flops
+from kiln.hardware import Peaks
 from kiln.ir.inputs import synthesize
 from kiln.ir.load import load_model
 from kiln.passes import flash_attention, fused_op_pays
 from kiln.passes.flash_attention import FlashAttentionPass
+from kiln.profile import profile_model
 from kiln.timing import Speedup
 
 WIDTH, HEADS, ROWS = 32, 4, 8
@@ -129,3 +131,14 @@ def test_a_compiled_bert_keeps_its_outputs_through_either_branch(tmp_path, short
         for got, want in zip(session.run(None, request), expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
     session.close()
+
+
+def test_a_profile_counts_each_layer_once_and_never_the_if_itself(tmp_path, short_threshold):
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "bert.kiln", rounds=0)
+    peaks = Peaks(fp32_gflops=100.0, bf16_gflops=200.0, int8_gops=400.0, bandwidth_gbs=20.0,
+                  threads=2, measured_at="test")  # fmt: skip
+    result = profile_model(str(artifact.path), runs=3, rounds=1, peaks=peaks)
+    ops = Counter(n["op_type"] for n in result["nodes"])
+    assert "If" not in ops  # its time is its branch's kernels', already counted
+    layers = Counter(n.op_type for n in ir.load(str(artifact.model_path)).graph)["If"]
+    assert ops["MultiHeadAttention"] == layers  # one row a layer, not one shared name
