@@ -25,7 +25,7 @@ from kiln.timing import Speedup
 WIDTH, HEADS, ROWS = 32, 4, 8
 
 
-def _layer(causal: bool = False, length: int = 64) -> ir.Model:
+def _layer(causal: bool = False, length: int = 64, opset: int = 18) -> ir.Model:
     """x [1, S, 32] and a 2-D mask → one com.microsoft Attention with packed weights."""
     rng = np.random.default_rng(0)
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, "S", WIDTH]))
@@ -39,7 +39,7 @@ def _layer(causal: bool = False, length: int = 64) -> ir.Model:
     out = node.outputs[0]
     out.name, out.type, out.shape = "y", x.type, x.shape
     graph = ir.Graph([x, mask], [out], nodes=[node], initializers=[weight, bias], name="layer",
-                     opset_imports={"": 18, "com.microsoft": 1})  # fmt: skip
+                     opset_imports={"": opset, "com.microsoft": 1})  # fmt: skip
     model = ir.Model(graph, ir_version=8)
     model.metadata_props["kiln.dims"] = json.dumps({"S": length})  # as a compile's fit records
     return model
@@ -61,8 +61,9 @@ def short_threshold(monkeypatch):
     monkeypatch.setattr(flash_attention, "FLASH_ROWS", ROWS)
 
 
-def test_outputs_match_for_every_mask_and_length(short_threshold):
-    original, wrapped = _session(_layer()), _layer()
+@pytest.mark.parametrize("opset", [13, 18])
+def test_outputs_match_for_every_mask_and_length(short_threshold, opset):
+    original, wrapped = _session(_layer(opset=opset)), _layer(opset=opset)
     rewrites = FlashAttentionPass()(wrapped)
     assert rewrites.modified
     session = _session(wrapped)
@@ -94,6 +95,11 @@ def test_a_model_compiled_for_short_sequences_is_left_as_it_is(short_threshold):
     model = _layer(length=ROWS - 1)
     assert FlashAttentionPass()(model).modified is False
     assert [n.op_type for n in model.graph] == ["Attention"]
+
+
+def test_a_model_below_opset_13_is_left_as_it_is(short_threshold):
+    model = _layer(opset=12)
+    assert FlashAttentionPass()(model).modified is False
 
 
 def test_causal_attention_is_left_as_it_is(short_threshold):

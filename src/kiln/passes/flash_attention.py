@@ -30,6 +30,7 @@ from kiln.passes.fused_op_pays import FLASH_ROWS, flash_attention_slower
 from kiln.passes.shape_reads import ShapeReadsPass
 
 MS_DOMAIN = "com.microsoft"
+MIN_OPSET = 13  # Split takes its sizes as an input from opset 13 (an attribute before)
 # Attention's attributes the flash branch can honour; any other (past state, unequal Q/K/V
 # widths, a rotary embedding) leaves the node as it is.
 _KNOWN = {"num_heads", "scale", "mask_filter_value", "unidirectional"}
@@ -50,6 +51,8 @@ class FlashAttentionPass(KilnPass):
     engines = frozenset({"ort"})
 
     def apply(self, model: ir.Model) -> int:
+        if model.opset_imports.get("", 1) < MIN_OPSET:
+            return 0
         nodes = [n for n in model.graph if _wrappable(n)]
         lengths = {_compiled_length(model, n) for n in nodes}
         if not nodes or not any(n is not None and n >= FLASH_ROWS for n in lengths):
@@ -115,10 +118,14 @@ def _wrappable(node: ir.Node) -> bool:
 def _condition(graph: ir.Graph, node: ir.Node, source: ir.Value) -> ir.Value:
     """A bool [1]: `source` (the 2-D mask, or x) spans ≥ FLASH_ROWS tokens and, for a mask,
     holds only ones. Computed once per mask and shared by every layer that reads it."""
+    # Ops every opset from MIN_OPSET has (Shape's start/end need 15, GreaterOrEqual 12).
     rows = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([FLASH_ROWS]))})
-    length = ir.node("Shape", [source], attributes={"start": 1, "end": 2})
-    long = ir.node("GreaterOrEqual", [length.outputs[0], rows.outputs[0]])
-    made = [rows, length, long]
+    axis = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1]))})
+    shape = ir.node("Shape", [source])
+    length = ir.node("Gather", [shape.outputs[0], axis.outputs[0]])
+    short = ir.node("Less", [length.outputs[0], rows.outputs[0]])
+    long = ir.node("Not", [short.outputs[0]])
+    made = [rows, axis, shape, length, short, long]
     if source is not node.inputs[0]:  # a mask: every entry 1
         one = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(1, np.int32))})
         made.append(one)
