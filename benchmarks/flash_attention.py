@@ -7,9 +7,9 @@ zoo:bert-base-4k`: the zoo compiles it for 4,096; or `benchmarks/long_seq.py --w
 whose attention `kiln.passes.flash_attention` wrapped in `If` nodes. Two plain ORT sessions,
 as Kiln opens the artifact (2 threads, ORT's SkipLayerNormFusion off): the model as built,
 and the same model with each `If` replaced by its masked branch — the `Attention` node it
-wrapped, so everything else is identical. Inputs: a mask of ones (the flash branch runs),
-seed 0 ids. One run per engine per round, the order rotating, `kiln.timing.speedup` over the
-rounds; cosine between the two outputs. Prints the command, CPU, versions and every figure;
+wrapped, so everything else is identical. Inputs: `kiln.ir.inputs.synthesize` at seed 0
+(masks of ones: the flash branch runs). One run per engine per round, the order rotating,
+`kiln.timing.speedup` over the rounds; cosine between the two outputs. Prints the command, CPU, versions and every figure;
 writes JSON.
 """
 
@@ -21,10 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
 
 from kiln.hardware import cpu_info
+from kiln.ir.inputs import synthesize
 from kiln.passes.fused_op_pays import SKIP_LAYERNORM_FUSION
 from kiln.timing import interleave, round_p50_ms, speedups
 from kiln.verify import cosine
@@ -57,19 +59,6 @@ def session(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
                                 disabled_optimizers=[SKIP_LAYERNORM_FUSION])  # fmt: skip
 
 
-def feeds(model: onnx.ModelProto, seq: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = {}
-    for value in model.graph.input:
-        if "mask" in value.name:
-            out[value.name] = np.ones((1, seq), np.int64)
-        elif "type" in value.name:
-            out[value.name] = np.zeros((1, seq), np.int64)
-        else:
-            out[value.name] = rng.integers(0, 1000, (1, seq))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
@@ -90,7 +79,8 @@ def main() -> None:
     threads = max(cpu_info().physical_cores, 1)
     sessions = {"attention": session(without_flash(model), threads),
                 "flash": session(model, threads)}  # fmt: skip
-    inputs = feeds(model, args.seq)
+    # seed 0: masks of ones, so the flash branch runs
+    inputs = synthesize(ir.load(str(args.artifact / "model.onnx")), dims={"seq": args.seq})
     outs = {name: s.run(None, inputs)[0] for name, s in sessions.items()}
     agreement = cosine(outs["attention"], outs["flash"])
     runners = {name: (lambda s=s: s.run(None, inputs)) for name, s in sessions.items()}

@@ -70,15 +70,26 @@ def _fused_over_unfused(width: int) -> float | None:
     """The fused form's speed over the unfused one's when slower in every round, else None."""
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal((1, ROWS, width), dtype=np.float32) for n in ("x", "skip")}
+    fused = _fused_speedup(
+        _skip_layernorm(width, False), _skip_layernorm(width, True), feeds,
+        OrtOptions(disabled_optimizers=(SKIP_LAYERNORM_FUSION,)), ROUNDS, RUNS, warmup=3,
+    )  # fmt: skip
+    return fused.value if fused.verdict == "slower" else None
+
+
+def _fused_speedup(
+    parts: ir.Model, fused: ir.Model, feeds: dict, options: OrtOptions, rounds: int, runs: int,
+    warmup: int,
+) -> Speedup:  # fmt: skip
+    """The fused form's speedup over its parts, both compiled by Kiln's ORT backend with
+    `options` and timed interleaved."""
     ort = get_backend("ort")
     runners = {}
-    for fused in (False, True):
-        options = OrtOptions(disabled_optimizers=(SKIP_LAYERNORM_FUSION,))
-        exe = ort.compile(_skip_layernorm(width, fused), options)
-        runners[str(fused)] = (lambda e: lambda: e.run(feeds))(exe)
-    compared = speedups(interleave(runners, rounds=ROUNDS, runs=RUNS, warmup=3), "False")
-    fused = compared["True"]
-    return fused.value if fused.verdict == "slower" else None
+    for name, model in (("parts", parts), ("fused", fused)):
+        exe = ort.compile(model, options)
+        runners[name] = (lambda e: lambda: e.run(feeds))(exe)
+    samples = interleave(runners, rounds=rounds, runs=runs, warmup=warmup)
+    return speedups(samples, "parts")["fused"]
 
 
 def _skip_layernorm(width: int, fused: bool) -> ir.Model:
@@ -131,13 +142,10 @@ def flash_attention_slower(heads: int, width: int) -> str | None:
 def _flash_over_attention(heads: int, width: int) -> Speedup:
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((1, FLASH_ROWS, width), dtype=np.float32)}
-    ort = get_backend("ort")
-    runners = {}
-    for flash in (False, True):
-        exe = ort.compile(_attention(heads, width, flash), OrtOptions())
-        runners[str(flash)] = (lambda e: lambda: e.run(feeds))(exe)
-    samples = interleave(runners, rounds=FLASH_ROUNDS, runs=FLASH_RUNS, warmup=1)
-    return speedups(samples, "False")["True"]
+    return _fused_speedup(
+        _attention(heads, width, False), _attention(heads, width, True), feeds, OrtOptions(),
+        FLASH_ROUNDS, FLASH_RUNS, warmup=1,
+    )  # fmt: skip
 
 
 def _attention(heads: int, width: int, flash: bool) -> ir.Model:
