@@ -9,8 +9,8 @@ as Kiln opens the artifact (2 threads, ORT's SkipLayerNormFusion off): the model
 and the same model with each `If` replaced by its masked branch — the `Attention` node it
 wrapped, so everything else is identical. Inputs: `kiln.ir.inputs.synthesize` at seed 0
 (masks of ones: the flash branch runs). One run per engine per round, the order rotating,
-`kiln.timing.speedup` over the rounds; cosine between the two outputs. Prints the command, CPU, versions and every figure;
-writes JSON.
+`kiln.timing.speedup` over the rounds; cosine between the two outputs. Prints the command,
+CPU, versions and every figure; writes JSON.
 """
 
 from __future__ import annotations
