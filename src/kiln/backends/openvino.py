@@ -14,7 +14,7 @@ import re
 import tempfile
 import time
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +71,11 @@ class OpenVinoOptions:
     cache_dir: str | None = None  # OpenVINO's compiled-model cache; None = off
     extra: dict[str, str] = field(default_factory=dict)
     # Symbolic dim name -> fixed size: the model is reshaped to static before compiling (one
-    # executable per shape bucket); static shapes can run faster (ENGINE-NOTES: BERT batch 8,
-    # 17 -> 24 samples/s on a Xeon; about 1.0x on this EPYC at 1x64 and 4x128).
+    # executable per shape bucket, or a tuned artifact specialized to the shape it was tuned
+    # at); static shapes can run faster (ENGINE-NOTES: BERT batch 8, 17 -> 24 samples/s on a
+    # Xeon; bert-base 1x128 on an AVX-512 EPYC: NNCF int8 1.04x, bf16 1.03x, fp32 1.01x). A
+    # run at other dims is not refused: the model is compiled with its dynamic dims on first
+    # need (once; a second copy of the weights) and runs there.
     dim_overrides: dict[str, int] = field(default_factory=dict)
     # ENABLE_MMAP, given to read_model (per read: the process's one Core is left as it is):
     # True (OpenVINO's default) maps an external-data weights file and compiles from the
@@ -184,6 +187,7 @@ class OpenVinoExecutable:
         self._mapped = mapped
         self._libraries = libraries
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
+        self._dynamic: OpenVinoExecutable | None = None  # see dynamic()
 
     @property
     def precision(self) -> str:
@@ -233,7 +237,8 @@ class OpenVinoExecutable:
     def run(
         self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None
     ) -> list[np.ndarray]:
-        self._check(feeds)
+        if not self._check(feeds):
+            return self.dynamic().run(feeds, output_names)
         wanted = self.output_names if output_names is None else output_names
         unknown = [n for n in wanted if n not in self._output_index]
         if unknown:
@@ -265,12 +270,23 @@ class OpenVinoExecutable:
         self._shapes.add(key)
         return Releasing(self._mapped, self._libraries)
 
-    def _check(self, feeds: dict[str, np.ndarray]) -> None:
+    def dynamic(self) -> OpenVinoExecutable:
+        """The model compiled with its dynamic dims, for runs at dims other than the fixed ones
+        `dim_overrides` compiled this executable for: compiled on first need, then kept."""
+        if self._dynamic is None:
+            options = replace(self.options, dim_overrides={})
+            self._dynamic = OpenVinoBackend().compile(self._model, options)
+        return self._dynamic
+
+    def _check(self, feeds: dict[str, np.ndarray]) -> bool:
+        """Whether `feeds` fit this compile; False where only the shapes differ from the fixed
+        dims of `dim_overrides` (the dynamic compile takes them); anything else is refused."""
         # OpenVINO converts a wrong dtype silently and reuses the previous tensor for a
         # missing input; ONNX Runtime refuses both, and so does Kiln.
         missing = [n for n in self.input_names if n not in feeds]
         if missing:
             raise KilnError(f"invalid inputs: missing input '{missing[0]}'.")
+        fits = True
         for name, value in feeds.items():
             if name not in self._inputs:
                 raise KilnError(
@@ -285,9 +301,13 @@ class OpenVinoExecutable:
                 )
             given = self._partial_shape(list(array.shape))
             if not shape.compatible(given):
+                if self.options.dim_overrides:
+                    fits = False
+                    continue
                 raise KilnError(
                     f"invalid inputs: input '{name}' must have shape {shape}, got {given}."
                 )
+        return fits
 
     def profile(self, feeds: dict[str, np.ndarray], runs: int) -> Profile:
         """Per-layer records from OpenVINO's performance counters over `runs` runs after one
@@ -299,7 +319,8 @@ class OpenVinoExecutable:
         PERF_COUNT slows every layer a little, so it lives in a separate compiled model. Each
         compile names the layers OpenVINO creates anew (Multiply_4791, then Multiply_18761):
         `order` is what stays the same from one compile to the next."""
-        self._check(feeds)
+        if not self._check(feeds):
+            return self.dynamic().profile(feeds, runs)
         props = {**self.options.properties(), "PERF_COUNT": "YES"}
         # A profiling build must neither come from nor land in the model cache.
         props.pop("CACHE_DIR", None)

@@ -15,7 +15,7 @@ from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, pars
 from kiln.errors import KilnError
 from kiln.hardware import FloorSampler, JitterFloor, Peaks, cpu_info
 from kiln.hardware.jitter import FLOOR_RUNS, PARALLEL_PROBE, TARGET_SECONDS, time_runs
-from kiln.ir.inputs import default_dims, synthesize
+from kiln.ir.inputs import default_dims, feed_dims, synthesize
 from kiln.timing import (
     BOOTSTRAP_RESAMPLES,
     MIN_RUNS_FOR_P99,
@@ -226,7 +226,7 @@ def _roofs(
     from kiln.hardware import measured_peaks
 
     try:
-        flops = count_flops(ir.to_proto(original), _feed_dims(original, feeds))
+        flops = count_flops(ir.to_proto(original), feed_dims(original, feeds))
         peaks = measured_peaks(progress=lambda step: say(f"measuring this machine: {step}"))
     except KilnError as exc:
         return None, None, f"no roofline fraction or CQI: {exc}"
@@ -259,18 +259,6 @@ def _quality(
         "roofline_fraction": achieved / peak,
         "cqi": cqi(achieved / peak, latency.jitter),
     }
-
-
-def _feed_dims(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, int]:
-    """The value the timed feeds give each symbolic input dim (the batch among them)."""
-    dims: dict[str, int] = {}
-    for value in model.graph.inputs:
-        if value.name not in feeds or value.shape is None:
-            continue
-        for dim, size in zip(value.shape, np.shape(feeds[value.name]), strict=False):
-            if not isinstance(dim, int) and dim.value:
-                dims[str(dim.value)] = int(size)
-    return dims
 
 
 MEMORY_NOTE = (

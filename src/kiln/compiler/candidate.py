@@ -28,6 +28,7 @@ from kiln.compiler.unused import unused_options
 from kiln.config import HAND, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir import stamp_origins
+from kiln.ir.inputs import feed_dims
 from kiln.ir.ladder import FIRST_GUESS, Guess
 from kiln.ir.load import LoadedModel
 from kiln.passes import PassReport, PassSpec, default_pipeline
@@ -267,10 +268,18 @@ def _target(
     )
     say("running the original in ONNX Runtime (reference)")
     target.feeds, target.source = feeds, source
+    target.options = options = _specialized(options, config, original, feeds[0])
     target.reference = run_reference(exe, feeds, source)
     target.noise = engine_noise(original, feeds, target.reference, config.engine, options)
     target.budget = config.budget()
     return target
+
+
+def _specialized(options: Any, config: CompileConfig, model: ir.Model, feeds: Feeds) -> Any:
+    """`options` compiled static at the dims of `feeds` where the config says `static`."""
+    if not config.static:
+        return options
+    return replace(options, dim_overrides=feed_dims(model, feeds))
 
 
 def _quantize(
@@ -284,6 +293,8 @@ def _quantize(
     config = result.config
     options = engine_options(config.engine, config.precision, dict(config.engine_options))
     options = _measured(options, config, result.loaded.model)
+    if target.feeds:
+        options = _specialized(options, config, result.loaded.model, target.feeds[0])
     check_target = Target(
         config.engine, options, config.precision, target.feeds, target.reference,
         target.source, budget=target.budget,

@@ -48,14 +48,21 @@ def candidates(config: CompileConfig) -> list[CompileConfig]:
         raise KilnError(f"no installed engine runs {config.precision}; install openvino.")
     if config.recipe is not None:
         return _recipe_candidates(config, pairs)
-    own = [config.replace(engine=e, precision=p) for e, p in pairs]
+    # Auto times each candidate at the dims it verifies on: OpenVINO compiled static there
+    # (`static`) runs faster, and answers other dims through a dynamic compile made on need.
+    own = [config.replace(engine=e, precision=p, static=_static(config, e)) for e, p in pairs]
     if config.precision != AUTO:
         return own
     # Every hand recipe is a candidate too: the pick must not lose to one a user could run.
     by_hand = [(e, p) for e, p in pairs if has_hand_recipe(e, p)]
     return own + [
-        config.replace(engine=e, precision=p, recipe=HAND, pipeline=()) for e, p in by_hand
+        config.replace(engine=e, precision=p, recipe=HAND, pipeline=(), static=_static(config, e))
+        for e, p in by_hand
     ]
+
+
+def _static(config: CompileConfig, engine: str) -> bool:
+    return engine != "ort" and (config.static or config.is_auto)
 
 
 def _recipe_candidates(config: CompileConfig, pairs: list[tuple[str, str]]) -> list[CompileConfig]:
@@ -67,7 +74,7 @@ def _recipe_candidates(config: CompileConfig, pairs: list[tuple[str, str]]) -> l
         raise KilnError(
             f"recipe '{config.recipe}' runs on none of {', '.join(f'{e}/{p}' for e, p in pairs)}."
         )
-    return [config.replace(engine=e, precision=p) for e, p in fits]
+    return [config.replace(engine=e, precision=p, static=_static(config, e)) for e, p in fits]
 
 
 # Room to leave before holding one more session: twice the largest one's footprint after its

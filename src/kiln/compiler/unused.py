@@ -32,4 +32,7 @@ def unused_options(config: CompileConfig, static: bool) -> list[str]:
             "--metric/--max-drop not used: fp32 is lossless, checked against the original "
             "within fp32 tolerance, not an accuracy budget"
         )
+    if config.static and not config.verify:
+        notes.append("--static not used: it fixes the dims of the inputs verified on, and "
+                     "--no-verify runs none")  # fmt: skip
     return notes

@@ -145,6 +145,18 @@ def model_inputs(model: ir.Model) -> dict[str, ir.Value]:
     return {str(v.name): v for v in graph.inputs if v.name not in graph.initializers}
 
 
+def feed_dims(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """The value these feeds give every symbolic input dim of `model`."""
+    dims: dict[str, int] = {}
+    for value in model.graph.inputs:
+        if value.name not in feeds or value.shape is None:
+            continue
+        for dim, size in zip(value.shape, np.shape(feeds[value.name]), strict=False):
+            if not isinstance(dim, int) and dim.value:
+                dims[str(dim.value)] = int(size)
+    return dims
+
+
 def named_dims(value: ir.Value) -> list[tuple[int, str]]:
     """(axis, name) of the value's symbolic dims."""
     return [

@@ -13,6 +13,7 @@ import onnx_ir as ir
 from kiln import __version__
 from kiln.artifact import Manifest
 from kiln.errors import KilnError
+from kiln.ir.inputs import feed_dims
 from kiln.profile.aggregate import (
     attach_costs,
     per_node,
@@ -25,7 +26,7 @@ from kiln.profile.diagnose import Context, diagnose
 from kiln.profile.mapping import NodeMatcher
 from kiln.profile.measure import measure
 from kiln.profile.roofline import mixed_peak, place, roofs
-from kiln.profile.target import feed_dims, load_target, target_feeds
+from kiln.profile.target import load_target, target_feeds
 from kiln.profile.traffic import Traffic
 from kiln.timing import stats
 
@@ -63,7 +64,7 @@ def profile_model(
     measured = measure(target, feeds, runs=runs, rounds=min(rounds, runs), say=say)
     say("aggregating and diagnosing")
     nodes = per_node(measured.records, NodeMatcher(target.model), target.provenance)
-    proto, dims = ir.to_proto(target.model), feed_dims(target, feeds)
+    proto, dims = ir.to_proto(target.model), feed_dims(target.model, feeds)
     tensors, shape_error = _known_tensors(proto, dims)  # for the costs and the memory plan
     cost_note = _attach_costs(nodes, proto, dims, tensors)
     for node in nodes:

@@ -117,15 +117,3 @@ def target_feeds(
         exe = get_backend(target.backend).compile(target.runnable, target.options)
         fit = fit_inputs(target.model, shapes, exe.run, say, dims)
     return synthesize(target.model, dims, shapes=fit.shapes, scalars=fit.scalars)
-
-
-def feed_dims(target: Target, feeds: dict[str, np.ndarray]) -> dict[str, int]:
-    """The value of every symbolic input dim in these feeds (for the cost model)."""
-    dims: dict[str, int] = {}
-    for value in target.model.graph.inputs:
-        if value.name not in feeds or value.shape is None:
-            continue
-        for dim, size in zip(value.shape, feeds[value.name].shape, strict=False):
-            if not isinstance(dim, int) and dim.value:
-                dims[str(dim.value)] = int(size)
-    return dims

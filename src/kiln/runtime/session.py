@@ -445,7 +445,9 @@ class Session:
     def _compile(
         self, dim_overrides: dict[str, int], options: dict[str, Any] | None = None
     ) -> Executable:
-        settings = {**(options or self._options), "dim_overrides": dim_overrides}
+        settings = dict(options or self._options)
+        if dim_overrides:  # a bucket; {} keeps the artifact's own (a tuned static shape)
+            settings["dim_overrides"] = dim_overrides
         if dim_overrides and self._backend.name == "ort":
             settings["share_weights"] = self._share
             # Each ORT session has its own thread pool; spinning pools of idle buckets steal

@@ -23,7 +23,7 @@ from kiln.compiler.candidate import CompileResult, compile_candidate, engine_opt
 from kiln.compiler.passes_stage import Target, verify_on
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
-from kiln.ir.inputs import named_dims, synthesize
+from kiln.ir.inputs import feed_dims, named_dims, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.runtime.buckets import propose
 from kiln.runtime.footprint import peak_memory
@@ -97,7 +97,11 @@ class Workbench:
         """The choice compiled and verified with its runtime options, or Refused."""
         result = self._compile(choice)
         config = choice.config
-        options = engine_options(config.engine, config.precision, dict(choice.runtime))
+        feeds = self._feeds(result, choice.batch)
+        runtime = dict(choice.runtime)
+        if config.static:  # compiled dynamic (see _compile), run static at the trial's dims
+            runtime["dim_overrides"] = feed_dims(result.model, feeds)
+        options = engine_options(config.engine, config.precision, runtime)
         target = Target(
             config.engine, options, config.precision, result.feeds, result.reference,
             result.verification.inputs if result.verification else "synthesized",
@@ -106,7 +110,6 @@ class Workbench:
         verification, exe = verify_on(result.model, target)
         if not verification.ok:
             raise Refused(f"with its runtime options: {verification.summary()}")
-        feeds = self._feeds(result, choice.batch)
         exes = [exe] + [
             get_backend(config.engine).compile(result.model, options)
             for _ in range(choice.concurrency - 1)
@@ -158,7 +161,7 @@ class Workbench:
     def _compile(self, choice: Choice) -> CompileResult:
         key = choice.compile_key
         if key not in self._compiled:
-            config = choice.config.replace(engine_options={})
+            config = choice.config.replace(engine_options={}, static=False)
             try:
                 result = compile_candidate(
                     self.loaded, config, self.given, self.given_source, say=self.say

@@ -41,6 +41,7 @@ PASS_GROUPS = {
     "prune-rows": ("prune-rows",),
 }  # fmt: skip
 BATCHES = (1, 2, 4, 8, 16, 32)
+STATIC = [False, True]  # openvino.static, latency only: throughput runs at the batch it picks
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,11 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
         if space.buckets:
             per_dim = trial.suggest_categorical("serve.buckets_per_dim", list(PER_DIM))
         return Choice(config, batch, 1, options, space.clients, delay, per_dim)
-    batch = trial.suggest_categorical("batch", list(BATCHES)) if space.throughput else 1
-    concurrency = (
-        trial.suggest_int("concurrency", 1, max(1, space.cores)) if space.throughput else 1
-    )
+    if not space.throughput:  # OpenVINO compiled static at the dims the trial is timed at
+        static = engine == "openvino" and trial.suggest_categorical("openvino.static", STATIC)
+        return Choice(config.replace(static=static), runtime=options)
+    batch = trial.suggest_categorical("batch", list(BATCHES))
+    concurrency = trial.suggest_int("concurrency", 1, max(1, space.cores))
     return Choice(config, batch, concurrency, options)
 
 
@@ -245,6 +247,8 @@ def default_params(space: Space, engine: str = "ort", precision: str = "fp32") -
         }  # fmt: skip
         if space.memory:
             params["openvino.mmap"] = True
+        if not space.throughput:
+            params["openvino.static"] = False
     if space.throughput and space.clients:
         params |= dict(SERVE_DEFAULTS) | ({"serve.buckets_per_dim": 0} if space.buckets else {})
     elif space.throughput:
@@ -285,15 +289,18 @@ def seed_params(space: Space) -> list[dict[str, Any]]:
 
 
 def recipe_params(space: Space) -> list[dict[str, Any]]:
-    """Every hand recipe in the space, at the engine's default options: a study enqueues
-    these before anything else, so even a short budget measures what a user would run by
-    hand, and its pick is never behind one."""
-    return [
+    """Every hand recipe in the space, at the engine's default options, and each OpenVINO
+    one specialized to the measured shape (`openvino.static`: what Kiln adds to a recipe at
+    no cost in accuracy): a study enqueues these before anything else, so even a short
+    budget measures what a user would run by hand, and its pick is never behind one."""
+    hand = [
         default_params(space, engine, precision) | {f"{engine}.{precision}.recipe": "hand"}
         for precision in space.precisions
         for engine in space.engines
         if engine in ENGINES_FOR[precision] and has_hand_recipe(engine, precision)
     ]
+    static = [p | {"openvino.static": True} for p in hand if "openvino.static" in p]
+    return hand + static
 
 
 def _one_thread(params: dict[str, Any]) -> dict[str, Any]:
