@@ -1,6 +1,6 @@
 """OpenVINO specialized to a shape: an executable compiled static at `dim_overrides` answers
-every other shape through a dynamic compile made on first need; a tuned artifact keeps its
-static shape in a Session; `kiln tune` searches it and tries each OpenVINO recipe with it."""
+every other shape through a dynamic compile made on first need; `kiln optimize --static`
+writes such an artifact and a Session keeps its shape; `kiln tune` searches it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kiln.compiler.select import candidates
 from kiln.config import CompileConfig
 from kiln.ir.inputs import feed_dims, synthesize
 from kiln.tune.objectives import parse_objectives
-from kiln.tune.space import Space, choice_of, default_params, project, recipe_params
+from kiln.tune.space import Space, choice_of, default_params, project
 
 pytest.importorskip("openvino")
 
@@ -71,24 +71,22 @@ def test_optimize_static_fixes_the_verified_dims_and_a_session_keeps_them(tmp_pa
     assert session.run(None, feeds)[0].shape[:2] == (3, 8)
 
 
-def test_auto_times_openvino_static_and_onnx_runtime_refuses_it():
-    configs = candidates(CompileConfig(engine="auto", precision="auto"))
+def test_auto_keeps_static_for_openvino_only_and_onnx_runtime_refuses_it():
+    configs = candidates(CompileConfig(engine="auto", precision="auto", static=True))
     assert {c.engine for c in configs if c.static} == {"openvino"}
     assert not any(c.static for c in configs if c.engine == "ort")
-    assert not any(c.static for c in candidates(CompileConfig(engine="openvino")))
+    assert not any(c.static for c in candidates(CompileConfig(engine="auto", precision="auto")))
     with pytest.raises(kiln.KilnError, match="--static applies to OpenVINO"):
         CompileConfig(engine="ort", static=True)
 
 
-def test_tune_specializes_openvino_to_the_measured_shape_and_each_recipe_too(model):
+def test_tune_searches_openvino_static_at_the_dims_each_trial_is_timed_at(model):
     from kiln.ir.load import load_model
     from kiln.tune.bench import Workbench
 
     space = Space(("ort", "openvino"), ("fp32", "int8"), cores=2)
-    recipes = recipe_params(space)
-    openvino = [p for p in recipes if p["engine"] == "openvino"]
-    assert [p["openvino.static"] for p in openvino] == [False, True]
-    assert all("openvino.static" not in p for p in recipes if p["engine"] == "ort")
+    assert default_params(space, "openvino", "fp32")["openvino.static"] is False
+    assert "openvino.static" not in default_params(space, "ort", "fp32")
     params = default_params(space, "openvino", "fp32") | {"openvino.static": True}
     assert project(params, space, model, CompileConfig())["openvino.static"] is True
     choice = choice_of(params, space, model, CompileConfig())

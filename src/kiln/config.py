@@ -56,9 +56,9 @@ class CompileConfig:
                     faster than the best single-engine build (kiln.compiler.partition); or a
                     placement "image=openvino,text=ort:bf16" (unnamed parts: `engine`)
     static          OpenVINO compiled for the dims of the inputs it is verified on (its
-                    `dim_overrides`: bert-base 1x128 here 1.01-1.04x faster than its dynamic
-                    compile); a run at other dims compiles the dynamic model on first need.
-                    Auto sets it for its OpenVINO candidates: each is timed at those dims
+                    `dim_overrides`; ENGINE-NOTES: BERT batch 8 1.4x faster so on one Xeon,
+                    0.95-1.04x elsewhere); a run at other dims compiles the dynamic model on
+                    first need. Kept only for auto's OpenVINO candidates; ORT refuses it
     """
 
     engine: str = "ort"
@@ -103,7 +103,7 @@ class CompileConfig:
         if self.static and self.engine == "ort":
             raise KilnError(
                 "--static applies to OpenVINO: ONNX Runtime ran bert-base slower with its dims "
-                "fixed (0.92x here); use --backend openvino or auto."
+                "fixed (0.92x on an AVX-512 EPYC); use --backend openvino or auto."
             )
         partition_placement(self.partition)  # a bad placement is refused before any work
         if self.recipe is not None:  # a recipe runs on the original graph: no passes

@@ -48,8 +48,6 @@ def candidates(config: CompileConfig) -> list[CompileConfig]:
         raise KilnError(f"no installed engine runs {config.precision}; install openvino.")
     if config.recipe is not None:
         return _recipe_candidates(config, pairs)
-    # Auto times each candidate at the dims it verifies on: OpenVINO compiled static there
-    # (`static`) runs faster, and answers other dims through a dynamic compile made on need.
     own = [config.replace(engine=e, precision=p, static=_static(config, e)) for e, p in pairs]
     if config.precision != AUTO:
         return own
@@ -62,7 +60,8 @@ def candidates(config: CompileConfig) -> list[CompileConfig]:
 
 
 def _static(config: CompileConfig, engine: str) -> bool:
-    return engine != "ort" and (config.static or config.is_auto)
+    """`static` kept for the OpenVINO candidates of an auto config, dropped for ORT's."""
+    return config.static and engine != "ort"
 
 
 def _recipe_candidates(config: CompileConfig, pairs: list[tuple[str, str]]) -> list[CompileConfig]:

@@ -289,18 +289,15 @@ def seed_params(space: Space) -> list[dict[str, Any]]:
 
 
 def recipe_params(space: Space) -> list[dict[str, Any]]:
-    """Every hand recipe in the space, at the engine's default options, and each OpenVINO
-    one specialized to the measured shape (`openvino.static`: what Kiln adds to a recipe at
-    no cost in accuracy): a study enqueues these before anything else, so even a short
-    budget measures what a user would run by hand, and its pick is never behind one."""
-    hand = [
+    """Every hand recipe in the space, at the engine's default options: a study enqueues
+    these before anything else, so even a short budget measures what a user would run by
+    hand, and its pick is never behind one."""
+    return [
         default_params(space, engine, precision) | {f"{engine}.{precision}.recipe": "hand"}
         for precision in space.precisions
         for engine in space.engines
         if engine in ENGINES_FOR[precision] and has_hand_recipe(engine, precision)
     ]
-    static = [p | {"openvino.static": True} for p in hand if "openvino.static" in p]
-    return hand + static
 
 
 def _one_thread(params: dict[str, Any]) -> dict[str, Any]:
