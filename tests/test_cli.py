@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -112,6 +113,9 @@ def test_bench_compares_engines_and_writes_json(tmp_path):
     }
     for name, engine in result["engines"].items():
         assert rows[name] == ms(engine["p50_ms"])
+        # the P50 is the median of the rounds' P50s, each round's given for pairing engines
+        assert engine["p50_ms"] == pytest.approx(statistics.median(engine["round_p50_ms"]))
+        assert len(engine["round_p50_ms"]) == result["rounds"]
 
 
 def test_doctor_names_engines_and_cpu(tmp_path):

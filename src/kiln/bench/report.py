@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -213,6 +214,9 @@ def _timing_row(
         "speedup_vs_baseline": compared.value,
         "speedup_spread": compared.to_json()["speedup_spread"],
         "verdict": compared.verdict,
+        # each round's P50, in the order run: any two engines' ratio round by round (the
+        # rounds are interleaved, so round i of each shared the machine's state)
+        "round_p50_ms": [statistics.median(r) * 1e3 for r in rounds],
     }
 
 
