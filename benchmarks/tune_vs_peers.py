@@ -53,7 +53,7 @@ from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, read_inputs, synthesize
 from kiln.ir.load import load_model
 from kiln.precision import conv_heavy, hand_recipe
-from kiln.timing import FASTER, SAME, SLOWER
+from kiln.timing import verdict_of
 from kiln.tune import parse_objectives, plan_for, tune
 from kiln.tune.bench import batch_dim
 
@@ -121,10 +121,10 @@ def summarize(bench: dict, labels: dict[str, str] | None = None) -> dict:
 
 def paired(peer: dict, kiln: dict, ratio: float) -> tuple[float, float, str]:
     """`ratio` (the peer's P50 ÷ Kiln's) with its per-round lowest and highest, and the
-    verdict kiln.timing.speedup gives such a spread."""
+    verdict kiln.timing gives such a spread."""
     rounds = [p / k for p, k in zip(peer["round_p50_ms"], kiln["round_p50_ms"], strict=True)]
     low, high = min(*rounds, ratio), max(*rounds, ratio)
-    return low, high, FASTER if low > 1 else SLOWER if high < 1 else SAME
+    return low, high, verdict_of(low, high)
 
 
 def feeds_at(model: ir.Model, batch: int, inputs: str | None) -> dict[str, np.ndarray]:

@@ -133,8 +133,12 @@ def speedup(baseline: list[list[float]], engine: list[list[float]]) -> Speedup:
         statistics.median(b) / statistics.median(e) for b, e in zip(baseline, engine, strict=True)
     ]
     low, high = min(min(ratios), value), max(max(ratios), value)
-    verdict = FASTER if low > 1 else SLOWER if high < 1 else SAME
-    return Speedup(value, (low, high), verdict)
+    return Speedup(value, (low, high), verdict_of(low, high))
+
+
+def verdict_of(low: float, high: float) -> str:
+    """Faster when every round's ratio says so, slower when every one does, else neither."""
+    return FASTER if low > 1 else SLOWER if high < 1 else SAME
 
 
 def speedups(samples: dict[str, list[list[float]]], baseline: str) -> dict[str, Speedup]:
