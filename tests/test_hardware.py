@@ -177,3 +177,23 @@ def test_doctor_shows_the_peaks(measured, tmp_path) -> None:
     assert "memory ceilings" in table.stdout and "DRAM" in table.stdout
     if measured.l2_bandwidth_gbs:
         assert f"{measured.l2_bytes / 2**20:g} MiB" in table.stdout
+
+
+def test_doctor_says_when_other_processes_took_the_cores_while_peaks_were_measured() -> None:
+    from rich.console import Console
+
+    from kiln.report.terminal import print_doctor
+
+    start, end = (0.0, 10.0, 1.0), (2.0, 13.0, 2.0)  # 3 busy core-seconds, 1 of them ours
+    assert peaks_module.others_busy(start, end, cores=2) == pytest.approx(0.5)
+    assert peaks_module.others_busy(start, (2.0, 11.0, 2.0), cores=2) == 0.0  # all ours
+    assert peaks_module.others_busy(None, end, cores=2) is None
+    reading = peaks_module._cpu_seconds()
+    assert reading is None or reading[1] > 0  # Linux: /proc/stat read
+    cpu = {"model": "m", "physical_cores": 2, "logical_cores": 2, "features": []}
+    info = {"python": "3", "kiln": "0", "platform": "p", "engines": {}, "cpu": cpu}
+    for others, flagged in ((0.5, True), (0.05, False)):
+        console = Console(record=True, width=300)
+        peaks = {**FAKE.to_json(), "load_average": 3.0, "others_busy": others}
+        print_doctor({**info, "peaks": peaks}, console)
+        assert ("other processes took 50% of the cores" in console.export_text()) is flagged

@@ -61,6 +61,9 @@ class Peaks:
     l2_bandwidth_gbs: float | None = None
     l3_bytes: int | None = None
     l3_bandwidth_gbs: float | None = None
+    # The share of the cores other processes (and the hypervisor's steal) took while the peaks
+    # were measured: unlike the load average, not counting this process's own work before
+    others_busy: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +129,7 @@ def measure(progress: Callable[[str], None] | None = None) -> Peaks:
     """Measure every peak now (no cache)."""
     say = progress or (lambda _step: None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    start = _cpu_seconds()
     threads = cpu_info().physical_cores  # hyper-threads add nothing to a GEMM's throughput
     say("fp32 GEMM (ONNX Runtime, OpenVINO)")
     fp32 = _gemm_gflops("fp32", threads)
@@ -140,6 +144,7 @@ def measure(progress: Callable[[str], None] | None = None) -> Peaks:
         bf16 = _gemm_gflops("bf16", threads)
     say("memory bandwidth (copy, triad)")
     bandwidth = _bandwidth_gbs(threads)
+    others = others_busy(start, _cpu_seconds(), cpu_info().logical_cores)
     return Peaks(
         fp32_gflops=round(fp32, 1),
         bf16_gflops=None if bf16 is None else round(bf16, 1),
@@ -148,8 +153,33 @@ def measure(progress: Callable[[str], None] | None = None) -> Peaks:
         threads=threads,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         load_average=None if load is None else round(load, 2),
+        others_busy=None if others is None else round(others, 3),
         **_cache_ceilings(threads, progress),
     )
+
+
+# (wall clock, every core's busy seconds, this process's CPU seconds), or None off Linux
+CpuSeconds = tuple[float, float, float]
+
+
+def _cpu_seconds() -> CpuSeconds | None:
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait; steal
+    # (another VM on these cores) counts as someone else's work
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, sum(os.times()[:4])
+
+
+def others_busy(start: CpuSeconds | None, end: CpuSeconds | None, cores: int) -> float | None:
+    """The share of `cores` that everything but this process kept busy between two
+    `_cpu_seconds` readings (0: the machine was ours)."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return min(max(others / ((end[0] - start[0]) * cores), 0.0), 1.0)
 
 
 def _cache_ceilings(

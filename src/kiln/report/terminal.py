@@ -16,6 +16,9 @@ from kiln.hardware.jitter import PARALLEL_PROBE
 
 TOP_FINDINGS = 5
 TOP_NODES = 5
+# kiln doctor: other processes taking more than this share of the cores while the peaks
+# were measured make every peak suspect (a GEMM on 2 cores loses what they take)
+BUSY_SHARE = 0.25
 
 
 def print_profile(result: dict[str, Any], console: Console) -> None:
@@ -151,8 +154,10 @@ def print_doctor(info: dict[str, Any], console: Console) -> None:
     table.add_row("peak int8", f"{int8:,.0f} GOP/s" if int8 else none)
     table.add_row("memory bandwidth", f"{peaks['bandwidth_gbs']:,.1f} GB/s")
     when = f"{peaks['measured_at']} (kiln doctor --refresh re-measures)"
-    load = peaks.get("load_average")
-    if load is not None and load > 0.5 * cpu["logical_cores"]:
+    load, others = peaks.get("load_average"), peaks.get("others_busy")
+    if others is not None and others > BUSY_SHARE:
+        when += f"; other processes took {others:.0%} of the cores meanwhile: peaks may be low"
+    elif others is None and load is not None and load > 0.5 * cpu["logical_cores"]:
         when += f"; the machine was busy (load {load:.1f}): peaks may be low"
     table.add_row("peaks measured", when)
     console.print(table)
