@@ -93,6 +93,9 @@ def parse() -> argparse.Namespace:
                         help="engines beside ORT as-is (kiln.bench.engines names)")  # fmt: skip
     parser.add_argument("--lossless-backend", default="ort", choices=("ort", "openvino", "auto"),
                         help="the lossless (fp32) artifact's engine (auto: faster)")  # fmt: skip
+    parser.add_argument("--lossless-partition", default="none", choices=("none", "auto"),
+                        help="auto: the lossless artifact may run the layers' stretches on "
+                        "different engines (kept only when faster than one engine)")  # fmt: skip
     parser.add_argument("--max-drop", type=float, default=0.01,
                         help="the budgeted pick's accuracy budget (cosine, relative)")  # fmt: skip
     parser.add_argument("--pick-rounds", type=int, default=3,
@@ -184,6 +187,9 @@ def artifact(name: str, seq: int, kind: str, work: Path, args: argparse.Namespac
                     "max_drop": args.max_drop}  # fmt: skip
     elif args.lossless_backend != "ort":
         request |= {"backend": args.lossless_backend, "precision": "fp32"}
+    if kind == KILN and args.lossless_partition != "none":
+        request |= {"partition": args.lossless_partition, "precision": "fp32",
+                    "rounds": args.pick_rounds, "runs": args.pick_runs}  # fmt: skip
     if request.get("backend") == "auto":  # auto picks by timing its candidates
         request |= {"rounds": args.pick_rounds, "runs": args.pick_runs}
     record = work / f"{path.name}.request.json"
@@ -226,21 +232,25 @@ def _described(built: Any, request: dict, seconds: float | None) -> dict:
         "build_s": seconds,
         "engine": manifest.backend.name,
         "precision": manifest.precision.get("default", "fp32"),
-        "fused_ops": fused_ops(built.path / "model.onnx"),
+        "fused_ops": fused_ops(built.path),
         "verification": manifest.verification.summary() if manifest.verification else None,
         "pick": {k: benchmark[k] for k in ("choice", "candidates") if k in benchmark},
     }
 
 
-def fused_ops(model_path: Path) -> dict[str, int]:
+def fused_ops(artifact_path: Path) -> dict[str, int]:
     """How many of each non-default-domain op the artifact holds (com.microsoft Attention...),
-    If branches included: each long-sequence Attention sits in one beside its flash form."""
-    model = onnx.load(str(model_path), load_external_data=False)
+    If branches and every part of a partitioned one included: each long-sequence Attention
+    sits in an If beside its flash form."""
+    files = [artifact_path / "model.onnx"]
+    if not files[0].is_file():  # partitioned: parts/NAME.kiln/model.onnx
+        files = sorted(artifact_path.glob("parts/*.kiln/model.onnx"))
     counts: dict[str, int] = {}
-    for node in (n for g in graphs(model.graph) for n in g.node):
-        if node.domain not in ("", "ai.onnx"):
-            key = f"{node.domain}:{node.op_type}"
-            counts[key] = counts.get(key, 0) + 1
+    for model in (onnx.load(str(f), load_external_data=False) for f in files):
+        for node in (n for g in graphs(model.graph) for n in g.node):
+            if node.domain not in ("", "ai.onnx"):
+                key = f"{node.domain}:{node.op_type}"
+                counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
 
 

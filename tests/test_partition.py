@@ -236,9 +236,10 @@ BAD = {
     "unknown engine": (MODEL, "image=tensorrt",
                        "error: --partition 'image=tensorrt': unknown engine 'tensorrt' for part "
                        "'image'; use one of ort, openvino."),
-    "no branches": ("zoo:resnet-tiny", "image=ort",
-                    "error: zoo:resnet-tiny: the model has no independent branches (one part: "
-                    "join); there is nothing to place: use --partition none."),
+    "a chain": ("zoo:resnet-tiny", "image=ort",
+                "error: --partition: zoo:resnet-tiny has no part 'image'; it is a chain of "
+                "segments s00, s01_layer1.0, s02_layer2.0, s03_layer3.0, s04_layer4.0, s05 "
+                "(name one, or its sNN)."),
 }  # fmt: skip
 
 

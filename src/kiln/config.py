@@ -52,9 +52,11 @@ class CompileConfig:
     recipe          None: Kiln's own; or a hand recipe (RECIPES, or "hand": the model's) on
                     the original graph (pipeline ()), the guard keeping layers only past budget
     partition       none: one part; auto: the graph's independent branches and their join as
-                    parts, each placed on the engine measured fastest for it, kept only when
-                    faster than the best single-engine build (kiln.compiler.partition); or a
-                    placement "image=openvino,text=ort:bf16" (unnamed parts: `engine`)
+                    parts, each placed on the engine measured fastest for it — a graph without
+                    branches: its chain of segments (kiln.compiler.partition_chain) — kept only
+                    when faster than the best single-engine build (kiln.compiler.partition); or
+                    a placement "image=openvino,text=ort:bf16" or "s01=openvino" (unnamed parts:
+                    `engine`)
     static          OpenVINO compiled for the dims of the inputs it is verified on (its
                     `dim_overrides`; ENGINE-NOTES: BERT batch 8 1.4x faster so on one Xeon,
                     0.95-1.04x elsewhere); a run at other dims compiles the dynamic model on

@@ -124,9 +124,12 @@ def optimize(
             "--partition",
             help="none (one part); auto: the model's independent branches (e.g. a two-tower "
             "model's image and text towers) and their join as parts, each on the installed "
-            "engine measured fastest for it, run at once on shares of the cores, kept only when "
-            "faster than the best single-engine build beyond noise; or a placement "
-            "PART=ENGINE[:PRECISION],... e.g. image=openvino,text=ort.",
+            "engine measured fastest for it, run at once on shares of the cores — or, for a "
+            "chain of layers, its segments (cut where one tensor carries everything on) each on "
+            "the engine Kiln's build of it runs fastest, neighbours on one engine one part; kept "
+            "only when faster than the best single-engine build beyond noise. Or a placement "
+            "PART=ENGINE[:PRECISION],... e.g. image=openvino,text=ort, or for a chain "
+            "s01=openvino,s03=openvino (the segments' sNN; an unknown one lists them).",
         ),
     ] = "none",
     static: Annotated[

@@ -10,11 +10,18 @@ the best single-engine build of every installed engine and the partitioned build
 partitioned one is kept only when every round says it beats the best single one. An explicit
 placement ("image=openvino,text=ort") compiles that placement (parts not named run on the
 config's engine).
+
+A model without independent branches is a chain (partition_chain.py): its segments are built
+through Kiln's passes for each engine and timed (a chain's gain is what each engine makes of its
+stretch), the engines chosen along the chain with a hand-off wherever they change, and runs of
+neighbours on one engine become one part; the rest is as for branches. Pieces are run on the
+reference one at a time: an unfused piece's arena holds a long sequence's attention scores.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +33,11 @@ import onnx_ir as ir
 
 from kiln.artifact import BackendInfo, PassRecord, SourceInfo, new_manifest, provenance_map
 from kiln.artifact.manifest import PARTS_BACKEND
-from kiln.artifact.parts import PARTS_DIR, PartSpec, PartsSection, Pipeline
+from kiln.artifact.parts import PARTS_DIR, PartSpec, PartsSection, Pipeline, stages
 from kiln.artifact.store import Artifact, write_partitioned
 from kiln.backends import available_backends, get_backend
 from kiln.compiler.candidate import CompileResult, compile_candidate
+from kiln.compiler.partition_chain import chain_cuts, merge_runs, place_chain
 from kiln.compiler.partition_graph import Cut, find_cuts, pieces
 from kiln.compiler.partition_measure import (
     Measured,
@@ -42,7 +50,7 @@ from kiln.compiler.partition_measure import (
     thread_shares,
 )
 from kiln.compiler.reference import (
-    REFERENCE_OPTIONS,
+    copy_model,
     fit_inputs,
     reference_executable,
     reference_feeds,
@@ -52,7 +60,7 @@ from kiln.compiler.select import candidates, fastest, time_candidates
 from kiln.config import AUTO, ENGINES, NO_PARTITION, CompileConfig, partition_placement
 from kiln.errors import KilnError
 from kiln.ir import stamp_origins
-from kiln.ir.inputs import default_dims, read_inputs
+from kiln.ir.inputs import default_dims, feed_dims, read_inputs
 from kiln.ir.ladder import Guess
 from kiln.ir.load import LoadedModel, fingerprint, load_any
 from kiln.passes.simplify import count_nodes
@@ -150,6 +158,10 @@ def build_partitioned(
     stamp_origins(loaded.model)  # before the cut: every part's nodes keep their original names
     cuts = find_cuts(loaded.model)
     explicit = partition_placement(config.partition)
+    segments = chain_cuts(loaded.model) if len(cuts) < 2 else []
+    if len(segments) >= 2:
+        chain = Chain(loaded, config, segments, given, given_source)
+        return _chained(chain, explicit, rounds, runs, say)
     _check_placement(loaded, cuts, explicit)
     if len(cuts) < 2:
         return _single_only(loaded, config, given, given_source, rounds, runs, say)
@@ -157,7 +169,8 @@ def build_partitioned(
     specs = _specs(cuts, config, explicit, total, _input_names(loaded.model))
     say("running the original in ONNX Runtime, part by part (reference)")
     split = pieces(loaded.model, cuts)
-    reference = _reference(loaded, config, split, specs, given, given_source, say)
+    reference = _reference(loaded, config, specs, given, given_source, say)
+    split = _with_dims(split, loaded.model, reference.feeds[0])
     if not auto:
         built = _build(loaded, config, specs, split, reference, say)
         bench = _time_alone(built, rounds, runs, say) if rounds > 0 and built.ok else None
@@ -172,6 +185,145 @@ def build_partitioned(
     built = _build(loaded, config, specs, split, reference, say)
     singles = _singles(loaded, config, given, given_source, say)
     return _choose(built, singles, measured, ranked, total, rounds, runs, say)
+
+
+@dataclass
+class Chain:
+    """A model with no independent branches, in segments (partition_chain.py)."""
+
+    loaded: LoadedModel
+    config: CompileConfig
+    segments: list[Cut]
+    given: list[Feeds] | None
+    given_source: str
+
+
+def _chained(
+    chain: Chain,
+    explicit: dict[str, tuple[str, str | None]],
+    rounds: int,
+    runs: int,
+    say: Say,
+) -> tuple[PartitionedBuild | CompileResult, dict | None]:
+    """A chain of layers: each segment built by Kiln for each engine and timed, the engines
+    chosen along the chain, neighbours on one engine made one part; kept only when faster than
+    the best single-engine build, as branches are. An explicit placement names segments."""
+    loaded, config, segments = chain.loaded, chain.config, chain.segments
+    total, names = cores(), _input_names(loaded.model)
+    outputs = [v.name for v in loaded.model.graph.outputs]
+    specs = _specs(segments, config, {}, total, names)
+    say(f"the model is a chain of {len(segments)} segments; running the original in ONNX "
+        "Runtime (reference)")  # fmt: skip
+    split = pieces(loaded.model, segments)
+    reference = _reference(loaded, config, specs, chain.given, chain.given_source, say)
+    split = _with_dims(split, loaded.model, reference.feeds[0])
+    if explicit:
+        placed = _chain_placement(loaded, config, segments, explicit)
+        labels = [f"{engine}:{precision}" for engine, precision in placed]
+        parts = merge_runs(segments, labels, outputs)
+        specs = _placed_specs(parts, [placed[i] for i in _run_starts(labels)], config, total,
+                              names)  # fmt: skip
+        split = _with_dims(pieces(loaded.model, parts), loaded.model, reference.feeds[0])
+        built = _build(loaded, config, specs, split, reference, say)
+        bench = _time_alone(built, rounds, runs, say) if rounds > 0 and built.ok else None
+        return built, bench
+    engines = _engines()
+    feeds = {s.name: {k: reference.values[0][k] for k in s.inputs} for s in specs}
+    crossing = [reference.values[0][c] for c in _crossing_names(specs, loaded.model)]
+    measured = measure_parts(split, specs, engines, feeds, crossing[:1], rounds, runs, say,
+                             compile_piece=_segment_builder(loaded, config, split))  # fmt: skip
+    chained = place_chain(segments, measured.part_ms, measured.handoff_ms, outputs)
+    if len(chained.parts) < 2:
+        record = {
+            "choice": "single", "parts": [s.name for s in segments], **measured.to_json(),
+            "why": f"every one of the chain's {len(segments)} segments measured fastest on "
+            f"{chained.part_engines[0]} (with hand-offs of {measured.handoff_ms:.2f} ms): "
+            "one part",
+        }  # fmt: skip
+        return _single_only(loaded, config, chain.given, chain.given_source, rounds, runs, say,
+                            record)  # fmt: skip
+    first = [(e, config.precision) for e in chained.part_engines]
+    specs = _placed_specs(chained.parts, first, config, total, names)
+    split = _with_dims(pieces(loaded.model, chained.parts), loaded.model, reference.feeds[0])
+    built = _build(loaded, config, specs, split, reference, say)
+    singles = _singles(loaded, config, chain.given, chain.given_source, say)
+    ranked = [Placement({s.name: s.engine for s in specs}, chained.predicted_ms)]
+    ranked += [
+        Placement({s.name: e for s in specs}, sum(m[e] for m in measured.part_ms.values()))
+        for e in engines
+    ]  # fmt: skip
+    return _choose(built, singles, measured, ranked, total, rounds, runs, say)
+
+
+def _chain_placement(
+    loaded: LoadedModel,
+    config: CompileConfig,
+    segments: list[Cut],
+    explicit: dict[str, tuple[str, str | None]],
+) -> list[tuple[str, str]]:
+    """(engine, precision) per segment from a placement naming segments by name or by their
+    `sNN` prefix; the others on the config's engine."""
+    default = config.engine if config.engine != AUTO else "ort"
+    short = {s.name.split("_")[0]: s.name for s in segments}
+    named = {short.get(k, k): v for k, v in explicit.items()}
+    unknown = [k for k in named if k not in {s.name for s in segments}]
+    if unknown:
+        raise KilnError(
+            f"--partition: {loaded.source} has no part '{unknown[0]}'; it is a chain of "
+            f"segments {', '.join(s.name for s in segments)} (name one, or its sNN)."
+        )
+    out = []
+    for segment in segments:
+        engine, precision = named.get(segment.name, (default, None))
+        out.append((engine, precision or config.precision))
+    return out
+
+
+def _run_starts(labels: list[str]) -> list[int]:
+    return [i for i, label in enumerate(labels) if i == 0 or labels[i - 1] != label]
+
+
+def _placed_specs(
+    parts: list[Cut],
+    placed: list[tuple[str, str]],
+    config: CompileConfig,
+    total: int,
+    names: list[str],
+) -> list[PartSpec]:
+    specs = _specs(parts, config, {}, total, names)
+    return [
+        dataclasses.replace(s, engine=engine, precision=precision)
+        for s, (engine, precision) in zip(specs, placed, strict=True)
+    ]  # fmt: skip
+
+
+def _segment_builder(
+    loaded: LoadedModel, config: CompileConfig, split: dict[str, ir.Model]
+) -> Callable[[str, str, Any], Any]:
+    """How a segment is compiled for timing: through Kiln's passes for the engine (a chain's
+    gain is in what each engine makes of its stretch: ONNX Runtime's flash attention,
+    OpenVINO's fused GEMMs), unverified — the parts built from them are verified."""
+
+    def compile_piece(name: str, engine: str, options: Any) -> Any:
+        piece = load_any(split[name], f"{loaded.source}#{name}", f"{loaded.name}-{name}")
+        part_config = config.replace(
+            engine=engine, partition=NO_PARTITION, inputs=None, shapes={}, verify=False,
+            engine_options={},
+        )  # fmt: skip
+        result = compile_candidate(piece, part_config, None, "", None, lambda _m: None)
+        return get_backend(engine).compile(result.model, options)
+
+    return compile_piece
+
+
+def _with_dims(split: dict[str, ir.Model], model: ir.Model, feeds: Feeds) -> dict[str, ir.Model]:
+    """The pieces carrying the whole model's `kiln.dims` at the reference inputs' sizes:
+    passes that read the compiled length (flash attention) see what the whole is built for."""
+    recorded = json.loads(model.metadata_props.get("kiln.dims", "{}"))
+    dims = json.dumps({**recorded, **feed_dims(model, feeds)})
+    for piece in split.values():
+        piece.metadata_props["kiln.dims"] = dims
+    return split
 
 
 def save_chosen(
@@ -263,31 +415,57 @@ def _crossing_names(specs: list[PartSpec], model: ir.Model) -> list[str]:
 def _reference(
     loaded: LoadedModel,
     config: CompileConfig,
-    split: dict[str, ir.Model],
     specs: list[PartSpec],
     given: list[Feeds] | None,
     given_source: str,
     say: Say,
 ) -> Reference:
     """The original on the reference inputs (as a single-part compile runs it), and the
-    tensors that cross, from the original's pieces on the same reference engine."""
+    tensors that cross, from the same run: the original with them as outputs too. One session
+    on the reference engine, not one per piece (an unfused piece's arena holds a long
+    sequence's attention scores, and what it held is not all given back)."""
     original = loaded.model
-    exe = reference_executable(original)
+    crossing = _crossing_names(specs, original)
+    exe = reference_executable(_exposing(original, crossing))
     fit = Guess(dict(config.shapes))
     if not given:
         fit = fit_inputs(exe, original, dict(config.shapes), say)
     feeds, source = reference_feeds(original, given, given_source, fit)
-    outputs = run_reference(exe, feeds, source)
-    runners = {}
-    for spec in specs:
-        piece = get_backend("ort").compile(split[spec.name], REFERENCE_OPTIONS)
-        runners[spec.name] = piece.run
-    pipeline = Pipeline(specs, runners, _input_names(original))
-    try:
-        values = [pipeline.run(f) for f in feeds]
-    finally:
-        pipeline.close()
+    ran = run_reference(exe, feeds, source)
+    names = list(exe.output_names)
+    count = len(original.graph.outputs)
+    outputs = [r[:count] for r in ran]
+    values = [{**f, **dict(zip(names, r, strict=True))} for f, r in zip(feeds, ran, strict=True)]
     return Reference(feeds, outputs, source, values)
+
+
+def _exposing(model: ir.Model, names: list[str]) -> ir.Model:
+    """A copy of `model` that also outputs the tensors `names` (after its own outputs)."""
+    copy = copy_model(model)
+    made = {v.name: v for node in copy.graph for v in node.outputs if v.name}
+    present = {v.name for v in copy.graph.outputs}
+    copy.graph.outputs.extend(made[n] for n in names if n in made and n not in present)
+    return copy
+
+
+def _run_part_by_part(
+    specs: list[PartSpec],
+    compile_piece: Callable[[PartSpec], Any],
+    feeds: list[Feeds],
+    given: list[str],
+) -> list[Feeds]:
+    """Every input set through the parts in dependency order, one part compiled at a time and
+    let go before the next: what each part holds after a run (an unfused piece's arena holds a
+    long sequence's attention scores) is never held for all parts at once."""
+    values = [dict(f) for f in feeds]
+    for stage in stages(specs, given):
+        for spec in stage:
+            exe = compile_piece(spec)
+            for known in values:
+                outputs = exe.run({name: known[name] for name in spec.inputs})
+                known.update(zip(spec.outputs, outputs, strict=True))
+            del exe
+    return values
 
 
 # ----------------------------------------------------------------------------- building
@@ -355,12 +533,17 @@ def _verify(built: PartitionedBuild) -> Verification:
     ref = built.reference
     names = [v.name for v in built.loaded.model.graph.outputs]
     compiled = _run_all(built.pipeline(), ref.feeds, names)
-    noise_runners = {
-        name: get_backend(r.backend).compile(built.pieces[name], r.options).run
-        for name, r in built.results.items()
-    }
-    placed = Pipeline(built.section.parts, noise_runners, _input_names(built.loaded.model))
-    as_placed = _run_all(placed, ref.feeds, names)
+
+    def placed(spec: PartSpec) -> Any:
+        result = built.results[spec.name]
+        options = result.options
+        if result.backend == "ort":  # what an unfused piece allocates goes back when it ends
+            options = dataclasses.replace(options, memory_arena=False)
+        return get_backend(result.backend).compile(built.pieces[spec.name], options)
+
+    given = _input_names(built.loaded.model)
+    values = _run_part_by_part(built.section.parts, placed, ref.feeds, given)
+    as_placed = [[v[n] for n in names] for v in values]
     noise = {
         name: max(max_abs_diff(r[i], p[i]) for r, p in zip(ref.outputs, as_placed, strict=True))
         for i, name in enumerate(names)
@@ -415,16 +598,18 @@ def _single_only(
     rounds: int,
     runs: int,
     say: Say,
+    record: dict[str, Any] | None = None,
 ) -> tuple[CompileResult, dict]:
-    """A model with no independent branches: the fastest single-engine build, and why."""
+    """One part: the fastest single-engine build, and why (`record`: the partition record
+    that says it; by default, no independent branches and no cut point in the chain)."""
     singles = _singles(loaded, config, given, given_source, say)
     if not singles:
         raise KilnError(f"{loaded.source}: no engine could build a verified artifact.")
     result, bench = fastest(singles, time_candidates(singles, rounds, runs, say))
-    bench["partition"] = {
+    bench["partition"] = record or {
         "choice": "single",
-        "why": "the model has no independent branches: every node short of the outputs "
-        "depends on all of its inputs, so there is one part",
+        "why": "the model has no independent branches and no point where one tensor carries "
+        "everything on: there is one part",
         "parts": ["join"],
     }
     return result, bench

@@ -18,6 +18,12 @@ import onnx_ir as ir
 from kiln.ir.subgraph import extract
 
 JOIN = "join"
+# Ops whose work grows with the weights: a piece without one is not worth a hand-off.
+HEAVY = frozenset({
+    "MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum", "MatMulInteger", "QLinearMatMul",
+    "QLinearConv", "ConvInteger", "LSTM", "GRU", "RNN", "Attention", "MultiHeadAttention",
+    "FusedMatMul", "FusedConv", "FusedGemm", "QAttention", "DynamicQuantizeMatMul",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,9 @@ def find_cuts(model: ir.Model) -> list[Cut]:
     graph = model.graph
     inputs = [v.name for v in graph.inputs if v.name not in graph.initializers]
     deps = _dependencies(graph, set(inputs))
-    groups = _branches([d for d in deps.values() if d], inputs)
+    light = light_tensors(graph, set(inputs))
+    weighty = [n for n in graph if not all(v.name in light for v in n.outputs)]
+    groups = _branches([deps[id(n)] for n in weighty if deps[id(n)]], inputs)
     if len(groups) < 2:
         outputs = tuple(v.name for v in graph.outputs)
         return [Cut(JOIN, tuple(inputs), outputs, len(graph), branch=False)]
@@ -56,6 +64,34 @@ def find_cuts(model: ir.Model) -> list[Cut]:
         outs = tuple(v.name for v in graph.outputs if v.name not in made)
         cuts.append(Cut(JOIN, ins, outs, len(join), branch=False))
     return _unique_names(cuts)
+
+
+def light_tensors(graph: ir.Graph, inputs: set[str]) -> set[str]:
+    """Tensors computed from the model's inputs and constants that are not weights (vectors,
+    scalars), by light ops (a mask, position ids, shapes): never a part of their own —
+    whoever reads one recomputes it from the inputs, at what reading the inputs costs."""
+    small = {n for n, v in graph.initializers.items() if not _is_weight(v)}
+    light: set[str] = set()
+    for node in graph:
+        reads = [v.name for v in node.inputs if v is not None]
+        if node.op_type in HEAVY or not reads or _has_body(node):
+            continue
+        if all(r in inputs or r in small or r in light for r in reads):
+            light |= {v.name for v in node.outputs}
+    return light
+
+
+def _is_weight(value: ir.Value) -> bool:
+    """A matrix or table (two dims or more above 1), or a value of unknown shape."""
+    shape = value.shape
+    if shape is None or not shape.is_static():
+        return True
+    return sum(1 for dim in shape if int(dim) > 1) >= 2
+
+
+def _has_body(node: ir.Node) -> bool:
+    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+               for a in node.attributes.values())  # fmt: skip
 
 
 def pieces(model: ir.Model, cuts: list[Cut]) -> dict[str, ir.Model]:

@@ -78,15 +78,20 @@ def measure_parts(
     rounds: int,
     runs: int,
     say: Say,
+    compile_piece: Callable[[str, str, Any], Any] | None = None,
 ) -> Measured:
-    """Each original piece on each engine at its part's threads, interleaved in one process;
-    and the hand-off of a stage's work to another thread with the tensors that cross."""
+    """Each piece on each engine at its part's threads, interleaved in one process; and the
+    hand-off of a stage's work to another thread with the tensors that cross. A piece is
+    compiled as it is (the original's), or by `compile_piece(name, engine, options)`."""
     runners: dict[str, Callable[[], object]] = {}
     for spec in specs:
         for engine in engines:
             say(f"compiling part {spec.name} for {engine} ({spec.threads} threads)")
             options = engine_options(engine, spec.precision, option_overrides(engine, spec.threads))
-            exe = get_backend(engine).compile(pieces[spec.name], options)
+            if compile_piece is None:
+                exe = get_backend(engine).compile(pieces[spec.name], options)
+            else:
+                exe = compile_piece(spec.name, engine, options)
             runners[f"{spec.name}@{engine}"] = _runner(exe, feeds[spec.name])
     say("timing every part on every engine, interleaved")
     samples = interleave(runners, rounds=rounds, runs=runs,

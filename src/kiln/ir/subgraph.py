@@ -9,12 +9,17 @@ with the types and shapes the whole model gives them.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import onnx
 import onnx_ir as ir
 
 from kiln.errors import KilnError
+
+# Initializers up to this size keep their data in the copy a piece is cut from (shape
+# constants, for inference); larger ones are the model's own tensors, attached after.
+KEEP_ELEMENTS = 4096
 
 
 def extract(
@@ -37,7 +42,7 @@ def extract(
                 )
             raise KilnError(f"'{tensor}' is not a tensor of {graph.name or 'the model'}.")
     _needed_nodes(graph, set(inputs), outputs)  # the checks, on the caller's graph
-    proto = ir.serde.serialize_model(model)
+    proto = _weightless(ir.serde.serialize_model(model))
     # Types of inner tensors; where inference fails they come from what the model states.
     with contextlib.suppress(Exception):
         proto = onnx.shape_inference.infer_shapes(proto)
@@ -48,8 +53,10 @@ def extract(
     nodes = [n for n in g if id(n) in needed]
     g.outputs.clear()  # the whole model's outputs: a tensor among them may start this piece
     new_inputs = [_as_input(g, known[name]) for name in inputs]
-    used = {v.name for n in nodes for v in (*n.inputs, *_captured(n)) if v is not None}
+    used = {v.name for n in nodes for v in (*n.inputs, *captured(n)) if v is not None}
     initializers = [g.initializers.pop(k) for k in list(g.initializers) if k in used]
+    for value in initializers:  # the model's own tensors: shared, never copied
+        value.const_value = graph.initializers[value.name].const_value
     new_outputs = [known[name] for name in outputs]
     for value in (*new_inputs, *new_outputs):
         if value.type is None:
@@ -69,6 +76,21 @@ def extract(
         producer_name=copy.producer_name,
         functions=list(copy.functions.values()),
     )
+
+
+def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` without the data of its larger initializers (the piece takes the model's own
+    tensors): a piece must not hold a copy of every weight — a proto's parts keep all of it
+    alive. Small ones (shape constants) stay for shape inference."""
+    for tensor in proto.graph.initializer:
+        if math.prod(tensor.dims) > KEEP_ELEMENTS:
+            tensor.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data",
+                          "uint64_data", "string_data"):  # fmt: skip
+                tensor.ClearField(field)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    return onnx.ModelProto.FromString(proto.SerializeToString())  # compact: the data let go
 
 
 def _as_input(graph: ir.Graph, value: ir.Value) -> ir.Value:
@@ -127,7 +149,7 @@ def _needed_nodes(graph: ir.Graph, inputs: set[str], outputs: Sequence[str]) -> 
             continue
         seen.add(id(node))
         order.append(node)
-        for value in (*node.inputs, *_captured(node)):
+        for value in (*node.inputs, *captured(node)):
             if value is None or not value.name or value.name in inputs:
                 continue
             if value.name in graph_inputs:
@@ -140,7 +162,7 @@ def _needed_nodes(graph: ir.Graph, inputs: set[str], outputs: Sequence[str]) -> 
     return order
 
 
-def _captured(node: ir.Node) -> list[ir.Value]:
+def captured(node: ir.Node) -> list[ir.Value]:
     """Outer-scope values a control-flow body of `node` reads."""
     captured: list[ir.Value] = []
     for attr in node.attributes.values():

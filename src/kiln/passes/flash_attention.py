@@ -84,16 +84,27 @@ def _hidden(node: ir.Node) -> int:
 
 def _compiled_length(model: ir.Model, node: ir.Node) -> int | None:
     """The sequence length Kiln compiles `node` for: its input's static dim, else the size the
-    model's `kiln.dims` gives that dim (the zoo's, or the compile's `--shape` fit)."""
-    dim = node.inputs[0].shape[1]
-    if isinstance(dim, int):
-        return dim
+    model's `kiln.dims` gives that dim (the zoo's, or the compile's `--shape` fit); else the
+    same of its mask's last dim (a partition's piece starts from a hidden state whose dims
+    shape inference could not name, beside the model's own attention_mask)."""
     try:
         dims = json.loads(model.metadata_props.get("kiln.dims", "{}"))
     except ValueError:
+        dims = {}
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    for dim in (_dim(node.inputs[0], 1), _dim(mask, -1)):
+        if isinstance(dim, int):
+            return dim
+        size = dims.get(str(dim)) if isinstance(dims, dict) and dim is not None else None
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def _dim(value: ir.Value | None, axis: int) -> int | ir.SymbolicDim | None:
+    if value is None or value.shape is None or len(value.shape) < abs(axis) + (axis >= 0):
         return None
-    size = dims.get(str(dim)) if isinstance(dims, dict) else None
-    return size if isinstance(size, int) else None
+    return value.shape[axis]
 
 
 def _wrappable(node: ir.Node) -> bool:
