@@ -43,12 +43,8 @@ def test_a_chain_falls_into_layers_and_the_mask_is_recomputed_not_handed_on() ->
                for s in segments)  # fmt: skip
     # The segments run in turn reproduce the whole model.
     split = pieces(model, segments)
-    runners = {
-        n: ort.InferenceSession(ir.serde.serialize_model(p).SerializeToString()).run
-        for n, p in split.items()
-    }  # fmt: skip
-    pipeline = Pipeline([_spec(s) for s in segments],
-                        {n: (lambda r: lambda f: r(None, f))(r) for n, r in runners.items()},
+    runners = {name: _runner(piece) for name, piece in split.items()}
+    pipeline = Pipeline([_spec(s) for s in segments], runners,
                         ["input_ids", "attention_mask", "token_type_ids"])  # fmt: skip
     whole = ort.InferenceSession(zoo.build("bert-tiny").SerializeToString())
     feeds = synthesize(model, seed=3)
@@ -57,6 +53,11 @@ def test_a_chain_falls_into_layers_and_the_mask_is_recomputed_not_handed_on() ->
     pipeline.close()
     for output, want in zip(whole.get_outputs(), whole.run(None, feeds), strict=True):
         np.testing.assert_allclose(values[output.name], want, rtol=1e-5, atol=1e-5)
+
+
+def _runner(piece: ir.Model):
+    session = ort.InferenceSession(ir.serde.serialize_model(piece).SerializeToString())
+    return lambda feeds: session.run(None, feeds)
 
 
 def _spec(cut):
