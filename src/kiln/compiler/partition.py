@@ -172,9 +172,7 @@ def build_partitioned(
     reference = _reference(loaded, config, specs, given, given_source, say)
     split = _with_dims(split, loaded.model, reference.feeds[0])
     if not auto:
-        built = _build(loaded, config, specs, split, reference, say)
-        bench = _time_alone(built, rounds, runs, say) if rounds > 0 and built.ok else None
-        return built, bench
+        return _placed_by_hand(loaded, config, specs, split, reference, rounds, runs, say)
     engines = _engines()
     feeds = {s.name: {k: reference.values[0][k] for k in s.inputs} for s in specs}
     crossing = [reference.values[0][c] for c in _crossing_names(specs, loaded.model)]
@@ -224,9 +222,7 @@ def _chained(
         specs = _placed_specs(parts, [placed[i] for i in _run_starts(labels)], config, total,
                               names)  # fmt: skip
         split = _with_dims(pieces(loaded.model, parts), loaded.model, reference.feeds[0])
-        built = _build(loaded, config, specs, split, reference, say)
-        bench = _time_alone(built, rounds, runs, say) if rounds > 0 and built.ok else None
-        return built, bench
+        return _placed_by_hand(loaded, config, specs, split, reference, rounds, runs, say)
     engines = _engines()
     feeds = {s.name: {k: reference.values[0][k] for k in s.inputs} for s in specs}
     crossing = [reference.values[0][c] for c in _crossing_names(specs, loaded.model)]
@@ -253,6 +249,23 @@ def _chained(
         for e in engines
     ]  # fmt: skip
     return _choose(built, singles, measured, ranked, total, rounds, runs, say)
+
+
+def _placed_by_hand(
+    loaded: LoadedModel,
+    config: CompileConfig,
+    specs: list[PartSpec],
+    split: dict[str, ir.Model],
+    reference: Reference,
+    rounds: int,
+    runs: int,
+    say: Say,
+) -> tuple[PartitionedBuild, dict | None]:
+    """An explicit placement: built and verified, timed alone against the original when
+    rounds > 0."""
+    built = _build(loaded, config, specs, split, reference, say)
+    bench = _time_alone(built, rounds, runs, say) if rounds > 0 and built.ok else None
+    return built, bench
 
 
 def _chain_placement(
