@@ -344,7 +344,9 @@ PEER_RUNS_AS = {
 def precisions(builds: dict, peers: list[str]) -> dict[str, str]:
     out = {ORT: "ort fp32"}
     out |= {p: PEER_RUNS_AS.get(p, f"{p} fp32") for p in peers}
-    out |= {kind: f"{b['engine']} {b['precision']}" for kind, b in builds.items()}
+    # the pick's own label where auto chose ("openvino/fp32 static"), else engine and precision
+    out |= {kind: (b["pick"].get("choice") or f"{b['engine']}/{b['precision']}").replace("/", " ")
+            for kind, b in builds.items()}  # fmt: skip
     return out
 
 

@@ -97,3 +97,22 @@ def test_tune_searches_openvino_static_at_the_dims_each_trial_is_timed_at(model)
     built.runners[0]()
     throughput = Space(("openvino",), ("fp32",), cores=2, throughput=True)
     assert "openvino.static" not in default_params(throughput, "openvino", "fp32")
+
+
+def test_auto_with_pinned_dims_also_times_each_openvino_candidate_static():
+    pinned = candidates(CompileConfig(engine="auto", shapes={"seq": 16}))
+    assert [(c.engine, c.static) for c in pinned] == [("ort", False), ("openvino", False),
+                                                      ("openvino", True)]  # fmt: skip
+    assert not any(c.static for c in candidates(CompileConfig(engine="auto")))  # Kiln's guess
+    assert len(candidates(CompileConfig(engine="openvino", shapes={"seq": 16}))) == 1  # named
+
+
+def test_an_auto_compile_at_pinned_dims_says_which_openvino_form_it_kept(tmp_path):
+    kiln.compile("zoo:bert-tiny", tmp_path / "a.kiln", backend="auto", shapes={"seq": 16},
+                 rounds=3, runs=2)  # fmt: skip
+    manifest = json.loads((tmp_path / "a.kiln" / "manifest.json").read_text())
+    bench = manifest["benchmark"]
+    assert {"ort/fp32", "openvino/fp32", "openvino/fp32 static"} <= set(bench["candidates"])
+    fixed = manifest["backend"]["options"].get("dim_overrides")
+    assert bool(fixed) == (bench["choice"] == "openvino/fp32 static")
+    assert fixed in (None, {}, STATIC)

@@ -15,6 +15,7 @@ import kiln
 from kiln import zoo
 from kiln.artifact.parts import Pipeline
 from kiln.backends import available_backends
+from kiln.compiler.partition import beats
 from kiln.compiler.partition_chain import chain_cuts, place_chain
 from kiln.compiler.partition_graph import find_cuts, pieces
 from kiln.ir.inputs import synthesize
@@ -127,3 +128,24 @@ def test_a_segment_the_chain_does_not_have_is_one_line(tmp_path, monkeypatch, ca
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "has no part 's09'; it is a chain of segments s00_" in " ".join(err.split())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("partitioned_ms", "kept"),
+    [
+        ((90, 91, 92), True),  # faster in every round, by any margin
+        ((99.5, 99, 99.8), True),
+        ((90, 90, 101), True),  # 1.11× in the median, two rounds of three
+        ((90, 101, 101), False),  # one round of three
+        ((97, 97, 101), False),  # two of three, but 1.03×: within a spread of ±10 %
+        ((90, 90), False),  # two rounds say nothing about the noise
+        ((90, 90, 90, 101, 101), False),  # three of five is not two in three
+        ((90, 90, 90, 90, 101), True),
+    ],
+)
+def test_a_partitioned_build_is_kept_only_when_clearly_faster(
+    partitioned_ms: tuple[float, ...], kept: bool
+) -> None:
+    single = [[0.100, 0.100] for _ in partitioned_ms]
+    mine = [[ms / 1e3] * 2 for ms in partitioned_ms]
+    assert beats(single, mine) is kept

@@ -60,7 +60,9 @@ class CompileConfig:
     static          OpenVINO compiled for the dims of the inputs it is verified on (its
                     `dim_overrides`; ENGINE-NOTES: BERT batch 8 1.4x faster so on one Xeon,
                     0.95-1.04x elsewhere); a run at other dims compiles the dynamic model on
-                    first need. Kept only for auto's OpenVINO candidates; ORT refuses it
+                    first need. Kept only for auto's OpenVINO candidates; ORT refuses it.
+                    Auto with `shapes` given times each OpenVINO candidate static as well
+                    (kiln.compiler.select.static_twins)
     """
 
     engine: str = "ort"

@@ -129,11 +129,16 @@ def speedup(baseline: list[list[float]], engine: list[list[float]]) -> Speedup:
     value = round_p50_ms(baseline) / round_p50_ms(engine)
     if len(engine) < MIN_ROUNDS_FOR_SPREAD:
         return Speedup(value, None, UNKNOWN)
-    ratios = [
-        statistics.median(b) / statistics.median(e) for b, e in zip(baseline, engine, strict=True)
-    ]
+    ratios = round_ratios(baseline, engine)
     low, high = min(min(ratios), value), max(max(ratios), value)
     return Speedup(value, (low, high), verdict_of(low, high))
+
+
+def round_ratios(baseline: list[list[float]], engine: list[list[float]]) -> list[float]:
+    """Each round's P50(baseline) / P50(engine): above 1, the engine was faster that round."""
+    return [
+        statistics.median(b) / statistics.median(e) for b, e in zip(baseline, engine, strict=True)
+    ]
 
 
 def verdict_of(low: float, high: float) -> str:

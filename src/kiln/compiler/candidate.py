@@ -93,9 +93,9 @@ class CompileResult:
 
 
 def config_label(config: CompileConfig) -> str:
-    """A candidate's name in reports and --json: engine/precision, and the hand recipe or
-    "original graph" (no pass ran)."""
-    label = f"{config.engine}/{config.precision}"
+    """A candidate's name in reports and --json: engine/precision, "static" where OpenVINO
+    is compiled for the verified dims, and the hand recipe or "original graph" (no pass ran)."""
+    label = f"{config.engine}/{config.precision}" + (" static" if config.static else "")
     if config.recipe is None:
         return f"{label} original graph" if config.pipeline == () else label
     return f"{label} hand" if config.recipe == HAND else f"{label} hand:{config.recipe}"

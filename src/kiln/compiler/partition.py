@@ -7,7 +7,8 @@ once), compiles and verifies each part through the normal compile path on its pi
 verifies the whole pipeline against the original on the reference inputs, within the budgets a
 single-part compile has. It then times, interleaved, the original under ONNX Runtime as-is,
 the best single-engine build of every installed engine and the partitioned build; the
-partitioned one is kept only when every round says it beats the best single one. An explicit
+partitioned one is kept when every round says it beats the best single one, or when its median
+leads by KEEP_MARGIN and two rounds in three say it is faster (`beats`). An explicit
 placement ("image=openvino,text=ort") compiles that placement (parts not named run on the
 config's engine).
 
@@ -64,7 +65,15 @@ from kiln.ir.inputs import default_dims, feed_dims, read_inputs
 from kiln.ir.ladder import Guess
 from kiln.ir.load import LoadedModel, fingerprint, load_any
 from kiln.passes.simplify import count_nodes
-from kiln.timing import FASTER, interleave, round_stats, speedup, speedups
+from kiln.timing import (
+    FASTER,
+    MIN_ROUNDS_FOR_SPREAD,
+    interleave,
+    round_ratios,
+    round_stats,
+    speedup,
+    speedups,
+)
 from kiln.verify import Verification, compare, max_abs_diff
 
 Say = Callable[[str], None]
@@ -73,6 +82,11 @@ Feeds = dict[str, np.ndarray]
 Save = Callable[..., Artifact]
 PARTITIONED = "partitioned"
 AUTO_ROUNDS = 5
+# A partitioned build holds two engines and hands tensors between them, so it must lead the
+# best single build clearly: in every round, or by this much in the median with two rounds in
+# three faster. On a 2-core VM runs of seconds spread ±10 % round to round; a chain 1.10×
+# faster in its median (bert-base-4k at 4,096 tokens) had one round in 3–5 at 0.95–0.99.
+KEEP_MARGIN = 1.05
 
 
 @dataclass
@@ -639,7 +653,7 @@ def _choose(
     say: Say,
 ) -> tuple[PartitionedBuild | CompileResult, dict]:
     """Time the original, every single-engine build and the partitioned one, interleaved; keep
-    the partitioned one only when it beats the best single one in every round."""
+    the partitioned one only when it `beats` the best single one."""
     if not built.ok:
         raise KilnError(
             f"{built.loaded.source}: the partitioned pipeline does not match the original "
@@ -654,12 +668,28 @@ def _choose(
     compared = speedups(samples, "ort")
     best = max(singles, key=lambda r: compared[r.label].value) if singles else None
     versus = speedup(samples[best.label], samples[PARTITIONED]) if best else None
-    keep = best is None or versus.verdict == FASTER
+    keep = best is None or beats(samples[best.label], samples[PARTITIONED])
     record = _record(built, measured, ranked, total, samples, best, versus, keep)
     built.section.placement = record
     bench = _bench(samples, compared, PARTITIONED if keep else best.label, rounds, runs)
     bench["partition"] = record
     return (built if keep else best), bench
+
+
+def beats(single: list[list[float]], partitioned: list[list[float]]) -> bool:
+    """Whether the partitioned build leads the single one clearly (per round, the per-run
+    seconds of each, interleaved): faster in every round, or KEEP_MARGIN faster in the median
+    with at least two rounds in three faster (and at least MIN_ROUNDS_FOR_SPREAD rounds)."""
+    versus = speedup(single, partitioned)
+    if versus.verdict == FASTER:
+        return True
+    ratios = round_ratios(single, partitioned)
+    faster = sum(r > 1 for r in ratios)
+    return (
+        len(ratios) >= MIN_ROUNDS_FOR_SPREAD
+        and versus.value >= KEEP_MARGIN
+        and 3 * faster >= 2 * len(ratios)
+    )
 
 
 def _interleaved(
@@ -721,15 +751,24 @@ def _record(
         return record
     record["best_single"] = best.label
     record["vs_best_single"] = versus.to_json()
+    ratios = round_ratios(samples[best.label], samples[PARTITIONED])
+    record["rounds_faster"] = [sum(r > 1 for r in ratios), len(ratios)]
     spread = versus.spread or (versus.value, versus.value)
     figures = f"{versus.value:.2f}× (rounds {spread[0]:.2f}–{spread[1]:.2f}×)"
-    if keep:
+    faster = f"{record['rounds_faster'][0]} of {len(ratios)} rounds faster"
+    if keep and versus.verdict == FASTER:
         record["why"] = f"faster than the best single engine ({best.label}) in every round: "
         record["why"] += figures
+    elif keep:
+        record["why"] = (
+            f"faster than the best single engine ({best.label}) by {figures} in the median, "
+            f"{faster} (kept at ≥ {KEEP_MARGIN:.2f}× with two rounds in three)"
+        )
     else:
         record["why"] = (
-            f"not faster than the best single engine ({best.label}) beyond noise: {figures}, "
-            f"{versus.verdict}; kept one part"
+            f"not clearly faster than the best single engine ({best.label}): {figures}, "
+            f"{faster} (needs every round, or ≥ {KEEP_MARGIN:.2f}× with two in three); "
+            "kept one part"
         )
     return record
 
