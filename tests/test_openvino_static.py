@@ -105,6 +105,8 @@ def test_auto_with_pinned_dims_also_times_each_openvino_candidate_static():
                                                       ("openvino", True)]  # fmt: skip
     assert not any(c.static for c in candidates(CompileConfig(engine="auto")))  # Kiln's guess
     assert len(candidates(CompileConfig(engine="openvino", shapes={"seq": 16}))) == 1  # named
+    every = candidates(CompileConfig(engine="auto", precision="auto", shapes={"seq": 16}))
+    assert {c.precision for c in every if c.static} == {"fp32", "bf16"}  # no second calibration
 
 
 def test_an_auto_compile_at_pinned_dims_says_which_openvino_form_it_kept(tmp_path):

@@ -29,6 +29,7 @@ from kiln.timing import (
 )
 
 Say = Callable[[str], None]
+UNCALIBRATED = ("fp32", "bf16")  # precisions built without calibration data
 
 
 def candidates(config: CompileConfig) -> list[CompileConfig]:
@@ -65,10 +66,12 @@ def static_twins(config: CompileConfig, own: list[CompileConfig]) -> list[Compil
     static at the verified dims, timed like the rest rather than assumed: static ran
     bert-base-4k at 4,096 tokens 1.09× faster in every round (AMD EPYC, OpenVINO 2026.4) and
     bert-base at 128 within noise of dynamic. Without pinned dims the verified ones are Kiln's
-    guess, no shape to specialise for."""
+    guess, no shape to specialise for. Unquantized candidates only: a quantized twin would
+    calibrate all over again (kiln tune searches `openvino.static` at every precision)."""
     if config.engine != AUTO or config.static or not config.shapes:
         return []
-    return [c.replace(static=True) for c in own if c.engine == "openvino"]
+    return [c.replace(static=True) for c in own
+            if c.engine == "openvino" and c.precision in UNCALIBRATED]  # fmt: skip
 
 
 def _static(config: CompileConfig, engine: str) -> bool:
