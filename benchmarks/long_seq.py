@@ -7,9 +7,10 @@
 Per model and sequence length S (batch 1, one input set: kiln.ir.inputs.synthesize at seq S,
 seed 0, a mask of ones), five engines:
 
-* kiln          Kiln's lossless artifact, `kiln.compile(zoo:NAME, shapes={"seq": (S,)})`
-                (ONNX Runtime, fp32, verified at S; `--lossless-backend openvino|auto` builds it
-                for another engine), run as a user runs it (`kiln.Session`);
+* kiln          Kiln's lossless artifact, `kiln.compile(zoo:NAME, backend="auto",
+                precision="fp32", shapes={"seq": (S,)})` (every engine at fp32, OpenVINO also
+                static at S, each verified at S, the fastest kept; `--lossless-backend
+                ort|openvino` fixes the engine), run as a user runs it (`kiln.Session`);
 * kiln-budget   Kiln's budgeted pick, `kiln optimize --backend auto --precision auto` from Python
                 (`--budget-precision int8`: the int8 candidates only; every engine × precision
                 built, verified within the accuracy budget
@@ -91,7 +92,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per engine (≥ 1)")
     parser.add_argument("--peers", default="openvino,openvino-bf16",
                         help="engines beside ORT as-is (kiln.bench.engines names)")  # fmt: skip
-    parser.add_argument("--lossless-backend", default="ort", choices=("ort", "openvino", "auto"),
+    parser.add_argument("--lossless-backend", default="auto", choices=("ort", "openvino", "auto"),
                         help="the lossless (fp32) artifact's engine (auto: faster)")  # fmt: skip
     parser.add_argument("--lossless-partition", default="none", choices=("none", "auto"),
                         help="auto: the lossless artifact may run the layers' stretches on "

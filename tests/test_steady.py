@@ -252,3 +252,37 @@ def test_every_option_on_computes_the_same(model, backend, options) -> None:
         got = steadied.run(None, feeds)
     for w, g in zip(want, got, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+_CROWD_SCRIPT = """
+import gc, json, sys
+import numpy as np
+import onnx_ir as ir
+from kiln import zoo
+import kiln.backends.ort
+from kiln.backends import get_backend
+from kiln.ir.inputs import synthesize
+kiln.backends.ort.STOP_SPINNING_BYTES = 0  # bert-tiny counts as a model with weights to share
+path = sys.argv[1]
+ir.save(ir.serde.deserialize_model(zoo.build("bert-tiny")), path)
+feeds = synthesize(ir.load(path), {"batch": 1, "seq": 16})
+ort = get_backend("ort")
+first = ort.compile(path)
+alone = first.stopped
+want = first.run(feeds)
+second = ort.compile(path)
+after = [first.stopped, second.stopped]
+same = all(np.array_equal(a, b) for a, b in zip(first.run(feeds), want, strict=True))
+del second
+gc.collect()
+print(json.dumps({"alone": alone, "after": after, "same": same, "kept": first.stopped}))
+"""
+
+
+def test_an_ort_pool_spins_alone_and_stops_after_each_run_once_another_opens(tmp_path) -> None:
+    # A fresh process: executables other tests hold would count as company.
+    done = subprocess.run([sys.executable, "-c", _CROWD_SCRIPT, str(tmp_path / "m.onnx")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+    assert state == {"alone": False, "after": [True, True], "same": True, "kept": True}

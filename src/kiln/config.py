@@ -61,7 +61,7 @@ class CompileConfig:
                     `dim_overrides`; ENGINE-NOTES: BERT batch 8 1.4x faster so on one Xeon,
                     0.95-1.04x elsewhere); a run at other dims compiles the dynamic model on
                     first need. Kept only for auto's OpenVINO candidates; ORT refuses it.
-                    Auto with `shapes` given times each OpenVINO candidate static as well
+                    Auto with `shapes` given times each unquantized OpenVINO candidate static too
                     (kiln.compiler.select.static_twins)
     """
 

@@ -61,10 +61,12 @@ class OrtOptions:
     # session.force_spinning_stop: the pool spins during a run and stops when it ends, so an
     # idle session steals no core from the rest of the process (a second session, a server's
     # event loop). Two fp32 artifacts alternating in one process (resnet50, bert-base; 2-core
-    # EPYC): spinning on kept 0.52× / 0.78× of their speed alone, stopped 0.87× / 0.99×, at no
-    # cost alone. A sub-millisecond model pays ~20 µs per run to wake the pool (bert-tiny
-    # 0.16 → 0.18 ms). None: Kiln decides when opening — stopped for a model with
-    # STOP_SPINNING_BYTES of weights or more, as a proxy for runs long enough not to notice.
+    # EPYC): spinning on kept 0.52× / 0.78× of their speed alone, stopped 0.87× / 0.99×. Alone,
+    # stopping costs the tail: resnet50's jitter 0.58–0.73 stopped vs 0.28 spinning (AVX-512
+    # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
+    # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — a model with
+    # STOP_SPINNING_BYTES of weights or more spins while it is the only such executable in the
+    # process and stops once another opens (`_crowd`); smaller ones always spin.
     stop_spinning: bool | None = None
     memory_arena: bool = True
     memory_pattern: bool = True
@@ -198,10 +200,15 @@ class OrtExecutable:
     """An ONNX Runtime InferenceSession behind Kiln's Executable contract."""
 
     def __init__(
-        self, session: ort.InferenceSession, options: OrtOptions, model: ir.Model | str
+        self,
+        session: ort.InferenceSession,
+        options: OrtOptions,
+        model: ir.Model | str,
+        stopped: bool = False,
     ) -> None:
         self.session = session
         self.options = options
+        self.stopped = stopped  # the pool stops spinning after each run
         self._model = model  # kept to open a profiling session on demand
         self.weights: _Weights | None = None
         self.input_names = [i.name for i in session.get_inputs()]
@@ -217,6 +224,18 @@ class OrtExecutable:
             raise KilnError(f"invalid inputs: {_explain(exc)}") from None
         except Exception as exc:  # a kernel failing on these inputs (shape mismatch inside)
             raise KilnError(f"ONNX Runtime failed to run the model: {_explain(exc)}") from None
+
+    def stop_spinning(self) -> None:
+        """Reopen the session with its pool stopped after each run (another executable now
+        shares the process). A run under way finishes on the session it started on."""
+        if self.stopped:
+            return
+        so = self.options.session_options()
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+        if self.weights is not None:
+            _add_weights(so, self.weights, self.options)
+        self.session = _open(self._model, so, self.options.disabled_optimizers)
+        self.stopped = True
 
     def profile(self, feeds: dict[str, np.ndarray], runs: int) -> Profile:
         """Per-kernel records from ONNX Runtime's own profiler over `runs` runs after one
@@ -254,14 +273,19 @@ class OrtBackend:
         weights = None
         if options.share_weights and isinstance(model, str | os.PathLike) and Path(model).is_file():
             weights = _shared_weights(str(model))
-            if options.prepacking and "session.disable_prepacking" not in options.extra:
-                so.add_session_config_entry("session.disable_prepacking", "1")
-            for name, value in weights.values.items():
-                so.add_initializer(name, value)
-        if _stops_spinning(model, options):
-            so.add_session_config_entry("session.force_spinning_stop", "1")
-        executable = OrtExecutable(_open(model, so, options.disabled_optimizers), options, model)
-        executable.weights = weights  # the shared copy lives as long as a session using it
+            _add_weights(so, weights, options)
+        policy = _spin_policy(model, options)
+        with _CROWD_LOCK:
+            crowded = policy == SHARED and len(_CROWD) > 0
+            if policy == STOP or crowded:
+                so.add_session_config_entry("session.force_spinning_stop", "1")
+            session = _open(model, so, options.disabled_optimizers)
+            executable = OrtExecutable(session, options, model, stopped=policy == STOP or crowded)
+            executable.weights = weights  # the shared copy lives as long as a session using it
+            if policy == SHARED:
+                for other in list(_CROWD) if crowded else []:
+                    other.stop_spinning()
+                _CROWD.add(executable)
         return executable
 
 
@@ -286,6 +310,14 @@ _SHARED: weakref.WeakValueDictionary[tuple[str, int], _Weights] = weakref.WeakVa
 _SHARED_LOCK = threading.Lock()
 
 
+def _add_weights(so: ort.SessionOptions, weights: _Weights, options: OrtOptions) -> None:
+    """The shared weights handed to a session; it must not prepack its own copy of them."""
+    if options.prepacking and "session.disable_prepacking" not in options.extra:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    for name, value in weights.values.items():
+        so.add_initializer(name, value)
+
+
 def _shared_weights(path: str) -> _Weights:
     file = Path(path).resolve()
     key = (str(file), file.stat().st_mtime_ns)  # a rewritten file is read again
@@ -297,21 +329,29 @@ def _shared_weights(path: str) -> _Weights:
     return weights
 
 
-def _stops_spinning(model: ir.Model | str, options: OrtOptions) -> bool:
-    """OrtOptions.stop_spinning, or Kiln's choice when it is None: by the weights' size (the
-    model file and its external data as stored, or an in-memory model's initializers)."""
+SPIN, STOP, SHARED = "spin", "stop", "shared"
+# Executables under the SHARED policy now open in this process: the first spins alone; once a
+# second opens, every one is (re)opened with its pool stopped after each run.
+_CROWD: weakref.WeakSet[OrtExecutable] = weakref.WeakSet()
+_CROWD_LOCK = threading.Lock()
+
+
+def _spin_policy(model: ir.Model | str, options: OrtOptions) -> str:
+    """SPIN or STOP as OrtOptions.stop_spinning says; when it is None, Kiln's choice by the
+    weights' size (the model file and its external data as stored, or an in-memory model's
+    initializers): SHARED from STOP_SPINNING_BYTES up, else SPIN."""
     if "session.force_spinning_stop" in options.extra or not options.spinning:
-        return False  # said explicitly, or nothing spins
+        return SPIN  # said explicitly, or nothing spins: no entry of Kiln's
     if options.stop_spinning is not None:
-        return options.stop_spinning
+        return STOP if options.stop_spinning else SPIN
     if isinstance(model, str | os.PathLike):
         path = Path(model)
         stored = [path, *path.parent.glob(f"{path.name}.data")] if path.is_file() else []
-        return sum(f.stat().st_size for f in stored) >= STOP_SPINNING_BYTES
-    weights = model.graph.initializers.values()
-    return sum(v.const_value.nbytes for v in weights if v.const_value is not None) >= (
-        STOP_SPINNING_BYTES
-    )
+        size = sum(f.stat().st_size for f in stored)
+    else:
+        size = sum(v.const_value.nbytes for v in model.graph.initializers.values()
+                   if v.const_value is not None)  # fmt: skip
+    return SHARED if size >= STOP_SPINNING_BYTES else SPIN
 
 
 def _open(

@@ -141,7 +141,7 @@ def optimize(
             "BERT at batch 8 1.4x faster on one Xeon, 0.95-1.04x on other CPUs: time it); a "
             "run at other dims compiles the dynamic model on first use. With --backend auto, "
             "for the OpenVINO candidates only; --backend auto with --shape given "
-            "already times each OpenVINO candidate both ways (bert-base-4k at 4,096 tokens: "
+            "already times each fp32/bf16 OpenVINO candidate both ways (bert-base-4k at 4,096: "
             "static 1.09x).",
         ),
     ] = False,
