@@ -66,7 +66,7 @@ class OrtOptions:
     # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
     # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — a model with
     # STOP_SPINNING_BYTES of weights or more spins while it is the only such executable in the
-    # process and stops once another opens (`_crowd`); smaller ones always spin.
+    # process and stops once another opens (`_CROWD`); smaller ones always spin.
     stop_spinning: bool | None = None
     memory_arena: bool = True
     memory_pattern: bool = True
@@ -227,7 +227,8 @@ class OrtExecutable:
 
     def stop_spinning(self) -> None:
         """Reopen the session with its pool stopped after each run (another executable now
-        shares the process). A run under way finishes on the session it started on."""
+        shares the process). Both sessions are held while it reopens (once per executable);
+        a run under way finishes on the session it started on."""
         if self.stopped:
             return
         so = self.options.session_options()
@@ -275,16 +276,19 @@ class OrtBackend:
             weights = _shared_weights(str(model))
             _add_weights(so, weights, options)
         policy = _spin_policy(model, options)
+        # Under the lock, so that two executables opening at once each see the other.
         with _CROWD_LOCK:
             crowded = policy == SHARED and len(_CROWD) > 0
-            if policy == STOP or crowded:
+            stopped = policy == STOP or crowded
+            if stopped:
                 so.add_session_config_entry("session.force_spinning_stop", "1")
             session = _open(model, so, options.disabled_optimizers)
-            executable = OrtExecutable(session, options, model, stopped=policy == STOP or crowded)
+            executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
-            if policy == SHARED:
-                for other in list(_CROWD) if crowded else []:
+            if crowded:
+                for other in list(_CROWD):
                     other.stop_spinning()
+            if policy == SHARED:
                 _CROWD.add(executable)
         return executable
 
