@@ -273,16 +273,26 @@ want = first.run(feeds)
 second = ort.compile(path)
 after = [first.stopped, second.stopped]
 same = all(np.array_equal(a, b) for a, b in zip(first.run(feeds), want, strict=True))
-del second
+kept = first.stopped
+del first, second
 gc.collect()
-print(json.dumps({"alone": alone, "after": after, "same": same, "kept": first.stopped}))
+lone = ort.compile(path)  # alone again: it spins
+again = lone.stopped
+from kiln.backends import share_process
+share_process()  # a server: its event loop shares the cores
+served = ort.compile(path)
+print(json.dumps({"alone": alone, "after": after, "same": same, "kept": kept, "again": again,
+                  "server": [lone.stopped, served.stopped]}))
 """
 
 
-def test_an_ort_pool_spins_alone_and_stops_after_each_run_once_another_opens(tmp_path) -> None:
+def test_an_ort_pool_spins_alone_and_stops_after_each_run_once_another_opens_or_it_serves(
+    tmp_path,
+) -> None:
     # A fresh process: executables other tests hold would count as company.
     done = subprocess.run([sys.executable, "-c", _CROWD_SCRIPT, str(tmp_path / "m.onnx")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     state = json.loads(done.stdout.strip().splitlines()[-1])
-    assert state == {"alone": False, "after": [True, True], "same": True, "kept": True}
+    assert state == {"alone": False, "after": [True, True], "same": True, "kept": True,
+                     "again": False, "server": [True, True]}  # fmt: skip

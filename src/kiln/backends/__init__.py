@@ -6,7 +6,7 @@ from typing import Any
 
 from kiln.backends.base import Backend, Executable, KernelRecord, Profile
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
-from kiln.backends.ort import OrtBackend, OrtOptions
+from kiln.backends.ort import OrtBackend, OrtOptions, share_process
 from kiln.errors import KilnError
 
 BACKENDS: dict[str, type[Backend]] = {"ort": OrtBackend, "openvino": OpenVinoBackend}
@@ -69,4 +69,5 @@ __all__ = [
     "get_backend",
     "import_tools",
     "options_from_json",
+    "share_process",
 ]

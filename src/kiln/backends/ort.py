@@ -278,7 +278,7 @@ class OrtBackend:
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
         with _CROWD_LOCK:
-            crowded = policy == SHARED and len(_CROWD) > 0
+            crowded = policy == SHARED and (_SHARED_PROCESS.is_set() or len(_CROWD) > 0)
             stopped = policy == STOP or crowded
             if stopped:
                 so.add_session_config_entry("session.force_spinning_stop", "1")
@@ -338,6 +338,16 @@ SPIN, STOP, SHARED = "spin", "stop", "shared"
 # second opens, every one is (re)opened with its pool stopped after each run.
 _CROWD: weakref.WeakSet[OrtExecutable] = weakref.WeakSet()
 _CROWD_LOCK = threading.Lock()
+_SHARED_PROCESS = threading.Event()  # set by share_process: stop every pool from now on
+
+
+def share_process() -> None:
+    """The process runs more than one model's runs (a server's event loop and batchers): from
+    now on every large model's pool stops after each run, those open now included."""
+    with _CROWD_LOCK:
+        _SHARED_PROCESS.set()
+        for executable in list(_CROWD):
+            executable.stop_spinning()
 
 
 def _spin_policy(model: ir.Model | str, options: OrtOptions) -> str:

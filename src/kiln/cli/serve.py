@@ -171,9 +171,12 @@ def serve(
     # and port 0 knows its port. Closed on any error (load failures included).
     sock = bind(host, port)
     with sock, _serving_grpc(host, grpc_port, max_request_bytes) as grpc_server:
+        from kiln.backends import share_process
         from kiln.runtime import Session  # seconds of engine imports: after the quick checks
         from kiln.serve.app import create_models_app
         from kiln.serve.models import BatchSettings, ModelSet
+
+        share_process()  # the event loop and batchers share the cores: no pool spins idle
 
         def settings(source: str) -> BatchSettings:
             batch, delay = batcher_settings(source, max_batch, max_delay_ms)
