@@ -683,13 +683,16 @@ def beats(single: list[list[float]], partitioned: list[list[float]]) -> bool:
     versus = speedup(single, partitioned)
     if versus.verdict == FASTER:
         return True
-    ratios = round_ratios(single, partitioned)
-    faster = sum(r > 1 for r in ratios)
+    faster, rounds = rounds_faster(single, partitioned)
     return (
-        len(ratios) >= MIN_ROUNDS_FOR_SPREAD
-        and versus.value >= KEEP_MARGIN
-        and 3 * faster >= 2 * len(ratios)
+        rounds >= MIN_ROUNDS_FOR_SPREAD and versus.value >= KEEP_MARGIN and 3 * faster >= 2 * rounds
     )
+
+
+def rounds_faster(single: list[list[float]], partitioned: list[list[float]]) -> tuple[int, int]:
+    """In how many of the rounds the partitioned build was faster, and how many there were."""
+    ratios = round_ratios(single, partitioned)
+    return sum(r > 1 for r in ratios), len(ratios)
 
 
 def _interleaved(
@@ -751,23 +754,23 @@ def _record(
         return record
     record["best_single"] = best.label
     record["vs_best_single"] = versus.to_json()
-    ratios = round_ratios(samples[best.label], samples[PARTITIONED])
-    record["rounds_faster"] = [sum(r > 1 for r in ratios), len(ratios)]
+    faster, rounds = rounds_faster(samples[best.label], samples[PARTITIONED])
+    record["rounds_faster"] = [faster, rounds]
     spread = versus.spread or (versus.value, versus.value)
     figures = f"{versus.value:.2f}× (rounds {spread[0]:.2f}–{spread[1]:.2f}×)"
-    faster = f"{record['rounds_faster'][0]} of {len(ratios)} rounds faster"
+    faster_in = f"{faster} of {rounds} rounds faster"
     if keep and versus.verdict == FASTER:
         record["why"] = f"faster than the best single engine ({best.label}) in every round: "
         record["why"] += figures
     elif keep:
         record["why"] = (
             f"faster than the best single engine ({best.label}) by {figures} in the median, "
-            f"{faster} (kept at ≥ {KEEP_MARGIN:.2f}× with two rounds in three)"
+            f"{faster_in} (kept at ≥ {KEEP_MARGIN:.2f}× with two rounds in three)"
         )
     else:
         record["why"] = (
             f"not clearly faster than the best single engine ({best.label}): {figures}, "
-            f"{faster} (needs every round, or ≥ {KEEP_MARGIN:.2f}× with two in three); "
+            f"{faster_in} (needs every round, or ≥ {KEEP_MARGIN:.2f}× with two in three); "
             "kept one part"
         )
     return record
