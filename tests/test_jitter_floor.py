@@ -18,7 +18,7 @@ from kiln.hardware import FloorSampler, Peaks, jitter_floor, measured_peaks
 from kiln.hardware import peaks as peaks_module
 from kiln.hardware.jitter import Probe, probe_jitter, time_runs
 from kiln.report.terminal import print_bench, print_doctor
-from kiln.timing import MIN_RUNS_FOR_P99, cqi, round_stats, tail_interval
+from kiln.timing import MIN_RUNS_FOR_P99, cqi, jitter_ratio_interval, round_stats, tail_interval
 
 MS = 1_000_000  # nanoseconds
 # Peaks far above what a tiny model reaches on a CPU: its roofline fraction stays below 1.
@@ -108,6 +108,24 @@ def test_the_interval_narrows_with_more_runs():
     assert many[1] - many[0] < few[1] - few[0]
 
 
+def stalled_windows(seed: int, every: int, windows: int = 10, runs: int = 100) -> list[list[float]]:
+    """1 ms runs with 2 % noise, every `every`-th run stalled to 3 ms."""
+    rounds = synthetic_windows(seed, windows, runs)
+    return [[3e-3 if i % every == 0 else t for i, t in enumerate(w)] for w in rounds]
+
+
+def test_the_ratio_to_the_floor_has_an_interval_that_decides_or_not():
+    floor = stalled_windows(5, every=50)  # 2 % of runs stalled: P99 is a stall
+    same = stalled_windows(6, every=50)
+    steadier = synthetic_windows(7)  # no stall at all
+    low, high = jitter_ratio_interval(same, floor)
+    point = round_stats(same).jitter / round_stats(floor).jitter
+    assert low <= point <= high and low < 1 < high  # the same tail: the reading cannot tell
+    low, high = jitter_ratio_interval(steadier, floor)
+    assert high < 0.2  # a tail of noise only, beside a floor of stalls: clearly below it
+    assert jitter_ratio_interval(same, floor, seed=3) == jitter_ratio_interval(same, floor, seed=3)
+
+
 def test_cqi_is_the_fraction_times_one_minus_jitter_within_zero_and_one():
     assert cqi(0.5, 0.2) == pytest.approx(0.4)
     assert cqi(1.7, 0.0) == 1.0  # a peak measured low can be beaten: still at most 1
@@ -173,12 +191,16 @@ def test_bench_puts_each_jitter_beside_the_floor_and_reports_cqi(cached_peaks):
         assert engine["jitter_over_parallel_floor"] == pytest.approx(engine["jitter"] / every_core)
         low, high = engine["jitter_interval"]
         assert low <= engine["jitter"] <= high
+        low, high = engine["jitter_over_floor_interval"]
+        assert low <= engine["jitter_over_floor"] <= high
         assert engine["roofline_fraction"] > 0 and 0 <= engine["cqi"] <= 1
         assert engine["peak_gflops"] == cached_peaks.fp32_gflops  # fp32 engines, fp32 peak
     text = rendered(print_bench, result)
     assert "jitter (× floor)" in text and "CQI" in text
     kiln_row = result["engines"]["kiln"]
-    assert f"{kiln_row['cqi']:.3f}" in text and f"({kiln_row['jitter_over_floor']:.1f}×)" in text
+    low, high = kiln_row["jitter_over_floor_interval"]
+    over = f"({kiln_row['jitter_over_floor']:.1f}×, {low:.1f}–{high:.1f})"
+    assert f"{kiln_row['cqi']:.3f}" in text and over in text
 
 
 def test_doctor_measures_the_floor_and_shows_it(cached_peaks):

@@ -201,21 +201,55 @@ def tail_interval(
     Seeded, so the same runs always give the same interval. Each interval is widened to hold
     the estimate itself: resamples of a P99 from few runs rarely redraw the slowest run, so
     a pure percentile interval can sit wholly below the figure it is meant to qualify."""
-    windows = [np.asarray(r, dtype=float) * 1e3 for r in rounds if len(r)]
-    if not windows:
-        raise ValueError("tail_interval needs at least one run")
+    windows = _windows_ms(rounds)
     point = round_stats(rounds)
-    total = sum(len(w) for w in windows)
-    count = max(min(resamples, _BOOTSTRAP_BUDGET // total), 1)
+    count = _resample_count(resamples, windows)
     p50, p99 = _bootstrap(windows, count, np.random.default_rng(seed))
-    jitter = np.divide(p99 - p50, p50, out=np.zeros_like(p50), where=p50 > 0)
     tail = (1 - confidence) / 2 * 100
     return TailInterval(
         p99_ms=_holding(np.percentile(p99, [tail, 100 - tail]), point.p99_ms),
-        jitter=_holding(np.percentile(jitter, [tail, 100 - tail]), point.jitter),
+        jitter=_holding(np.percentile(_jitters(p50, p99), [tail, 100 - tail]), point.jitter),
         confidence=confidence,
         resamples=count,
     )
+
+
+def jitter_ratio_interval(
+    rounds: list[list[float]],
+    floor_rounds: list[list[float]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> tuple[float, float]:
+    """Bootstrap interval of jitter(`rounds`) ÷ jitter(`floor_rounds`): how many times the
+    host's floor an engine's jitter is, with the noise of both figures in it. Each side's
+    runs are redrawn within its own rounds (the two are different runs: the engine's and the
+    floor probe's), and the i-th draws divided. Widened to hold the ratio itself."""
+    windows, floor_windows = _windows_ms(rounds), _windows_ms(floor_rounds)
+    count = min(_resample_count(resamples, windows), _resample_count(resamples, floor_windows))
+    rng = np.random.default_rng(seed)
+    jitter = _jitters(*_bootstrap(windows, count, rng))
+    floor = _jitters(*_bootstrap(floor_windows, count, rng))
+    ratio = np.divide(jitter, floor, out=np.full_like(jitter, np.inf), where=floor > 0)
+    point_floor = round_stats(floor_rounds).jitter
+    point = round_stats(rounds).jitter / point_floor if point_floor > 0 else float("inf")
+    tail = (1 - confidence) / 2 * 100
+    return _holding(np.percentile(ratio, [tail, 100 - tail]), point)
+
+
+def _windows_ms(rounds: list[list[float]]) -> list[np.ndarray]:
+    windows = [np.asarray(r, dtype=float) * 1e3 for r in rounds if len(r)]
+    if not windows:
+        raise ValueError("a bootstrap interval needs at least one run")
+    return windows
+
+
+def _resample_count(resamples: int, windows: list[np.ndarray]) -> int:
+    return max(min(resamples, _BOOTSTRAP_BUDGET // sum(len(w) for w in windows)), 1)
+
+
+def _jitters(p50: np.ndarray, p99: np.ndarray) -> np.ndarray:
+    return np.divide(p99 - p50, p50, out=np.zeros_like(p50), where=p50 > 0)
 
 
 def _bootstrap(

@@ -23,6 +23,7 @@ from kiln.timing import (
     Speedup,
     cqi,
     interleave,
+    jitter_ratio_interval,
     round_stats,
     speedups,
     tail_interval,
@@ -207,6 +208,7 @@ def _timing_row(
         "p99_interval_ms": list(tails.p99_ms),
         "jitter_interval": list(tails.jitter),
         "jitter_over_floor": latency.jitter / floor.floor if floor.floor > 0 else None,
+        "jitter_over_floor_interval": _over_floor_interval(rounds, floor),
         # beside fixed work on every core, as an engine with every core runs
         "jitter_over_parallel_floor": (
             latency.jitter / parallel_jitter if parallel_jitter > 0 else None
@@ -218,6 +220,15 @@ def _timing_row(
         # rounds are interleaved, so round i of each shared the machine's state)
         "round_p50_ms": [statistics.median(r) * 1e3 for r in rounds],
     }
+
+
+def _over_floor_interval(rounds: list[list[float]], floor: JitterFloor) -> list[float] | None:
+    """The 95 % bootstrap interval of jitter ÷ floor: whether a reading near a line decides
+    it (the floor probe's runs are as noisy as the engine's)."""
+    probe = floor.windows.get(floor.probe)
+    if floor.floor <= 0 or not probe:
+        return None
+    return list(jitter_ratio_interval(rounds, probe))
 
 
 def _roofs(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -88,6 +88,9 @@ class JitterFloor:
     probes: dict[str, ProbeJitter]
     measured: str  # how and when: "now, in this run" or "interleaved with the engines"
     measured_at: str  # ISO 8601, UTC
+    # Each probe's run times in seconds, per window: what an interval of a ratio to the
+    # floor resamples (kiln.timing.jitter_ratio_interval). Not in the JSON.
+    windows: dict[str, list[list[float]]] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
         return {
@@ -150,7 +153,7 @@ class FloorSampler:
         found = {name: probe_jitter(name, works[name], w, seed) for name, w in self.samples.items()}
         lowest = min(found.values(), key=lambda p: p.jitter)
         when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        return JitterFloor(lowest.jitter, lowest.probe, found, measured, when)
+        return JitterFloor(lowest.jitter, lowest.probe, found, measured, when, self.samples)
 
 
 def _settle(run: Callable[[], object], clock: Clock) -> None:

@@ -376,9 +376,14 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
 
 
 def _over_floor(engine: dict[str, Any]) -> str:
-    """An engine's jitter and how many times the host's floor it is."""
+    """An engine's jitter and how many times the host's floor it is, with that ratio's 95 %
+    interval where there is one."""
     ratio = engine.get("jitter_over_floor")
-    return f"{engine['jitter']:.2f}" + ("" if ratio is None else f" ({ratio:.1f}×)")
+    if ratio is None:
+        return f"{engine['jitter']:.2f}"
+    interval = engine.get("jitter_over_floor_interval")
+    spread = "" if not interval else f", {interval[0]:.1f}–{interval[1]:.1f}"
+    return f"{engine['jitter']:.2f} ({ratio:.1f}×{spread})"
 
 
 def _cqi(engine: dict[str, Any]) -> str:
@@ -406,7 +411,8 @@ def _floor_note(result: dict[str, Any]) -> str:
     return (
         f"Jitter floor of this host: {floor['floor']:.2f} ({floor['probe']}, 95 % interval "
         f"{low:.2f}–{high:.2f}), measured {floor['measured']}; "
-        f"× floor = the engine's jitter ÷ the floor{_parallel_note(floor)}. Each engine's P99 "
+        f"× floor = the engine's jitter ÷ the floor (its 95 % interval after the comma)"
+        f"{_parallel_note(floor)}. Each engine's P99 "
         "is from "
         f"{result.get('p99_runs', '?')} runs, which {backed} a P99 at 99 % confidence. "
         "CQI = fraction of the measured peak of the engine's precision (in brackets) × "
