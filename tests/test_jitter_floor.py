@@ -6,6 +6,7 @@ The statistics are checked on synthetic timings (a fake clock, a probe that "sle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -124,6 +125,17 @@ def test_the_ratio_to_the_floor_has_an_interval_that_decides_or_not():
     low, high = jitter_ratio_interval(steadier, floor)
     assert high < 0.2  # a tail of noise only, beside a floor of stalls: clearly below it
     assert jitter_ratio_interval(same, floor, seed=3) == jitter_ratio_interval(same, floor, seed=3)
+
+
+def test_a_floor_whose_tail_can_vanish_gives_no_upper_bound_and_bench_none():
+    from kiln.bench.report import _over_floor_interval
+
+    one_stall = [[1e-3] * 99 + [3e-3] for _ in range(10)]  # a resample may draw no stall
+    engine = synthetic_windows(8)
+    assert jitter_ratio_interval(engine, one_stall)[1] == float("inf")
+    floor = dataclasses.replace(fake_floor(), windows={"steady": one_stall})
+    assert _over_floor_interval(engine, floor) is None  # JSON has no infinity
+    assert fake_floor().windows["steady"]  # the real sampler keeps its windows
 
 
 def test_cqi_is_the_fraction_times_one_minus_jitter_within_zero_and_one():

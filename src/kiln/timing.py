@@ -234,7 +234,9 @@ def jitter_ratio_interval(
     point_floor = round_stats(floor_rounds).jitter
     point = round_stats(rounds).jitter / point_floor if point_floor > 0 else float("inf")
     tail = (1 - confidence) / 2 * 100
-    return _holding(np.percentile(ratio, [tail, 100 - tail]), point)
+    # Interpolating between infinite ratios gives NaN: that bound is infinite.
+    bounds = np.nan_to_num(np.percentile(ratio, [tail, 100 - tail]), nan=np.inf, posinf=np.inf)
+    return _holding(bounds, point)
 
 
 def _windows_ms(rounds: list[list[float]]) -> list[np.ndarray]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import platform
 import statistics
 from collections.abc import Callable
@@ -228,7 +229,10 @@ def _over_floor_interval(rounds: list[list[float]], floor: JitterFloor) -> list[
     probe = floor.windows.get(floor.probe)
     if floor.floor <= 0 or not probe:
         return None
-    return list(jitter_ratio_interval(rounds, probe))
+    low, high = jitter_ratio_interval(rounds, probe)
+    # Resamples where the floor's tail vanished divide by zero: no upper bound then, and
+    # JSON has no infinity.
+    return [low, high] if math.isfinite(high) else None
 
 
 def _roofs(
