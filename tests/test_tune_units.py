@@ -59,6 +59,21 @@ def test_a_past_winner_is_projected_onto_this_space():
     assert project(params, space, model, CompileConfig()) == {"ort.spinning": False}
 
 
+def test_with_the_attention_group_off_no_attention_is_fused():
+    """The switch covers every attention rewrite: a trial with it off runs the blocks as
+    exported, so the tuner can measure the fused op against them."""
+    from kiln.passes import default_pipeline, run_pipeline
+    from kiln.tune.space import PASS_GROUPS
+
+    names = {s.name for s in default_pipeline("ort")}
+    assert {n for n in names if "attention" in n} <= set(PASS_GROUPS["attention"])
+    model = ir.serde.deserialize_model(zoo.build("bert-tiny"))
+    off = [s for s in default_pipeline("ort") if s.name not in PASS_GROUPS["attention"]]
+    run_pipeline(model, off)
+    ops = {n.op_type for n in model.graph}
+    assert "Softmax" in ops and not ops & {"Attention", "MultiHeadAttention"}
+
+
 def test_reconfigure_swaps_engine_options_without_changing_outputs():
     session = kiln.Session("zoo:resnet-tiny", options={"intra_op_threads": 1})
     feeds = {"input": np.random.default_rng(0).random((2, 3, 32, 32), np.float32)}

@@ -26,12 +26,13 @@ from kiln.tune.serving import DELAYS_MS
 from kiln.tune.traffic import PER_DIM
 
 # Passes toggled together: one switch per kind of rewrite, not one per rule (27 switches would
-# spend the trials on combinations that make no difference).
+# spend the trials on combinations that make no difference). "attention" off leaves every
+# attention block as exported, so a trial times the fused ops against the blocks themselves.
 PASS_GROUPS = {
     "attention": (
         "canonical-mask", "detach-shape-reads", "drop-noop-reshapes", "fuse-causal-attention",
-        "fuse-sdpa", "fuse-mha", "fuse-padding-mask", "fuse-masked-attention", "fuse-mha-bias",
-        "fuse-packed-attention", "sdpa-to-mha",
+        "fuse-attention", "fuse-sdpa", "fuse-mha", "fuse-padding-mask", "fuse-masked-attention",
+        "fuse-mha-bias", "fuse-packed-attention", "sdpa-to-mha", "flash-attention",
     ),
     "elementwise": (
         "fold-batchnorm", "fuse-conv-activation", "fuse-layernorm", "fuse-gelu",
