@@ -231,10 +231,7 @@ class OrtExecutable:
         a run under way finishes on the session it started on."""
         if self.stopped:
             return
-        so = self.options.session_options()
-        so.add_session_config_entry("session.force_spinning_stop", "1")
-        if self.weights is not None:
-            _add_weights(so, self.weights, self.options)
+        so = _prepared(self.options.session_options(), self.options, self.weights, stopped=True)
         self.session = _open(self._model, so, self.options.disabled_optimizers)
         self.stopped = True
 
@@ -274,14 +271,12 @@ class OrtBackend:
         weights = None
         if options.share_weights and isinstance(model, str | os.PathLike) and Path(model).is_file():
             weights = _shared_weights(str(model))
-            _add_weights(so, weights, options)
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
         with _CROWD_LOCK:
             crowded = policy == SHARED and (_SHARED_PROCESS.is_set() or len(_CROWD) > 0)
             stopped = policy == STOP or crowded
-            if stopped:
-                so.add_session_config_entry("session.force_spinning_stop", "1")
+            so = _prepared(so, options, weights, stopped)
             session = _open(model, so, options.disabled_optimizers)
             executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
@@ -314,12 +309,19 @@ _SHARED: weakref.WeakValueDictionary[tuple[str, int], _Weights] = weakref.WeakVa
 _SHARED_LOCK = threading.Lock()
 
 
-def _add_weights(so: ort.SessionOptions, weights: _Weights, options: OrtOptions) -> None:
-    """The shared weights handed to a session; it must not prepack its own copy of them."""
-    if options.prepacking and "session.disable_prepacking" not in options.extra:
-        so.add_session_config_entry("session.disable_prepacking", "1")
-    for name, value in weights.values.items():
-        so.add_initializer(name, value)
+def _prepared(
+    so: ort.SessionOptions, options: OrtOptions, weights: _Weights | None, stopped: bool
+) -> ort.SessionOptions:
+    """`so` with the shared weights handed over (the session must not prepack its own copy of
+    them) and, if `stopped`, the pool stopped after each run: what opening and reopening add."""
+    if weights is not None:
+        if options.prepacking and "session.disable_prepacking" not in options.extra:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        for name, value in weights.values.items():
+            so.add_initializer(name, value)
+    if stopped:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    return so
 
 
 def _shared_weights(path: str) -> _Weights:
