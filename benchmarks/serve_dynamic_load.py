@@ -3,11 +3,14 @@
     python benchmarks/serve_dynamic_load.py            # full: bert-base and resnet50 (~10 min)
     python benchmarks/serve_dynamic_load.py --quick    # fewer requests, for development
     python benchmarks/serve_dynamic_load.py --models bert-tiny,resnet-tiny --quick   # mechanics
+    python benchmarks/serve_dynamic_load.py --models bert-base --batch 1,32 --seq 128,128 \
+        --buckets "" --artifact bert-base=bert-base-int8.kiln   # batch alone jumping, 1..32
 
 Traffic (seeded, identical for both sides): bert-base requests with batch 1..16 and sequence
 length 8..256, resnet50 requests with batch 1..32, a fixed number of requests issued by
 `--clients` concurrent client threads in a closed loop (each sends its next request when the
-previous one is answered).
+previous one is answered). `--batch LO,HI` and `--seq LO,HI` replace a model's ranges (e.g.
+batch 1..32 at a fixed 128 tokens: only the batch size jumps).
 
 * **kiln**: `kiln serve` as a subprocess on loopback, with shape buckets, dynamic batching and
   `--warmup`, serving the artifact given by `--artifact MODEL=PATH` (e.g. an int8 artifact from
@@ -53,6 +56,7 @@ import httpx
 import numpy as np
 import onnxruntime as ort
 import tritonclient.http as triton
+from _machine import machine  # benchmarks/ is the script's own directory
 
 from kiln import zoo
 
@@ -61,14 +65,26 @@ Feeds = dict[str, np.ndarray]
 
 @dataclass
 class Case:
-    """One model's traffic and serving settings."""
+    """One model's traffic and serving settings: requests of `batch` samples (at random within
+    the range), text of `seq` tokens or images of `side` pixels; the server batches up to the
+    largest request."""
 
     model: str
     requests: int
     buckets: str  # for the steady run
     alt_buckets: str  # the second set the forced swaps alternate with
-    max_batch: int
-    make: Callable[[np.random.Generator], Feeds]
+    batch: tuple[int, int]
+    seq: tuple[int, int] | None = None  # text models
+    side: int = 0  # image models
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch[1]
+
+    def make(self, rng: np.random.Generator) -> Feeds:
+        if self.seq is not None:
+            return _text(self.batch, self.seq)(rng)
+        return _image(self.batch, self.side)(rng)
 
 
 def _text(batch: tuple[int, int], seq: tuple[int, int]) -> Callable[[np.random.Generator], Feeds]:
@@ -92,23 +108,19 @@ def _image(batch: tuple[int, int], size: int) -> Callable[[np.random.Generator],
 
 
 CASES = {
-    "bert-base": Case(
-        "bert-base", 40, "seq=32,64,128,256", "seq=48,96,160,256", 16, _text((1, 16), (8, 256))
-    ),
+    "bert-base": Case("bert-base", 40, "seq=32,64,128,256", "seq=48,96,160,256", (1, 16), (8, 256)),
     "resnet50": Case(
         "resnet50",
         48,
         "batch=1,2,4,8,12,16,24,32",
         "batch=2,4,8,12,16,24,32",
-        32,
-        _image((1, 32), 224),
+        (1, 32),
+        side=224,
     ),
     # The tiny twins exercise the same machinery in seconds.
-    "bert-tiny": Case(
-        "bert-tiny", 200, "seq=16,32,64", "seq=24,48,64", 16, _text((1, 16), (8, 64))
-    ),
+    "bert-tiny": Case("bert-tiny", 200, "seq=16,32,64", "seq=24,48,64", (1, 16), (8, 64)),
     "resnet-tiny": Case(
-        "resnet-tiny", 200, "batch=1,4,8,16,32", "batch=2,4,8,16,32", 32, _image((1, 32), 32)
+        "resnet-tiny", 200, "batch=1,4,8,16,32", "batch=2,4,8,16,32", (1, 32), side=32
     ),
 }
 
@@ -332,13 +344,33 @@ def triton_dtype(array: np.ndarray) -> str:
 # ---------------------------------------------------------------- the runs
 
 
+def _range(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"a range is LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def traffic(case: Case, batch: str | None, seq: str | None) -> Case:
+    """The case with its batch range, and a text model's sequence range, replaced where given."""
+    if seq is not None and case.seq is None:
+        raise SystemExit(f"--seq: {case.model} takes images, not text")
+    return dataclasses.replace(
+        case,
+        batch=_range(batch) if batch else case.batch,
+        seq=_range(seq) if seq else case.seq,
+    )
+
+
 def run_case(case: Case, source: str, args: argparse.Namespace) -> dict:
     n = args.requests or (case.requests // 4 if args.quick else case.requests)
     if args.buckets is not None:  # an override, e.g. "" for none: every request unpadded
         case = dataclasses.replace(case, buckets=args.buckets)
+    case = traffic(case, args.batch, args.seq)
     makers = [case.make] * n
     warm = [case.make] * 2
-    out: dict = {"model": case.model, "kiln_serves": source, "requests": n}
+    out: dict = {"model": case.model, "kiln_serves": source, "requests": n,
+                 "batch": args.batch, "seq": args.seq, "buckets": case.buckets}  # fmt: skip
 
     print(f"[{case.model}] kiln serve {source} --buckets '{case.buckets}'", flush=True)
     server = KilnServer(source, case.model, case.buckets, case.max_batch)
@@ -471,6 +503,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--buckets", default=None, help="override the steady run's buckets")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per side")
+    parser.add_argument("--batch", default=None, help="LO,HI: the batch sizes to jump between")
+    parser.add_argument("--seq", default=None, help="LO,HI: the sequence lengths (text models)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     parser.add_argument(
         "--requests", type=int, default=0, help="requests per side (default: the model's own)"
@@ -489,10 +523,13 @@ def main() -> None:
     parser.add_argument("-o", "--output", default="results/serve_dynamic_load.json")
     args = parser.parse_args()
     artifacts = dict(a.split("=", 1) for a in args.artifact)
+    print(f"command: {' '.join(sys.argv)}\nmachine: {machine()}", flush=True)
     result = {
         "command": " ".join(sys.argv),
         "clients": args.clients,
         "cpus": os.cpu_count(),
+        "machine": machine(),
+        "versions": {"onnxruntime": ort.__version__},
         "load_average_at_start": os.getloadavg(),
         "cases": [],
     }

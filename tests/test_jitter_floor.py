@@ -182,6 +182,26 @@ def kiln(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
+def test_steadiness_names_the_lowest_jitter_and_ties_within_noise():
+    from kiln.bench.report import steadiness
+
+    samples = {
+        "calm": synthetic_windows(9),  # no stall at all
+        "stalls": stalled_windows(5, every=50),
+        "stalls-too": stalled_windows(6, every=50),  # the same tail, other draws
+    }
+    verdicts = steadiness(samples)
+    assert verdicts["calm"]["verdict"] == "steadiest"
+    assert verdicts["calm"]["jitter_ratio"] < 1 and verdicts["calm"]["vs"] in samples
+    assert {verdicts[k]["verdict"] for k in ("stalls", "stalls-too")} == {"less steady"}
+    without_calm = steadiness({k: v for k, v in samples.items() if k != "calm"})
+    tied = [v for v in without_calm.values() if v["verdict"] != "steadiest"]
+    assert len(tied) == 1 and tied[0]["verdict"] == "tied"  # same tails: noise decides
+    low, high = tied[0]["interval"]
+    assert low <= 1 <= high and low <= tied[0]["jitter_ratio"] <= high
+    assert steadiness({"alone": samples["calm"]}) == {}
+
+
 def rendered(render, data) -> str:
     console = Console(record=True, width=250)
     render(data, console)
@@ -213,6 +233,12 @@ def test_bench_puts_each_jitter_beside_the_floor_and_reports_cqi(cached_peaks):
     low, high = kiln_row["jitter_over_floor_interval"]
     over = f"({kiln_row['jitter_over_floor']:.1f}×, {low:.1f}–{high:.1f})"
     assert f"{kiln_row['cqi']:.3f}" in text and over in text
+    steady = result["steadiness"]["kiln"]
+    assert steady["vs"] in result["engines"] and steady["vs"] != "kiln"
+    assert steady["jitter_ratio"] == pytest.approx(
+        kiln_row["jitter"] / result["engines"][steady["vs"]]["jitter"]
+    )
+    assert f"Steadiness: Kiln's jitter is {steady['jitter_ratio']:.2f}× {steady['vs']}'s" in text
 
 
 def test_doctor_measures_the_floor_and_shows_it(cached_peaks):

@@ -162,6 +162,7 @@ def run_bench(
             }
             for name in runners
         },
+        "steadiness": steadiness(samples),
         "memory": MEMORY_NOTE if memory else "not measured (--no-memory)",
     }
 
@@ -233,6 +234,31 @@ def _over_floor_interval(rounds: list[list[float]], floor: JitterFloor) -> list[
     # Resamples where the floor's tail vanished divide by zero: no upper bound then, and
     # JSON has no infinity.
     return [low, high] if math.isfinite(high) else None
+
+
+def steadiness(samples: dict[str, list[list[float]]]) -> dict[str, dict]:
+    """Each engine's jitter against the steadiest other engine's in the same interleaved run:
+    the ratio, its 95 % bootstrap interval (both engines' runs redrawn within their rounds)
+    and a verdict — "steadiest" (the lowest jitter), "tied" (above the lowest, but an
+    interval that reaches 1: no different within noise) or "less steady"."""
+    if len(samples) < 2:
+        return {}
+    jitters = {name: round_stats(rounds).jitter for name, rounds in samples.items()}
+    out = {}
+    for name, rounds in samples.items():
+        others = {k: v for k, v in jitters.items() if k != name}
+        rival = min(others, key=others.__getitem__)
+        low, high = jitter_ratio_interval(rounds, samples[rival])
+        ratio = jitters[name] / others[rival] if others[rival] > 0 else math.inf
+        verdict = "steadiest" if ratio <= 1 else "tied" if low <= 1 else "less steady"
+        out[name] = {
+            "vs": rival,
+            "jitter_ratio": ratio if math.isfinite(ratio) else None,
+            # JSON has no infinity: an interval without an upper bound is left out
+            "interval": [low, high] if math.isfinite(high) else None,
+            "verdict": verdict,
+        }
+    return out
 
 
 def _roofs(

@@ -75,7 +75,8 @@ def bench(
     no different within noise, or slower (3 rounds or more; fewer leave the spread unknown).
     Every jitter stands beside the host's jitter floor, measured in the same run (fixed-work
     probes between the rounds), and each engine's CQI is its fraction of the measured peak
-    × (1 − jitter).
+    × (1 − jitter). Steadiness: each engine's jitter over the steadiest other engine's, with
+    its bootstrap interval — steadiest, tied (no different within noise) or less steady.
     """
     from kiln.bench.report import run_bench
     from kiln.ir.inputs import parse_shapes

@@ -369,6 +369,8 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
     )
     if result.get("jitter_floor"):
         console.print(f"[dim]{escape(_floor_note(result))}[/dim]")
+    if "kiln" in result.get("steadiness", {}):
+        console.print(escape(_steadiness_line(result["steadiness"]["kiln"], result["engines"])))
     if result.get("memory"):
         console.print(f"[dim]Memory: {escape(result['memory'])}.[/dim]")
     if result.get("advice"):
@@ -384,6 +386,21 @@ def _over_floor(engine: dict[str, Any]) -> str:
     interval = engine.get("jitter_over_floor_interval")
     spread = "" if not interval else f", {interval[0]:.1f}–{interval[1]:.1f}"
     return f"{engine['jitter']:.2f} ({ratio:.1f}×{spread})"
+
+
+def _steadiness_line(kiln: dict[str, Any], engines: dict[str, Any]) -> str:
+    """Whether Kiln's jitter is the lowest in the run, within noise of the lowest, or above it."""
+    rival = kiln["vs"]
+    ratio, interval = kiln["jitter_ratio"], kiln["interval"]
+    figure = "∞×" if ratio is None else f"{ratio:.2f}×"
+    spread = f" (95 % interval {interval[0]:.2f}–{interval[1]:.2f})" if interval else ""
+    said = {
+        "steadiest": f"the lowest jitter of every engine here; the next, {rival}, is "
+        f"{engines[rival]['jitter']:.2f}",
+        "tied": f"no different within noise from the lowest, {rival}",
+        "less steady": f"above the lowest, {rival}, beyond noise",
+    }[kiln["verdict"]]
+    return f"Steadiness: Kiln's jitter is {figure} {rival}'s{spread}: {said}."
 
 
 def _cqi(engine: dict[str, Any]) -> str:
