@@ -345,9 +345,13 @@ def triton_dtype(array: np.ndarray) -> str:
 
 
 def _range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
+    """A pair of sizes from LO,HI (or N, meaning N,N)."""
+    try:
+        lo, hi = (int(x) for x in (text.split(",") if "," in text else [text, text]))
+    except ValueError:
+        lo, hi = 0, 0
     if not 1 <= lo <= hi:
-        raise SystemExit(f"a range is LO,HI with 1 <= LO <= HI, got {text!r}")
+        raise SystemExit(f"a range is LO,HI (or N) with 1 <= LO <= HI, got {text!r}")
     return lo, hi
 
 
@@ -504,7 +508,7 @@ def main() -> None:
     parser.add_argument("--buckets", default=None, help="override the steady run's buckets")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per side")
     parser.add_argument("--batch", default=None, help="LO,HI: the batch sizes to jump between")
-    parser.add_argument("--seq", default=None, help="LO,HI: the sequence lengths (text models)")
+    parser.add_argument("--seq", default=None, help="LO,HI or N: the sequence lengths (text)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
     parser.add_argument(
         "--requests", type=int, default=0, help="requests per side (default: the model's own)"
