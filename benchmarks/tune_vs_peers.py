@@ -116,6 +116,8 @@ def summarize(bench: dict, labels: dict[str, str] | None = None) -> dict:
         "lowest_peer_jitter": min(e["jitter"] for n, e in engines.items() if n != "kiln"),
         "jitter_lowest": kiln["jitter"]
         < min(e["jitter"] for n, e in engines.items() if n != "kiln"),
+        # kiln bench's verdict: steadiest, tied within noise, or less steady (with interval)
+        "steadiness": bench.get("steadiness", {}).get("kiln"),
     }
 
 
@@ -269,6 +271,7 @@ def print_row(name: str, s: dict, throughput: bool) -> None:
         f"{s['vs_hand_spread'][0]:.2f}–{s['vs_hand_spread'][1]:.2f}: {s['vs_hand_verdict']}; "
         f"{met} ≥ {TARGET_VS_HAND:.2f})  "
         f"jitter {s['kiln_jitter']:.2f} vs lowest peer {s['lowest_peer_jitter']:.2f}"
+        + (f" ({s['steadiness']['verdict']})" if s.get("steadiness") else "")
     )
 
 
