@@ -153,12 +153,13 @@ def main() -> None:
     if (args.engine, args.precision) not in {("ort", "fp32"), ("openvino", "int8")}:
         parser.error("measured: --engine ort --precision fp32, --engine openvino --precision int8")
     print("command: python " + " ".join(sys.argv))
-    print(f"machine: {machine()}")
+    here = machine()
+    print(f"machine: {here}")
     if args.precision == "fp32":
         result = ort_fp32(args.seq, args.runs)
     else:
         result = openvino_int8(args.seq, args.rounds, args.runs)
-    result |= {"command": " ".join(sys.argv), "machine": machine(), "seq": args.seq}
+    result |= {"command": " ".join(sys.argv), "machine": here, "seq": args.seq}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

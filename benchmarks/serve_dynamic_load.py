@@ -527,12 +527,13 @@ def main() -> None:
     parser.add_argument("-o", "--output", default="results/serve_dynamic_load.json")
     args = parser.parse_args()
     artifacts = dict(a.split("=", 1) for a in args.artifact)
-    print(f"command: {' '.join(sys.argv)}\nmachine: {machine()}", flush=True)
+    here = machine()
+    print(f"command: {' '.join(sys.argv)}\nmachine: {here}", flush=True)
     result = {
         "command": " ".join(sys.argv),
         "clients": args.clients,
         "cpus": os.cpu_count(),
-        "machine": machine(),
+        "machine": here,
         "versions": {"onnxruntime": ort.__version__},
         "load_average_at_start": os.getloadavg(),
         "cases": [],

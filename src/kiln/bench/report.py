@@ -230,9 +230,12 @@ def _over_floor_interval(rounds: list[list[float]], floor: JitterFloor) -> list[
     probe = floor.windows.get(floor.probe)
     if floor.floor <= 0 or not probe:
         return None
-    low, high = jitter_ratio_interval(rounds, probe)
-    # Resamples where the floor's tail vanished divide by zero: no upper bound then, and
-    # JSON has no infinity.
+    # Resamples where the floor's tail vanished divide by zero: no upper bound then.
+    return _bounded(*jitter_ratio_interval(rounds, probe))
+
+
+def _bounded(low: float, high: float) -> list[float] | None:
+    """An interval for JSON, which has no infinity: None where it has no upper bound."""
     return [low, high] if math.isfinite(high) else None
 
 
@@ -254,8 +257,7 @@ def steadiness(samples: dict[str, list[list[float]]]) -> dict[str, dict]:
         out[name] = {
             "vs": rival,
             "jitter_ratio": ratio if math.isfinite(ratio) else None,
-            # JSON has no infinity: an interval without an upper bound is left out
-            "interval": [low, high] if math.isfinite(high) else None,
+            "interval": _bounded(low, high),
             "verdict": verdict,
         }
     return out
