@@ -103,6 +103,17 @@ def test_engine_options_reach_the_artifact(tmp_path):
     assert artifact.manifest.config.engine_options == {"intra_op_threads": 1}
 
 
+def test_engine_options_may_be_the_engines_options_object(tmp_path):
+    from kiln.backends.ort import OrtOptions
+
+    artifact = kiln.compile(
+        "zoo:resnet-tiny", tmp_path / "r.kiln", engine_options=OrtOptions(intra_op_threads=1)
+    )
+    assert artifact.manifest.backend.options["intra_op_threads"] == 1
+    with pytest.raises(kiln.KilnError, match="engine_options must be a dict.*not int"):
+        kiln.compile("zoo:resnet-tiny", tmp_path / "bad.kiln", engine_options=3)
+
+
 def test_auto_from_python_builds_every_candidate_and_keeps_the_fastest(tmp_path):
     artifact = kiln.compile(
         "zoo:resnet-tiny", tmp_path / "auto.kiln", backend="auto", precision="auto",

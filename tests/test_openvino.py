@@ -279,3 +279,80 @@ def test_an_int8_embedding_table_is_gathered_before_it_is_dequantized(zero_point
     for engine, options in (("ort", OrtOptions()), ("openvino", OpenVinoOptions())):
         got = get_backend(engine).compile(model, options).run(feeds)[0]
         np.testing.assert_array_equal(got, want)
+
+
+def _key_transpose_graph(extra_reader: bool) -> onnx.ModelProto:
+    """Q · K^T as exporters write it: K^T by one Transpose(0, 2, 3, 1) of [b, s, h, d]."""
+    nodes = [
+        helper.make_node("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1], name="key.Transpose"),
+        helper.make_node("MatMul", ["qh", "kt"], ["scores"]),
+    ]
+    outputs = [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 2, 5, 5])]
+    if extra_reader:  # a reader other than a MatMul's second input keeps K^T as it is
+        nodes.append(helper.make_node("Relu", ["kt"], ["kt_relu"]))
+        outputs.append(helper.make_tensor_value_info("kt_relu", TensorProto.FLOAT, None))
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 5, 2, 4]) for n in "qk"]
+    graph = helper.make_graph(nodes, "attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_key_transpose_is_split_so_the_engine_fuses_it_with_outputs_bit_identical():
+    from kiln.passes.key_transpose import KeyTransposeSplitPass
+
+    proto = _key_transpose_graph(extra_reader=False)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, 5, 2, 4)).astype(np.float32) for n in "qk"}
+    want = get_backend("ort").compile(ir.from_proto(proto), OrtOptions()).run(feeds)[0]
+    result = KeyTransposeSplitPass()(ir.from_proto(proto))
+    assert result.modified
+    perms = [tuple(n.attributes.get_ints("perm")) for n in result.model.graph
+             if n.op_type == "Transpose"]  # fmt: skip
+    assert (0, 2, 3, 1) not in perms and perms.count((0, 2, 1, 3)) == 2 and (0, 1, 3, 2) in perms
+    for engine, options in (("ort", OrtOptions()), ("openvino", F32)):
+        got = get_backend(engine).compile(result.model, options).run(feeds)[0]
+        np.testing.assert_array_equal(got, want)
+    untouched = KeyTransposeSplitPass()(ir.from_proto(_key_transpose_graph(extra_reader=True)))
+    assert not untouched.modified
+
+
+def test_openvino_int8_graphs_leave_no_unfused_key_transpose():
+    # NNCF's int8 bert-base ran K^T as twelve reference-kernel transposes, 2 % of its time.
+    from kiln.precision.quantizers import quantizer_for
+
+    model = ir.from_proto(zoo.build("bert-tiny"))
+    samples = [synthesize(model, seed=s) for s in range(2)]
+    assert any(tuple(n.attributes.get_ints("perm", ())) == (0, 2, 3, 1) for n in model.graph)
+    quantizer = quantizer_for(model, "int8", "openvino", samples, samples[0], "minmax", 32)
+    quantized = quantizer.quantize(model, [])
+    assert not any(
+        n.op_type == "Transpose" and tuple(n.attributes.get_ints("perm")) == (0, 2, 3, 1)
+        for n in quantized.graph
+    )
+    want = get_backend("ort").compile(model, OrtOptions()).run(samples[1])[0]
+    got = get_backend("openvino").compile(quantized, OpenVinoOptions()).run(samples[1])[0]
+    cosine = float(want.ravel() @ got.ravel() / np.linalg.norm(want) / np.linalg.norm(got))
+    assert cosine > 0.99
+
+
+def test_an_in_memory_int8_model_with_external_weights_compiles(tmp_path):
+    # Compiled through a temporary file: OpenVINO read int8 weights of 1 MB and more from it
+    # mid-compile, after the file was gone ("Cannot open file: /tmp/kiln-ov-…/model.onnx.data").
+    from kiln.backends.openvino_quant import quantize_nncf_int8
+
+    width, rng = 1024, np.random.default_rng(0)
+    weight = (rng.standard_normal((width, width)) / width**0.5).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, width])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    samples = [{"x": rng.standard_normal((4, width)).astype(np.float32)} for _ in range(2)]
+    path = tmp_path / "q.onnx"
+    ir.save(quantize_nncf_int8(model, samples), path, external_data="q.data")
+    want = OpenVinoBackend().compile(str(path)).run(samples[0])[0]
+    lazy = ir.load(path)  # its weights still in q.data
+    np.testing.assert_array_equal(OpenVinoBackend().compile(lazy).run(samples[0])[0], want)

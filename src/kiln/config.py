@@ -113,7 +113,7 @@ class CompileConfig:
         if self.recipe is not None:  # a recipe runs on the original graph: no passes
             object.__setattr__(self, "pipeline", ())
         # Normalise containers so that equal configs compare equal and serialise the same.
-        object.__setattr__(self, "engine_options", dict(self.engine_options))
+        object.__setattr__(self, "engine_options", _engine_options(self.engine_options))
         object.__setattr__(self, "shapes", {k: _shape(k, v) for k, v in self.shapes.items()})
         if self.pipeline is not None:
             object.__setattr__(self, "pipeline", tuple(self.pipeline))
@@ -232,6 +232,19 @@ def partition_placement(text: str) -> dict[str, tuple[str, str | None]]:
             raise KilnError(f"--partition '{text}': part '{part}' is placed twice.")
         placement[part] = (engine, precision or None)
     return placement
+
+
+def _engine_options(options: Any) -> dict[str, Any]:
+    """`engine_options` as a dict: an engine's options object (OrtOptions, OpenVinoOptions)
+    is taken as its JSON fields, as the manifest records them."""
+    if hasattr(options, "to_json"):
+        options = options.to_json()
+    if not isinstance(options, Mapping):
+        raise KilnError(
+            f"engine_options must be a dict of the engine's settings or its options object "
+            f"(e.g. OpenVinoOptions(...)), not {type(options).__name__}."
+        )
+    return dict(options)
 
 
 def _shape(name: str, value: Any) -> tuple[int, ...]:

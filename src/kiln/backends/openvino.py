@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -477,14 +478,14 @@ def _compile(
 ) -> tuple[ov.CompiledModel, tuple[list[str], list[str]]]:
     _check_device(device)
     try:
-        ov_model = _read(model, mmap)
-        if dim_overrides:
-            ov_model.reshape(_fixed_shapes(model, dim_overrides))
-        names = (
-            [_port_name(p) for p in ov_model.inputs],
-            [_port_name(p) for p in ov_model.outputs],
-        )
-        return _core().compile_model(ov_model, device, props), names
+        with _read(model, mmap) as ov_model:
+            if dim_overrides:
+                ov_model.reshape(_fixed_shapes(model, dim_overrides))
+            names = (
+                [_port_name(p) for p in ov_model.inputs],
+                [_port_name(p) for p in ov_model.outputs],
+            )
+            return _core().compile_model(ov_model, device, props), names
     except KilnError:
         raise
     except Exception as exc:  # RuntimeError mostly; every kind means "cannot compile this"
@@ -502,24 +503,30 @@ def _check_device(device: str) -> None:
         )
 
 
-def _read(model: ir.Model | str, mmap: bool = True) -> ov.Model:
+@contextlib.contextmanager
+def _read(model: ir.Model | str, mmap: bool = True) -> Iterator[ov.Model]:
+    """`model` as OpenVINO reads it, for the block that compiles it."""
     core = _core()
     if isinstance(model, str | os.PathLike):
         if not Path(model).is_file():
             raise KilnError(f"model file '{model}' not found.")
-        return core.read_model(str(model), config={"ENABLE_MMAP": bool(mmap)})
+        yield core.read_model(str(model), config={"ENABLE_MMAP": bool(mmap)})
+        return
     tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value]
     size = sum(t.nbytes for t in tensors)
     # Weights still in an external file would be resolved against the working directory when
     # the model comes as bytes, so such models also go through a file.
     external = any(isinstance(t, ir.ExternalTensor) for t in tensors)
     if size < _INLINE_LIMIT and not external:
-        return core.read_model(ir.serde.serialize_model(model).SerializeToString())
+        yield core.read_model(ir.serde.serialize_model(model).SerializeToString())
+        return
     with tempfile.TemporaryDirectory(prefix="kiln-ov-") as tmp:
         path = Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
-        # No mmap: the weights must be copied in before the temporary file goes away.
-        return core.read_model(str(path), config={"ENABLE_MMAP": False})
+        # No mmap: the compiled model must not need the file once it is gone. OpenVINO still
+        # reads some weights from it while it compiles (its int8 MatMul transformation), so
+        # the file lives until the block's compile is done.
+        yield core.read_model(str(path), config={"ENABLE_MMAP": False})
 
 
 def _fixed_shapes(model: ir.Model | str, dim_overrides: dict[str, int]) -> dict[str, list[int]]:

@@ -298,8 +298,10 @@ def _config(
     base = config or CompileConfig()
     try:
         return base.replace(**changes)
-    except TypeError:
+    except TypeError as exc:
         unknown = sorted(set(changes) - set(base.to_json()))
+        if not unknown:  # a known field given a value of the wrong kind
+            raise KilnError(f"kiln.compile: {exc}.") from None
         raise KilnError(
             f"kiln.compile got unknown setting(s) {unknown}; the CompileConfig fields are "
             f"{', '.join(sorted(base.to_json()))}."

@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from kiln.hardware import cpu_info
 from kiln.passes.int8_rows import Int8RowsPass
+from kiln.passes.key_transpose import KeyTransposeSplitPass
 from kiln.precision.recipes import Recipe
 from kiln.precision.sensitivity import (
     activation_matmuls,
@@ -108,11 +109,12 @@ def _by_hand(recipe: Recipe, samples: list[dict[str, np.ndarray]] | None) -> Qua
 
 def _nncf(samples: list[dict[str, np.ndarray]] | None, transformer: bool) -> Quantize:
     """NNCF's static int8, its embedding tables then read as int8 (`Int8RowsPass`: OpenVINO
-    would hold them as fp32); bit-identical outputs, so a recipe's point is still its own."""
+    would hold them as fp32) and attention's K^T written so that OpenVINO fuses it
+    (`KeyTransposeSplitPass`); bit-identical outputs, so a recipe's point is still its own."""
     from kiln.backends.openvino_quant import quantize_nncf_int8
 
     def quantize(model: ir.Model, kept: list[str]) -> ir.Model:
         quantized = quantize_nncf_int8(model, samples or [], kept, transformer=transformer)
-        return Int8RowsPass()(quantized).model
+        return KeyTransposeSplitPass()(Int8RowsPass()(quantized).model).model
 
     return quantize
