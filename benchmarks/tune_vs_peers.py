@@ -3,7 +3,7 @@
     python benchmarks/tune_vs_peers.py [--models resnet50,bert-base,unet3d] \
         [--minilm minilm.onnx --minilm-inputs sentences.npz --minilm-calib calib.npz] \
         [--objective latency|throughput] [--trials 16] [--time 20m] [--rounds 7] [--runs 10] \
-        [--precision-auto] [--no-memory] [-o tune_vs_peers.json]
+        [--precision-auto] [--no-memory] [--head-to-head 4] [-o tune_vs_peers.json]
 
 For each model: `kiln tune MODEL --objective latency` (a fresh study; the strategy library
 of this machine warm-starts it when it holds other models), then `kiln bench ARTIFACT
@@ -18,6 +18,9 @@ cosine to the fp32 outputs is ≥ 0.99 (the budget Kiln holds itself to). Each r
 best in-budget hand recipe, the ratio of their P50s (issue 22's target ≥ 1.00; issue 11's
 ≥ 1.1), and jitter (P99−P50)/P50 against every peer's (target: lower than all). Where Kiln
 misses, the profile's roofline fraction says what limits it: `kiln profile ARTIFACT`.
+Then (`--head-to-head N`, default 4) Kiln against that best hand recipe alone, in N fresh
+processes with the creation order alternated (`benchmarks/head_to_head.py`: in one process
+the OpenVINO model compiled first runs slower, and `kiln bench` compiles Kiln's first).
 
 `--precision-auto`: instead of tuning, `kiln optimize MODEL --backend auto --precision auto`
 (every engine × precision, each hand recipe among the candidates), against the same peers.
@@ -45,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from head_to_head import describe, head_to_head
 from rich.console import Console
 
 from kiln.bench.report import run_bench
@@ -273,6 +277,9 @@ def print_row(name: str, s: dict, throughput: bool) -> None:
         f"jitter {s['kiln_jitter']:.2f} vs lowest peer {s['lowest_peer_jitter']:.2f}"
         + (f" ({s['steadiness']['verdict']})" if s.get("steadiness") else "")
     )
+    if s.get("head_to_head"):
+        met = "meets" if s["head_to_head_meets_hand_target"] else "MISSES"
+        print(f"{'':10s} {describe(s['head_to_head'])}; {met} ≥ {TARGET_VS_HAND:.2f}")
 
 
 def arguments() -> argparse.Namespace:
@@ -300,6 +307,14 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument(
         "--no-memory", action="store_true", help="skip each engine's resident-memory child process"
+    )
+    parser.add_argument(
+        "--head-to-head",
+        type=int,
+        default=4,
+        metavar="N",
+        help="then Kiln against the best in-budget hand recipe alone in N fresh processes, "
+        "creation order alternated (benchmarks/head_to_head.py); 0 skips it",
     )
     parser.add_argument("-o", "--output", default="tune_vs_peers.json")
     args = parser.parse_args()
@@ -339,6 +354,11 @@ def main() -> None:
             bench = run_bench(str(out), against, 1, args.rounds, args.runs, say, inputs=inputs,
                               calib=calib, memory=not args.no_memory)  # fmt: skip
             summary = summarize(bench, recipes(original, against))
+            if args.head_to_head:
+                h2h = head_to_head(str(out), summary["best_peer"], args.head_to_head, say=say)
+                summary["head_to_head"] = {k: v for k, v in h2h.items() if k != "per_process"}
+                summary["head_to_head_meets_hand_target"] = h2h["kiln_vs_peer"] >= TARGET_VS_HAND
+                record["head_to_head"] = h2h
         record |= {"bench": bench, "summary": summary, "seconds": time.time() - started}
         results["models"][name] = record
         say(f"{name}: {json.dumps(summary)}")
