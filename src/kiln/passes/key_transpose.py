@@ -34,23 +34,23 @@ class KeyTransposeSplitPass(KilnPass):
     def apply(self, model: ir.Model) -> int:
         count = 0
         for node in [n for n in model.graph if _is_key_transpose(n)]:
-            key_t = node.outputs[0]
-            uses = list(key_t.uses())
+            split = node.outputs[0]  # K^T until now; the head split from here on
+            uses = list(split.uses())
+            node.attributes["perm"] = ir.AttrInt64s("perm", list(_HEADS))
             swap = ir.node(
                 "Transpose",
-                [key_t],
+                [split],
                 attributes={"perm": list(_SWAP_LAST)},
                 name=f"{node.name}.swap_last",
             )
-            node.attributes["perm"] = ir.AttrInt64s("perm", list(_HEADS))
-            heads = swap.outputs[0]
+            key_t = swap.outputs[0]
             # The MatMul goes on reading the name it read; the head split gets a new one.
-            heads.name, key_t.name = key_t.name, f"{key_t.name}.heads"
-            heads.type, heads.shape = key_t.type, key_t.shape
-            key_t.shape = _permuted(key_t.shape)
+            key_t.name, split.name = split.name, f"{split.name}.heads"
+            key_t.type, key_t.shape = split.type, split.shape
+            split.shape = _permuted(split.shape)
             model.graph.insert_after(node, swap)
             for user, index in uses:
-                user.replace_input_with(index, heads)
+                user.replace_input_with(index, key_t)
             count += 1
         return count
 
