@@ -1,7 +1,7 @@
 """Kiln's artifact against one hand-run peer, in several fresh processes, creation order alternated.
 
     python benchmarks/head_to_head.py ARTIFACT --peer openvino-int8 [--processes 4] \
-        [--rounds 16] [--runs 20] [-o head_to_head.json]
+        [--rounds 16] [--runs 20] [--inputs x.npz] [--calib DIR|c.npz] [-o head_to_head.json]
 
 Why processes: within one process the OpenVINO model compiled first tends to run slower than
 the same model compiled after it (bert-base int8 on a 2-core AVX-512 EPYC, four instances of
@@ -33,21 +33,26 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from kiln.errors import KilnError
 from kiln.timing import verdict_of
 
 
-def build_peer(artifact: str, peer: str, work: Path) -> tuple[Path, Path]:
-    """The peer's model (its file) and the feeds both engines run (an .npz), in `work`."""
+def build_peer(artifact: str, peer: str, work: Path, inputs: str | None = None,
+               calib: str | None = None) -> tuple[Path, Path]:  # fmt: skip
+    """The peer's model (its file) and the feeds both engines run (an .npz), in `work`: the
+    given inputs and calibration samples, or synthesized ones as `kiln bench` makes them."""
     from kiln.bench.engines import CALIBRATION_SAMPLES, engine_model
     from kiln.compiler.api import load_source
-    from kiln.ir.inputs import default_dims, synthesize
+    from kiln.ir.inputs import default_dims, read_calibration, read_inputs, synthesize
     from kiln.runtime import Session
 
     session = Session(artifact)
     original = load_source(session.artifact.manifest.source.path).model
     dims = {**default_dims(original), **session.artifact.manifest.dims}
-    feeds = synthesize(original, dims)
-    calibration = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
+    feeds = read_inputs(inputs, original) if inputs else synthesize(original, dims)
+    calibration = read_calibration(calib, original) if calib else None
+    if calibration is None:
+        calibration = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
     model = engine_model(peer, original, calibration)
     model_path, feeds_path = work / "peer.onnx", work / "feeds.npz"
     if isinstance(model, str):
@@ -85,11 +90,12 @@ def child(artifact: str, peer: str, model: str, feeds: str, kiln_first: bool, ro
 
 
 def head_to_head(artifact: str, peer: str, processes: int = 4, rounds: int = 16,
-                 runs: int = 20, say=print) -> dict:  # fmt: skip
+                 runs: int = 20, say=print, inputs: str | None = None,
+                 calib: str | None = None) -> dict:  # fmt: skip
     """Kiln ÷ `peer` over `processes` fresh processes, creation order alternated."""
     with tempfile.TemporaryDirectory(prefix="head-to-head-") as tmp:
         say(f"head-to-head: building {peer} as kiln bench does")
-        model, feeds = build_peer(artifact, peer, Path(tmp))
+        model, feeds = build_peer(artifact, peer, Path(tmp), inputs, calib)
         per_process = []
         for index in range(processes):
             kiln_first = index % 2 == 0
@@ -145,6 +151,8 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--inputs", help="the inputs both engines run (.npz; default synthesized)")
+    parser.add_argument("--calib", help="the peer's calibration samples (as kiln bench --calib)")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "FEEDS", "FIRST"),
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("-o", "--output", default="head_to_head.json")
@@ -157,8 +165,10 @@ def main() -> None:
     from kiln.hardware import cpu_info
 
     started = time.time()
-    result = head_to_head(args.artifact, args.peer, args.processes, args.rounds, args.runs,
-                          say=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    try:
+        result = _measured(args)
+    except (KilnError, RuntimeError) as exc:  # bad input, a child that failed: one line
+        sys.exit(f"error: {exc}")
     cpu = cpu_info()
     result |= {"command": " ".join(["python", *sys.argv]), "seconds": time.time() - started,
                "machine": {"cpu": cpu.model, "cores": cpu.logical_cores,
@@ -166,6 +176,12 @@ def main() -> None:
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(f"{cpu.model}, {cpu.logical_cores} cores, {' '.join(cpu.features)}")
     print(describe(result))
+
+
+def _measured(args: argparse.Namespace) -> dict:
+    say = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    return head_to_head(args.artifact, args.peer, args.processes, args.rounds, args.runs,
+                        say=say, inputs=args.inputs, calib=args.calib)  # fmt: skip
 
 
 if __name__ == "__main__":

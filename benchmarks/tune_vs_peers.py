@@ -53,6 +53,7 @@ from rich.console import Console
 
 from kiln.bench.report import run_bench
 from kiln.config import CompileConfig
+from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import default_dims, read_inputs, synthesize
 from kiln.ir.load import load_model
@@ -260,6 +261,21 @@ def auto(args: argparse.Namespace, source: str, inputs: str | None, calib: str |
     return artifact.manifest.benchmark or {}
 
 
+def compared_alone(args: argparse.Namespace, out: Path, summary: dict, inputs: str | None,
+                   calib: str | None, say: Callable[[str], None]) -> dict:  # fmt: skip
+    """The head-to-head against the best hand recipe, into `summary` too; a failure is
+    recorded, not raised: the tuning and the bench before it stay in the JSON."""
+    try:
+        h2h = head_to_head(str(out), summary["best_peer"], args.head_to_head, say=say,
+                           inputs=inputs, calib=calib)  # fmt: skip
+    except (KilnError, RuntimeError) as exc:
+        summary["head_to_head"] = {"error": str(exc)}
+        return summary["head_to_head"]
+    summary["head_to_head"] = {k: v for k, v in h2h.items() if k != "per_process"}
+    summary["head_to_head_meets_hand_target"] = h2h["kiln_vs_peer"] >= TARGET_VS_HAND
+    return h2h
+
+
 def print_row(name: str, s: dict, throughput: bool) -> None:
     if throughput:
         print(
@@ -277,7 +293,9 @@ def print_row(name: str, s: dict, throughput: bool) -> None:
         f"jitter {s['kiln_jitter']:.2f} vs lowest peer {s['lowest_peer_jitter']:.2f}"
         + (f" ({s['steadiness']['verdict']})" if s.get("steadiness") else "")
     )
-    if s.get("head_to_head"):
+    if s.get("head_to_head", {}).get("error"):
+        print(f"{'':10s} head-to-head failed: {s['head_to_head']['error']}")
+    elif s.get("head_to_head"):
         met = "meets" if s["head_to_head_meets_hand_target"] else "MISSES"
         print(f"{'':10s} {describe(s['head_to_head'])}; {met} ≥ {TARGET_VS_HAND:.2f}")
 
@@ -355,10 +373,7 @@ def main() -> None:
                               calib=calib, memory=not args.no_memory)  # fmt: skip
             summary = summarize(bench, recipes(original, against))
             if args.head_to_head:
-                h2h = head_to_head(str(out), summary["best_peer"], args.head_to_head, say=say)
-                summary["head_to_head"] = {k: v for k, v in h2h.items() if k != "per_process"}
-                summary["head_to_head_meets_hand_target"] = h2h["kiln_vs_peer"] >= TARGET_VS_HAND
-                record["head_to_head"] = h2h
+                record["head_to_head"] = compared_alone(args, out, summary, inputs, calib, say)
         record |= {"bench": bench, "summary": summary, "seconds": time.time() - started}
         results["models"][name] = record
         say(f"{name}: {json.dumps(summary)}")

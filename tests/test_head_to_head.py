@@ -41,5 +41,28 @@ def test_a_missing_peer_is_refused_with_its_name(tmp_path):
          "--processes", "1", "--rounds", "1", "--runs", "1", "-o", str(tmp_path / "h.json")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode != 0 and "onnx-magic" in done.stderr
+    assert done.returncode != 0 and "onnx-magic" in done.stderr.splitlines()[-1]
     assert not (tmp_path / "h.json").exists()
+
+
+def test_given_inputs_are_what_both_engines_run(tmp_path):
+    import numpy as np
+    import onnx_ir as ir
+
+    from kiln.ir.inputs import synthesize
+
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False)
+    feeds = synthesize(ir.load(artifact.path / "model.onnx"), seed=7)
+    np.savez(tmp_path / "x.npz", **feeds)
+    wrong = {name: value[..., :1] for name, value in feeds.items()}  # the wrong shape
+    np.savez(tmp_path / "bad.npz", **wrong)
+    args = [sys.executable, str(BENCHMARK), str(artifact.path), "--peer", "ort", "--processes",
+            "1", "--rounds", "1", "--runs", "1"]  # fmt: skip
+    ok = [*args, "--inputs", str(tmp_path / "x.npz"), "-o", str(tmp_path / "ok.json")]
+    done = subprocess.run(ok, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    bad = [*args, "--inputs", str(tmp_path / "bad.npz"), "-o", str(tmp_path / "bad.json")]
+    refused = subprocess.run(bad, capture_output=True, text=True)
+    assert refused.returncode != 0 and not (tmp_path / "bad.json").exists()
+    last = refused.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and "has shape" in last
