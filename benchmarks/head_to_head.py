@@ -41,24 +41,20 @@ def build_peer(artifact: str, peer: str, work: Path, inputs: str | None = None,
                calib: str | None = None) -> tuple[Path, Path]:  # fmt: skip
     """The peer's model (its file) and the feeds both engines run (an .npz), in `work`: the
     given inputs and calibration samples, or synthesized ones as `kiln bench` makes them."""
+    from kiln.artifact.store import read_artifact
     from kiln.bench.engines import CALIBRATION_SAMPLES, engine_model
     from kiln.compiler.api import load_source
     from kiln.ir.inputs import default_dims, read_calibration, read_inputs, synthesize
-    from kiln.runtime import Session
 
-    session = Session(artifact)
-    original = load_source(session.artifact.manifest.source.path).model
-    dims = {**default_dims(original), **session.artifact.manifest.dims}
+    manifest = read_artifact(artifact).manifest  # read, not compiled: the children compile it
+    original = load_source(manifest.source.path).model
+    dims = {**default_dims(original), **manifest.dims}
     feeds = read_inputs(inputs, original) if inputs else synthesize(original, dims)
     calibration = read_calibration(calib, original) if calib else None
     if calibration is None:
         calibration = [synthesize(original, dims, seed=100 + i) for i in range(CALIBRATION_SAMPLES)]
-    model = engine_model(peer, original, calibration)
     model_path, feeds_path = work / "peer.onnx", work / "feeds.npz"
-    if isinstance(model, str):
-        model_path = Path(model)
-    else:
-        ir.save(model, model_path, external_data="peer.onnx.data")
+    ir.save(engine_model(peer, original, calibration), model_path, external_data="peer.data")
     np.savez(feeds_path, **feeds)
     return model_path, feeds_path
 
@@ -68,7 +64,7 @@ def child(artifact: str, peer: str, model: str, feeds: str, kiln_first: bool, ro
     """Both engines compiled in the order given, timed interleaved: per-round P50s (ms)."""
     from kiln.bench.engines import engine_compile
     from kiln.runtime import Session
-    from kiln.timing import interleave
+    from kiln.timing import interleave, round_p50_ms
 
     inputs = dict(np.load(feeds))
 
@@ -83,10 +79,7 @@ def child(artifact: str, peer: str, model: str, feeds: str, kiln_first: bool, ro
     makers = [("kiln", kiln_engine), ("peer", peer_engine)]
     runners = {name: make() for name, make in (makers if kiln_first else makers[::-1])}
     samples = interleave(runners, rounds=rounds, runs=runs)
-    return {
-        name: [statistics.median(block) * 1e3 for block in blocks]
-        for name, blocks in samples.items()
-    }
+    return {name: [round_p50_ms([block]) for block in blocks] for name, blocks in samples.items()}
 
 
 def head_to_head(artifact: str, peer: str, processes: int = 4, rounds: int = 16,
@@ -157,6 +150,8 @@ def main() -> None:
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("-o", "--output", default="head_to_head.json")
     args = parser.parse_args()
+    if args.processes < 1:
+        parser.error("--processes: at least 1 (each compiles and times both engines)")
     if args.child:
         model, feeds, first = args.child
         print(json.dumps(child(args.artifact, args.peer, model, feeds, first == "kiln",
