@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
+from kiln.backends import company
 from kiln.backends.base import KernelRecord, Profile, check_flags
 from kiln.backends.cpus import allowed_cpus, pool_affinities
 from kiln.backends.ort_mapped import mapped_weights, session_on_mapped
@@ -65,8 +66,8 @@ class OrtOptions:
     # stopping costs the tail: resnet50's jitter 0.58–0.73 stopped vs 0.28 spinning (AVX-512
     # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
     # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — a model with
-    # STOP_SPINNING_BYTES of weights or more spins while it is the only such executable in the
-    # process and stops once another opens (`_CROWD`); smaller ones always spin.
+    # STOP_SPINNING_BYTES of weights or more spins while it has the process to itself and stops
+    # once company arrives (`kiln.backends.company`); smaller ones always spin.
     stop_spinning: bool | None = None
     memory_arena: bool = True
     memory_pattern: bool = True
@@ -273,18 +274,14 @@ class OrtBackend:
             weights = _shared_weights(str(model))
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
-        with _CROWD_LOCK:
-            crowded = policy == SHARED and (_SHARED_PROCESS.is_set() or len(_CROWD) > 0)
-            stopped = policy == STOP or crowded
+        with company.LOCK:
+            stopped = policy == STOP or (policy == SHARED and company.crowded())
             so = _prepared(so, options, weights, stopped)
             session = _open(model, so, options.disabled_optimizers)
             executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
-            if crowded:
-                for other in list(_CROWD):
-                    other.stop_spinning()
             if policy == SHARED:
-                _CROWD.add(executable)
+                company.join(executable, spins=True)
         return executable
 
 
@@ -335,21 +332,7 @@ def _shared_weights(path: str) -> _Weights:
     return weights
 
 
-SPIN, STOP, SHARED = "spin", "stop", "shared"
-# Executables under the SHARED policy now open in this process: the first spins alone; once a
-# second opens, every one is (re)opened with its pool stopped after each run.
-_CROWD: weakref.WeakSet[OrtExecutable] = weakref.WeakSet()
-_CROWD_LOCK = threading.Lock()
-_SHARED_PROCESS = threading.Event()  # set by share_process: stop every pool from now on
-
-
-def share_process() -> None:
-    """The process runs more than one model's runs (a server's event loop and batchers): from
-    now on every large model's pool stops after each run, those open now included."""
-    with _CROWD_LOCK:
-        _SHARED_PROCESS.set()
-        for executable in list(_CROWD):
-            executable.stop_spinning()
+SPIN, STOP, SHARED = "spin", "stop", "shared"  # SHARED: spins until company arrives
 
 
 def _spin_policy(model: ir.Model | str, options: OrtOptions) -> str:

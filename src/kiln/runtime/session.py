@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.artifact.parts import is_partitioned
-from kiln.backends import Executable, get_backend, options_from_json
+from kiln.backends import Executable, get_backend, open_beside, options_from_json
 from kiln.errors import KilnError
 from kiln.ir.inputs import input_bytes, synthesize
 from kiln.runtime import batching
@@ -453,9 +453,11 @@ class Session:
             # Each ORT session has its own thread pool; spinning pools of idle buckets steal
             # the cores from the one running (BERT-base 4x128 on 2 cores: 13% slower).
             settings["spinning"] = False
-        return self._backend.compile(
+        executable = self._backend.compile(
             self._source.model_path, options_from_json(self._backend.name, settings)
         )
+        open_beside(executable)  # a spinning ORT pool elsewhere in the process must stop
+        return executable
 
     def _checked_buckets(self, buckets: dict[str, list[int]] | str | None) -> bk.Buckets:
         parsed = bk.parse_buckets(buckets)
