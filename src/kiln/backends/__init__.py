@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.backends import company
 from kiln.backends.base import Backend, Executable, KernelRecord, Profile
-from kiln.backends.company import share_process
+from kiln.backends.company import join_company, share_process
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
-from kiln.backends.ort import OrtBackend, OrtExecutable, OrtOptions
+from kiln.backends.ort import OrtBackend, OrtOptions
 from kiln.errors import KilnError
 
 BACKENDS: dict[str, type[Backend]] = {"ort": OrtBackend, "openvino": OpenVinoBackend}
@@ -52,14 +51,6 @@ def import_tools(*tools: str) -> None:
         import nncf  # noqa: F401
 
 
-def open_beside(executable: Executable) -> None:
-    """A `kiln.Session` opened `executable` for the user's program: an executable of an engine
-    whose pools never spin after a run (OpenVINO) is company for every spinning ONNX Runtime
-    pool while it lives (ORT's own executables count themselves, by their weights' size)."""
-    if not isinstance(executable, OrtExecutable):
-        company.join(executable, spins=False)
-
-
 def available_backends() -> list[str]:
     return [name for name, cls in BACKENDS.items() if cls().available()]
 
@@ -78,7 +69,7 @@ __all__ = [
     "default_options",
     "get_backend",
     "import_tools",
-    "open_beside",
+    "join_company",
     "options_from_json",
     "share_process",
 ]

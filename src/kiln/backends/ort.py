@@ -65,9 +65,9 @@ class OrtOptions:
     # EPYC): spinning on kept 0.52× / 0.78× of their speed alone, stopped 0.87× / 0.99×. Alone,
     # stopping costs the tail: resnet50's jitter 0.58–0.73 stopped vs 0.28 spinning (AVX-512
     # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
-    # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — a model with
-    # STOP_SPINNING_BYTES of weights or more spins while it has the process to itself and stops
-    # once company arrives (`kiln.backends.company`); smaller ones always spin.
+    # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — the pool spins while it
+    # has the process to itself and stops once company arrives (`kiln.backends.company`); a
+    # model under STOP_SPINNING_BYTES of weights keeps spinning beside other small ones.
     stop_spinning: bool | None = None
     memory_arena: bool = True
     memory_pattern: bool = True
@@ -275,13 +275,14 @@ class OrtBackend:
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
         with company.LOCK:
-            stopped = policy == STOP or (policy == SHARED and company.crowded())
+            small = policy == SMALL
+            stopped = policy == STOP or (policy in (SHARED, SMALL) and company.crowded(small))
             so = _prepared(so, options, weights, stopped)
             session = _open(model, so, options.disabled_optimizers)
             executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
-            if policy == SHARED:
-                company.join(executable, spins=True)
+            if policy in (SHARED, SMALL):
+                company.join(executable, spins=True, small=small)
         return executable
 
 
@@ -332,13 +333,15 @@ def _shared_weights(path: str) -> _Weights:
     return weights
 
 
-SPIN, STOP, SHARED = "spin", "stop", "shared"  # SHARED: spins until company arrives
+# SHARED and SMALL: Kiln's choice, a pool that spins until company arrives (SMALL: a model
+# under STOP_SPINNING_BYTES, whose pool keeps spinning beside other small ones).
+SPIN, STOP, SHARED, SMALL = "spin", "stop", "shared", "small"
 
 
 def _spin_policy(model: ir.Model | str, options: OrtOptions) -> str:
     """SPIN or STOP as OrtOptions.stop_spinning says; when it is None, Kiln's choice by the
     weights' size (the model file and its external data as stored, or an in-memory model's
-    initializers): SHARED from STOP_SPINNING_BYTES up, else SPIN."""
+    initializers): SHARED from STOP_SPINNING_BYTES up, else SMALL."""
     if "session.force_spinning_stop" in options.extra or not options.spinning:
         return SPIN  # said explicitly, or nothing spins: no entry of Kiln's
     if options.stop_spinning is not None:
@@ -350,7 +353,7 @@ def _spin_policy(model: ir.Model | str, options: OrtOptions) -> str:
     else:
         size = sum(v.const_value.nbytes for v in model.graph.initializers.values()
                    if v.const_value is not None)  # fmt: skip
-    return SHARED if size >= STOP_SPINNING_BYTES else SPIN
+    return SHARED if size >= STOP_SPINNING_BYTES else SMALL
 
 
 def _open(

@@ -24,7 +24,7 @@ import onnx_ir as ir
 from kiln.artifact.manifest import Manifest
 from kiln.artifact.parts import Event, PartSpec, Pipeline
 from kiln.artifact.store import read_partitioned
-from kiln.backends import Executable, get_backend, open_beside, options_from_json
+from kiln.backends import Executable, get_backend, join_company, options_from_json
 from kiln.errors import KilnError
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.metadata import NodeArg, graph_inputs, kserve_meta, node_arg
@@ -77,7 +77,7 @@ class PartitionedSession:
             exe = get_backend(recorded.name).compile(
                 str(parts[spec.name].model_path), options_from_json(recorded.name, recorded.options)
             )
-            open_beside(exe)  # a part on another engine is company for an ORT pool
+            join_company(exe)  # a part on another engine is company for an ORT pool
             self.executables[spec.name] = exe
             run = _serialised(exe) if recorded.name == "openvino" else exe.run
             self._times[spec.name] = deque(maxlen=RECENT_RUNS)

@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.artifact.parts import is_partitioned
-from kiln.backends import Executable, get_backend, open_beside, options_from_json
+from kiln.backends import Executable, get_backend, join_company, options_from_json
 from kiln.errors import KilnError
 from kiln.ir.inputs import input_bytes, synthesize
 from kiln.runtime import batching
@@ -456,7 +456,7 @@ class Session:
         executable = self._backend.compile(
             self._source.model_path, options_from_json(self._backend.name, settings)
         )
-        open_beside(executable)  # a spinning ORT pool elsewhere in the process must stop
+        join_company(executable)  # a spinning ORT pool elsewhere in the process must stop
         return executable
 
     def _checked_buckets(self, buckets: dict[str, list[int]] | str | None) -> bk.Buckets:
