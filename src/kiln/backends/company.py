@@ -40,8 +40,8 @@ def crowded(small: bool = False) -> bool:
 def join(executable: Any, spins: bool, small: bool = False) -> None:
     """`executable` opened in this process: every spinning pool already open stops after each
     run from now on (a small one stays spinning if the newcomer is a small pool too); a
-    `spins` executable (a Quietable) is stopped in turn when its company arrives. An
-    executable already here joins once."""
+    `spins` executable (one with `stop_spinning()`) is stopped in turn when its company
+    arrives. An executable already here joins once."""
     with LOCK:
         if executable in _SPINNERS or executable in _OTHERS:
             return
