@@ -302,7 +302,7 @@ def test_an_ort_pool_spins_alone_and_stops_after_each_run_once_another_opens_or_
 
 
 _OTHER_ENGINE_SCRIPT = """
-import gc, json, sys
+import gc, json, os, shutil, sys
 import numpy as np
 import onnx_ir as ir
 import kiln
@@ -332,6 +332,16 @@ state["again"] = [s.stopped for s in small]
 kiln.backends.ort.STOP_SPINNING_BYTES = 0  # bert-tiny now counts as a large model
 large = ort.compile(path)
 state["beside_large"] = [small[0].stopped, small[1].stopped, large.stopped]
+kiln.backends.ort.STOP_SPINNING_BYTES = 4 * 2**20
+del small, large
+gc.collect()
+shutil.copy(path, path + ".lost")
+lost = ort.compile(path + ".lost")  # its file deleted under it: it can never be reopened
+os.remove(path + ".lost")
+with kiln.Session("zoo:resnet-tiny", backend="openvino") as other:  # opens all the same
+    other.run(None, synthesize(other.interface))
+    state["beside_a_lost_file"] = lost.stopped
+state["after_close"] = ort.compile(path).stopped  # closed, not yet collected: no company
 print(json.dumps(state))
 """
 
@@ -353,4 +363,6 @@ def test_an_ort_pool_stops_once_a_session_on_another_engine_shares_the_process(t
         "same": True,
         "again": [False, False],
         "beside_large": [True, True, True],
+        "beside_a_lost_file": False,  # could not be reopened: it spins on, and nothing failed
+        "after_close": False,
     }

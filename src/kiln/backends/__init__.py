@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.backends.base import Backend, Executable, KernelRecord, Profile
-from kiln.backends.company import join_company, share_process
+from kiln.backends.company import join_company, leave_company, share_process
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
 from kiln.backends.ort import OrtBackend, OrtOptions
 from kiln.errors import KilnError
@@ -70,6 +70,7 @@ __all__ = [
     "get_backend",
     "import_tools",
     "join_company",
+    "leave_company",
     "options_from_json",
     "share_process",
 ]

@@ -15,9 +15,12 @@ large one, another engine or a server.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from typing import Any
+
+log = logging.getLogger("kiln.backends")
 
 # Reentrant: an ORT executable holds it from "is there company?" through its opening to
 # joining, so that two opening at once each see the other.
@@ -47,7 +50,7 @@ def join(executable: Any, spins: bool, small: bool = False) -> None:
             return
         for other, other_small in list(_SPINNERS.items()):
             if not (spins and small and other_small):
-                other.stop_spinning()
+                _quiet(other)
         if spins:
             _SPINNERS[executable] = small
         else:
@@ -66,4 +69,23 @@ def share_process() -> None:
     with LOCK:
         _SERVING.set()
         for executable in list(_SPINNERS):
-            executable.stop_spinning()
+            _quiet(executable)
+
+
+def leave_company(executable: Any) -> None:
+    """`executable` no longer runs (its session closed; its files may be gone before the
+    garbage collector takes it): it is no one's company, and never reopened."""
+    with LOCK:
+        _SPINNERS.pop(executable, None)
+        _OTHERS.discard(executable)
+
+
+def _quiet(executable: Any) -> None:
+    """Stop `executable`'s pool after each run. Reopening it can fail (its model file deleted
+    under a session not yet collected): then it keeps spinning, said once, and the newcomer
+    opens all the same — a stopped pool is a courtesy, never a reason to refuse a model."""
+    try:
+        executable.stop_spinning()
+    except Exception as exc:  # whatever the engine raised for a file it cannot read again
+        log.warning("could not stop a spinning ONNX Runtime pool (%s); it keeps spinning", exc)
+        _SPINNERS.pop(executable, None)

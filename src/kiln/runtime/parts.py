@@ -24,7 +24,13 @@ import onnx_ir as ir
 from kiln.artifact.manifest import Manifest
 from kiln.artifact.parts import Event, PartSpec, Pipeline
 from kiln.artifact.store import read_partitioned
-from kiln.backends import Executable, get_backend, join_company, options_from_json
+from kiln.backends import (
+    Executable,
+    get_backend,
+    join_company,
+    leave_company,
+    options_from_json,
+)
 from kiln.errors import KilnError
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.metadata import NodeArg, graph_inputs, kserve_meta, node_arg
@@ -183,6 +189,8 @@ class PartitionedSession:
 
     def close(self) -> None:
         self._pipeline.close()
+        for executable in self.executables.values():
+            leave_company(executable)
 
     def __enter__(self) -> PartitionedSession:
         return self

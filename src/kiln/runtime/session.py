@@ -29,7 +29,13 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.artifact.parts import is_partitioned
-from kiln.backends import Executable, get_backend, join_company, options_from_json
+from kiln.backends import (
+    Executable,
+    get_backend,
+    join_company,
+    leave_company,
+    options_from_json,
+)
 from kiln.errors import KilnError
 from kiln.ir.inputs import input_bytes, synthesize
 from kiln.runtime import batching
@@ -607,8 +613,14 @@ class Session:
 
     def close(self) -> None:
         """Stop the background worker (a build in progress finishes first); give back the GC
-        freeze a steady session holds."""
+        freeze a steady session holds; its executables are no longer company for another
+        engine's pool (kiln.backends.company)."""
         self._rebuilder.close()
+        state = self._state
+        with state.lock:
+            runners = list(state.runners.values())
+        for executable in [self.executable, *(r.executable for r in runners)]:
+            leave_company(executable)
         if self._frozen:
             self._frozen = False
             release_gc()
