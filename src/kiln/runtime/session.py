@@ -613,8 +613,8 @@ class Session:
 
     def close(self) -> None:
         """Stop the background worker (a build in progress finishes first); give back the GC
-        freeze a steady session holds; its executables are no longer company for another
-        engine's pool (kiln.backends.company)."""
+        freeze a steady session holds; its executables are no one's company any more (see
+        kiln.backends.company)."""
         self._rebuilder.close()
         state = self._state
         with state.lock:
