@@ -81,11 +81,13 @@ def leave_company(executable: Any) -> None:
 
 
 def _quiet(executable: Any) -> None:
-    """Stop `executable`'s pool after each run. Reopening it can fail (its model file deleted
-    under a session not yet collected): then it keeps spinning, said once, and the newcomer
-    opens all the same — a stopped pool is a courtesy, never a reason to refuse a model."""
+    """Stop `executable`'s pool after each run. Reopening it can fail where the executable is
+    garbage the collector has not taken yet (its model file deleted, or the in-memory model it
+    was opened on changed since): then it keeps spinning, and the newcomer opens all the same —
+    a stopped pool is a courtesy, never a reason to refuse a model, nor a line on a terminal
+    (a debug log only: a verb's error is one line)."""
     try:
         executable.stop_spinning()
-    except Exception as exc:  # whatever the engine raised for a file it cannot read again
-        log.warning("could not stop a spinning ONNX Runtime pool (%s); it keeps spinning", exc)
+    except Exception as exc:  # whatever the engine raised for a model it cannot read again
+        log.debug("could not stop a spinning ONNX Runtime pool (%s); it keeps spinning", exc)
         _SPINNERS.pop(executable, None)
