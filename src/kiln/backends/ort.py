@@ -274,14 +274,14 @@ class OrtBackend:
             weights = _shared_weights(str(model))
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
+        kilns_choice, small = policy in (SHARED, SMALL), policy == SMALL
         with company.LOCK:
-            small = policy == SMALL
-            stopped = policy == STOP or (policy in (SHARED, SMALL) and company.crowded(small))
+            stopped = policy == STOP or (kilns_choice and company.crowded(small))
             so = _prepared(so, options, weights, stopped)
             session = _open(model, so, options.disabled_optimizers)
             executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
-            if policy in (SHARED, SMALL):
+            if kilns_choice:
                 company.join(executable, spins=True, small=small)
         return executable
 
