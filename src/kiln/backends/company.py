@@ -3,7 +3,7 @@
 ONNX Runtime's intra-op pool spins for a while after each run, on the cores the next run of
 anything else in the process needs (2-core AVX-512 EPYC, run by run: two ORT fp32 artifacts
 kept 0.52× / 0.78× of their speed alone; an OpenVINO int8 bert-base beside a spinning ORT fp32
-one 0.62×, beside a spinning bert-tiny 0.58×; 0.97–0.99× with the ORT pool stopped after each
+one 0.62×, beside a spinning bert-tiny 0.58×; 0.96–1.01× with the ORT pool stopped after each
 run). Alone, a spinning pool has the steadier tail. So a pool Kiln opens spins while nothing
 else runs in the process and stops after each run once company arrives: another ORT
 executable, an executable of another engine that a `kiln.Session` opens (not the peers and
