@@ -217,12 +217,22 @@ class _FakeResponse:
         self.error = error
 
 
+class _FakeTritonError(Exception):
+    """pb_utils.TritonError as Triton 23.09 and later have it: a message and a code."""
+
+    INTERNAL, INVALID_ARG = 1, 3
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def _fake_pb_utils() -> types.ModuleType:
     """The few names of Triton's triton_python_backend_utils that model.py uses."""
     module = types.ModuleType("triton_python_backend_utils")
     module.Tensor = _FakeTensor
     module.InferenceResponse = _FakeResponse
-    module.TritonError = type("TritonError", (Exception,), {})
+    module.TritonError = _FakeTritonError
     module.get_input_tensor_by_name = lambda request, name: request.tensors.get(name)
     return module
 
@@ -254,6 +264,8 @@ def test_the_python_model_answers_each_request_as_kiln_session_does(artifacts, t
     answers = model.execute(requests)
     assert "at most seq=" in str(answers[1].error)  # refused alone, with Kiln's reason
     assert "token_type" in str(answers[2].error)  # failed alone; its neighbours still answered
+    # Both the client's mistakes: Triton answers them 400 / INVALID_ARGUMENT, as kiln serve.
+    assert answers[1].error.code == answers[2].error.code == _FakeTritonError.INVALID_ARG
     assert set(answers[3].tensors) == {"pooler_output"}  # the outputs asked for
     for feeds, answer in zip(good, [answers[0], answers[3], answers[4]], strict=True):
         assert answer.error is None

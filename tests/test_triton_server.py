@@ -230,15 +230,40 @@ def _batched(client: triton_http.InferenceServerClient, server: Server) -> None:
     assert executions < inferences  # requests shared executions within the tuned delay
 
 
-def test_a_request_kilns_session_refuses_is_answered_with_its_reason(server: Server) -> None:
-    with closing(triton_http.InferenceServerClient(server.http)) as client:
-        with pytest.raises(InferenceServerException, match="at most seq="):
-            client.infer(BERT, _inputs(triton_http, _bert_feeds(1, 4096, 5)))
+def _client_mistakes(server: Server) -> list[tuple[dict[str, np.ndarray], str]]:
+    """Requests kiln.Session refuses, with the message it refuses each with: one past the
+    model's sequence table, and a token id past its vocabulary (found by the engine)."""
+    session = server.session(BERT)
+    too_long = _bert_feeds(1, session.limits["seq"].limit + 1, 5)
+    bad_id = _bert_feeds(1, 8, 6)
+    bad_id["input_ids"][0, 0] = 10**6
+    mistakes = []
+    for feeds in (too_long, bad_id):
+        with pytest.raises(kiln.KilnError) as refused:
+            session.run(None, feeds)
+        mistakes.append((feeds, str(refused.value)))
+    return mistakes
+
+
+WANT_STATUS = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_client_mistake_is_invalid_argument_with_kilns_reason(server: Server,
+                                                                protocol: str) -> None:  # fmt: skip
+    module = triton_http if protocol == "http" else _grpc()
+    url = server.http if protocol == "http" else server.grpc
+    with closing(module.InferenceServerClient(url)) as client:
+        for feeds, reason in _client_mistakes(server):
+            with pytest.raises(InferenceServerException) as answer:
+                client.infer(BERT, _inputs(module, feeds))
+            assert answer.value.status() == WANT_STATUS[protocol]
+            assert reason.split(": ", 1)[-1] in answer.value.message()
         model, feeds = CASES[0]  # and the model still answers
-        result = client.infer(model, _inputs(triton_http, feeds))
-        session = server.session(model)
-        names = session.output_names
-        _assert_same({n: result.as_numpy(n) for n in names}, session.run(None, feeds), names)
+        result = client.infer(model, _inputs(module, feeds))
+    session = server.session(model)
+    names = session.output_names
+    _assert_same({n: result.as_numpy(n) for n in names}, session.run(None, feeds), names)
 
 
 def test_text_tensors_and_a_model_without_a_batch_dim(server: Server) -> None:

@@ -10,7 +10,10 @@ Each request runs through one `kiln.Session` on the artifact, so its buckets, pa
 and engine settings go along. Triton's dynamic batcher hands `execute` the requests it
 gathered; the session merges them into one run where that is safe (Session.run_batch). A
 request the session refuses, or whose run fails, is answered with its error; the others are
-still answered.
+still answered. The error carries the code `kiln serve` answers the same failure with: a
+refusal of the request (KilnError) is INVALID_ARG, which Triton's clients read as HTTP 400
+and gRPC INVALID_ARGUMENT; any other failure is INTERNAL (500). Triton before 23.09 takes
+no code: there every error is INTERNAL.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class TritonPythonModel:
                 f"Kiln cannot be imported in the Python environment Triton runs this model in "
                 f"({exc}); install it there: pip install kiln-ml 'numpy<2'"
             ) from None
+        self.refusal = kiln.KilnError  # the request's fault, as kiln serve judges it
         config = json.loads(args["model_config"])
         # args["model_repository"] is this model's directory, REPO/NAME.
         artifact = Path(args["model_repository"]) / args["model_version"] / ARTIFACT
@@ -50,7 +54,7 @@ class TritonPythonModel:
             try:  # checked one by one: a bad request must not fail the batch it came in
                 accepted.append((i, self.session.check_feeds(self._feeds(request))))
             except Exception as exc:
-                responses[i] = _error(exc)
+                responses[i] = self._error(exc)
         try:
             results = self.session.run_batch([feeds for _, feeds in accepted], self.output_names)
         except Exception:
@@ -60,7 +64,7 @@ class TritonPythonModel:
                 outputs = results[k] if results is not None else self._run_alone(feeds)
                 responses[i] = self._response(requests[i], outputs)
             except Exception as exc:
-                responses[i] = _error(exc)
+                responses[i] = self._error(exc)
         return responses
 
     def finalize(self) -> None:
@@ -86,6 +90,12 @@ class TritonPythonModel:
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
+    def _error(self, exc: Exception) -> Any:
+        """The response `kiln serve` gives the failure: its code and its message."""
+        if isinstance(exc, self.refusal):
+            return _error_response(str(exc), "INVALID_ARG")
+        return _error_response(f"inference failed: {type(exc).__name__}: {exc}", "INTERNAL")
+
 
 def _text(array: np.ndarray) -> np.ndarray:
     """Triton hands TYPE_STRING tensors over as bytes; the engines take ONNX strings as str."""
@@ -97,6 +107,9 @@ def _text(array: np.ndarray) -> np.ndarray:
     return out.reshape(array.shape)
 
 
-def _error(exc: Exception) -> Any:
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def _error_response(message: str, code: str) -> Any:
+    message = " ".join(message.split())
+    code_value = getattr(pb_utils.TritonError, code, None)  # None: Triton before 23.09
+    error = (pb_utils.TritonError(message) if code_value is None
+             else pb_utils.TritonError(message, code_value))  # fmt: skip
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
