@@ -92,6 +92,12 @@ class ServedModel:
     def accepting(self) -> bool:
         return self.batcher.accepting
 
+    @property
+    def max_batch_size(self) -> int:
+        """Triton's max_batch_size as /config advertises it: the most samples one request may
+        bring (and the batcher merges); 0 for a model without a batch axis on every tensor."""
+        return self.batcher.max_batch if self.batch_axis else 0
+
     def stats(self) -> dict[str, Any]:
         return self.session.stats()
 
@@ -110,7 +116,7 @@ class ServedModel:
         return model_config(
             self.name, list(self.session.inputs), list(self.session.outputs),
             platform=self.platform, backend=self.backend, kind=self.kind,
-            max_batch_size=self.batcher.max_batch if self.batch_axis else 0,
+            max_batch_size=self.max_batch_size,
             max_delay_s=self.batcher.max_delay,
         )  # fmt: skip
 

@@ -140,6 +140,7 @@ def _checked(served: ServedModel, request: InferRequest) -> TimedFeeds:
     datatypes, shapes), then the model's own (dims within its limits), before queueing — a
     request the engine would fail on must neither run nor fail the batch it would join."""
     check_inputs(request.inputs, served.inputs)
+    check_batch(request.inputs, served)
     feeds = TimedFeeds(served.session.check_feeds(request.inputs))
     unknown = sorted(set(request.outputs) - set(served.output_names))
     if unknown:
@@ -177,6 +178,23 @@ def check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]])
         raise Refused(
             400, f"inputs disagree on the batch size (dim 0): {batched}; give them all the same"
         )
+
+
+def check_batch(feeds: dict[str, np.ndarray], served: ServedModel) -> None:
+    """A request's batch (dim 0) within the max_batch_size /config advertises, as Triton
+    refuses it: a larger one would run whole, its memory unbounded by anything the server
+    says. A model without a batch axis (max_batch_size 0) takes each request as it is."""
+    limit = served.max_batch_size
+    if not limit:
+        return
+    for name, array in feeds.items():
+        if array.ndim and array.shape[0] > limit:
+            raise Refused(
+                400,
+                f"input '{name}' has batch size {array.shape[0]} (dim 0); model "
+                f"'{served.name}' takes 1 to {limit} per request (its max_batch_size); "
+                f"send at most {limit} per request",
+            )
 
 
 def status_of(exc: Exception) -> tuple[int, str]:
