@@ -358,9 +358,27 @@ def test_switching_the_backend_under_other_versions_is_refused(artifacts, tmp_pa
     repo = tmp_path / "repo"
     export_triton(artifacts["resnet"], repo, name="m")
     config = (repo / "m" / "config.pbtxt").read_text()
-    with pytest.raises(KilnError, match="'onnxruntime' backend; this export needs 'python'"):
+    with pytest.raises(KilnError, match='backend \\("onnxruntime" here, "python" for this'):
         export_triton(artifacts["resnet"], repo, name="m", version=2, runtime="kiln")
     assert (repo / "m" / "config.pbtxt").read_text() == config and not (repo / "m" / "2").exists()
+
+
+def test_a_version_whose_config_would_differ_is_refused_naming_the_fields(artifacts, tmp_path):
+    repo = tmp_path / "repo"
+    export_triton(artifacts["resnet"], repo, name="m")
+    config = (repo / "m" / "config.pbtxt").read_text()
+    with pytest.raises(KilnError) as refused:  # another model, and another tuned batcher
+        export_triton(artifacts["bert"], repo, name="m", version=2)
+    said = str(refused.value)
+    assert "max_batch_size (16 here, 4 for this version)" in said
+    for field in ("input", "output", "dynamic_batching", "parameters"):
+        assert f"; {field}" in said
+    assert "--name" in said and "--force" in said
+    assert (repo / "m" / "config.pbtxt").read_text() == config and not (repo / "m" / "2").exists()
+    export_triton(artifacts["resnet"], repo, name="m", version=2)  # the same config: taken
+    assert (repo / "m" / "config.pbtxt").read_text() == config  # v1's, header and all
+    done = export_triton(artifacts["bert"], repo, name="m", version=3, force=True)
+    assert _parsed(repo / "m" / "config.pbtxt").max_batch_size == done.config["max_batch_size"]
 
 
 def test_cli_json_says_what_was_written(artifacts, tmp_path):

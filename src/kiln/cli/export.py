@@ -71,7 +71,9 @@ def export(
     force: Annotated[
         bool,
         typer.Option(
-            help="Replace an existing version directory of the model (and --kserve's files)."
+            help="Replace an existing version directory of the model, its config.pbtxt where "
+            "the versions kept there need another (they then run under this one), and "
+            "--kserve's files."
         ),
     ] = False,
     json_: JsonOpt = False,

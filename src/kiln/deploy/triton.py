@@ -7,6 +7,10 @@
 
 Everything is checked before anything is written, and written into a temporary directory
 beside its place and renamed into it: a failed export leaves the repository as it was.
+
+config.pbtxt is the model's, shared by its versions: a new version whose config would differ
+from the one serving the versions already there is refused, naming the fields (`--force`
+writes it for every version); one whose config is the same leaves the file as it is.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ ARTIFACT_DIR = "artifact.kiln"  # as python_model.ARTIFACT, which cannot import 
 _PYTHON_MODEL = Path(__file__).with_name("python_model.py")
 # A model name is a directory of the repository and a segment of Triton's URLs.
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_BACKEND_LINE = re.compile(r'^backend:\s*"([^"]*)"', re.MULTILINE)
+# A top-level field of text format as protobuf prints it: its name at the start of a line.
+_TOP_FIELD = re.compile(r"[A-Za-z_]\w*")
+_SHOWN = 60  # a differing value longer than this is named, not shown
 
 
 @dataclass
@@ -86,9 +92,11 @@ def export_triton(
     source = read_artifact(artifact)
     repository = Path(repository)
     backend = triton_backend(source.manifest, runtime)
-    _check_destination(repository, name, version, backend, force)
+    _check_destination(repository, name, version, force)
     config, notes = triton_config(source, name, runtime)
     text = config_text(config, header=_header(source, backend, runtime, notes))
+    if not _config_to_write(repository / name, version, text, force):
+        text = None  # the config serving the other versions serves this one as it is
     _install(repository, name, version, lambda into: _fill(into, source, runtime), text)
     return TritonExport(repository, name, version, runtime, backend, config, notes)
 
@@ -109,9 +117,7 @@ def _check_name(name: str, given: bool) -> None:
         )
 
 
-def _check_destination(
-    repository: Path, name: str, version: int, backend: str, force: bool
-) -> None:
+def _check_destination(repository: Path, name: str, version: int, force: bool) -> None:
     """Refuse, before any work, a repository entry that cannot take this export."""
     if repository.exists() and not repository.is_dir():
         raise KilnError(f"{repository}: exists and is not a directory; give a model repository.")
@@ -130,23 +136,65 @@ def _check_destination(
             f"{target}: model '{name}' already has version {version}; pass --version with a "
             "new number, or --force to replace it."
         )
-    _check_config_backend(entry, version, backend, force)
 
 
-def _check_config_backend(entry: Path, version: int, backend: str, force: bool) -> None:
-    """config.pbtxt is the model's, not a version's: refuse to switch the backend under the
-    other versions kept there."""
+def _config_to_write(entry: Path, version: int, text: str, force: bool) -> bool:
+    """Whether to write config.pbtxt. It is the model's, not a version's: where other versions
+    are served by it, a config that would differ is refused (or, with `force`, written for them
+    all) and one that is the same is kept as it is."""
+    others = sorted(p.name for p in entry.glob("[0-9]*") if p.name.isdigit()
+                    and p.name != str(version))  # fmt: skip
     try:
-        existing = _BACKEND_LINE.search((entry / CONFIG_FILE).read_text())
+        existing = (entry / CONFIG_FILE).read_text()
     except (OSError, UnicodeDecodeError):
-        return
-    others = [p.name for p in entry.iterdir() if p.name.isdigit() and p.name != str(version)]
-    if existing and existing[1] != backend and others and not force:
-        raise KilnError(
-            f"{entry}: its config serves versions {', '.join(sorted(others))} with Triton's "
-            f"'{existing[1]}' backend; this export needs '{backend}'. Choose another --name, "
-            "or pass --force to replace the config."
-        )
+        return True
+    differing = _differing_fields(existing, text)
+    if not others or force or not differing:
+        return bool(differing)
+    served = f"version{'s' * (len(others) > 1)} {', '.join(others)}"
+    raise KilnError(
+        f"{entry / CONFIG_FILE}: Triton serves every version of model '{entry.name}' with this "
+        f"one config, and version {version} would need another; the fields that differ: "
+        f"{'; '.join(differing)}. Export this artifact as a model of its own (--name), or pass "
+        f"--force to write its config for every version ({served} then run under it)."
+    )
+
+
+def _differing_fields(existing: str, new: str) -> list[str]:
+    """The top-level fields in which two config texts differ, each with both values where
+    they are short. Comments and whitespace do not count."""
+    old_fields, new_fields = _top_fields(existing), _top_fields(new)
+    differing = []
+    for name in dict.fromkeys([*old_fields, *new_fields]):
+        old, new_value = old_fields.get(name, "(none)"), new_fields.get(name, "(none)")
+        if old == new_value:
+            continue
+        old, new_value = _value(name, old), _value(name, new_value)
+        shown = len(old) <= _SHOWN and len(new_value) <= _SHOWN
+        differing.append(f"{name} ({old} here, {new_value} for this version)" if shown
+                         else name)  # fmt: skip
+    return differing
+
+
+def _value(field: str, text: str) -> str:
+    """A field's text without its name: `max_batch_size: 8` → `8`."""
+    return text.removeprefix(field).removeprefix(":").strip()
+
+
+def _top_fields(text: str) -> dict[str, str]:
+    """Each top-level field of config text as protobuf's text format prints it (a name at
+    the start of a line, what belongs to it indented below), its lines joined by spaces."""
+    fields: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        start = _TOP_FIELD.match(line)
+        if start:
+            current = fields.setdefault(start[0], [])
+        if current is not None:
+            current.append(line.strip())
+    return {name: " ".join(lines) for name, lines in fields.items()}
 
 
 def _header(source: Artifact, backend: str, runtime: str, notes: list[str]) -> list[str]:
@@ -172,10 +220,11 @@ def _fill(into: Path, source: Artifact, runtime: str) -> None:
 
 
 def _install(
-    repository: Path, name: str, version: int, fill: Callable[[Path], None], text: str
+    repository: Path, name: str, version: int, fill: Callable[[Path], None], text: str | None
 ) -> None:
     """Build the entry (or, when the model exists, the version) beside its place and rename
-    it in; on any failure nothing is left behind and what was there stays."""
+    it in, with config.pbtxt `text` (None: the model's stays as it is); on any failure
+    nothing is left behind and what was there stays."""
     created = not repository.exists()
     try:
         repository.mkdir(exist_ok=True)
@@ -183,7 +232,7 @@ def _install(
         if entry.is_dir():
             _install_version(entry, version, fill, text)
         else:
-            _install_entry(entry, version, fill, text)
+            _install_entry(entry, version, fill, text)  # new: its config is always written
     except OSError as exc:
         if created:
             shutil.rmtree(repository, ignore_errors=True)
@@ -204,7 +253,9 @@ def _install_entry(entry: Path, version: int, fill: Callable[[Path], None], text
         remove_tree(tmp)
 
 
-def _install_version(entry: Path, version: int, fill: Callable[[Path], None], text: str) -> None:
+def _install_version(
+    entry: Path, version: int, fill: Callable[[Path], None], text: str | None
+) -> None:
     target = entry / str(version)
     tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=entry))
     old = None
@@ -218,7 +269,8 @@ def _install_version(entry: Path, version: int, fill: Callable[[Path], None], te
         try:
             tmp.rename(target)
             swapped = True
-            atomic_write_text(entry / CONFIG_FILE, text)
+            if text is not None:
+                atomic_write_text(entry / CONFIG_FILE, text)
         except OSError:
             if swapped:
                 target.rename(tmp)  # the new version out again (removed below)
