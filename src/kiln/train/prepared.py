@@ -27,12 +27,14 @@ torchtitan builds optimizers after sharding.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.errors import KilnError
 from kiln.train import memory, parallel, precision
@@ -69,6 +71,7 @@ class Prepared:
     scale_events: list[ScaleEvent] = field(default_factory=list)
     _micro: int = 0  # backward calls since the last optimizer step
     _wrapped: nn.Module | None = None  # the DDP/FSDP2 module under torch.compile
+    _user: nn.Module | None = None  # the module as the user gave it (unwrap)
 
     # ---------------------------------------------------------------- the loop's four calls
 
@@ -145,6 +148,29 @@ class Prepared:
         return {"steps": self.steps, "skipped": self.skipped,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}  # fmt: skip
 
+    def unwrap(self) -> nn.Module:
+        """The user's own module, holding the trained weights, without torch.compile's and
+        DDP's wrappers (a pipeline's stages gathered into it: there every rank must call
+        it). FSDP2 shards the module in place: take `state_dict()` there."""
+        if self.config.parallel.strategy == "fsdp2":
+            raise KilnError(
+                "unwrap: under fsdp2 the module's parameters are shards; take "
+                "prepared.state_dict() on every rank and load it into a module you build."
+            )
+        assert self._user is not None
+        if self.pipeline is not None:
+            self._user.load_state_dict(self.state_dict())
+        return self._user
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights, on the CPU, under the names of the user's own module
+        (no `_orig_mod.` or `module.` prefixes): what `model.load_state_dict` of a plain
+        module takes. FSDP2's shards and a pipeline's stages are gathered: under those
+        every rank must call it."""
+        from kiln.train.export import gathered_state_dict
+
+        return gathered_state_dict(self)
+
     def load_state(self, state: dict[str, Any]) -> None:
         self.steps, self.skipped = int(state.get("steps", 0)), int(state.get("skipped", 0))
         if self.scaler.is_enabled() and state.get("scaler"):
@@ -189,7 +215,7 @@ def prepare(
     _check_model(model)
     dist = parallel.setup(config)
     torch.manual_seed(config.seed)
-    model = model.to(dist.device)
+    model = user = model.to(dist.device)
     kept = precision.keep_in_fp32(model, config.keep_fp32, dist.device)
     blocks = memory.chosen_blocks(model, config.checkpointing)
     if config.checkpointing.policy == "budget":
@@ -221,7 +247,7 @@ def prepare(
         "fsdp2", "pipeline"))  # fmt: skip
     scaler = precision.grad_scaler(config, dist.device, sharded=strategy == "fsdp2")
     prepared = Prepared(model, optimizer, config, dist, scaler, [n for n, _ in blocks], kept,
-                        runner, _wrapped=wrapped)  # fmt: skip
+                        runner, _wrapped=wrapped, _user=user)  # fmt: skip
     prepared._sync(config.accumulation == 1)
     return prepared
 
@@ -263,8 +289,7 @@ def _optimizer(
     rebuild: bool,
 ) -> torch.optim.Optimizer:
     """The optimizer over the parameters the model now has, with the config's foreach/fused."""
-    impl = {k: v for k, v in (("foreach", config.foreach), ("fused", config.fused))
-            if v is not None}  # fmt: skip
+    impl = _implementation(config)
     if groups is None:  # a factory: called on the parameters as they are now
         made = optimizer(list(model.parameters()))
         if not isinstance(made, torch.optim.Optimizer):
@@ -272,27 +297,124 @@ def _optimizer(
                 f"prepare: the optimizer function returned a {type(made).__name__}; expected "
                 "a torch.optim.Optimizer."
             )
-        optimizer, groups, rebuild = made, None, bool(impl)
-        if not rebuild:
+        if not impl:
             return made
         names = {id(p): n for n, p in model.named_parameters()}
-        groups = [{**g, "params": [names[id(p)] for p in g["params"]]}
-                  for g in made.param_groups]  # fmt: skip
-    assert isinstance(optimizer, torch.optim.Optimizer)
+        optimizer, groups = made, _groups(made, names)
+    assert isinstance(optimizer, torch.optim.Optimizer) and groups is not None
     if not rebuild and not impl:
         return optimizer
-    if not rebuild:
-        for group in optimizer.param_groups:  # what the constructor would have stored
-            group.update(impl)
-        return optimizer
+    return _rebuild(optimizer, groups, model, impl)
+
+
+def _implementation(config: TrainConfig) -> dict[str, bool | None]:
+    """The config's foreach/fused as constructor arguments. One chosen rules out the other
+    the optimizer may hold (torch refuses both True)."""
+    impl = {k: v for k, v in (("foreach", config.foreach), ("fused", config.fused))
+            if v is not None}  # fmt: skip
+    if impl.get("fused"):
+        impl.setdefault("foreach", None)
+    if impl.get("foreach"):
+        impl.setdefault("fused", None)
+    return impl
+
+
+def _rebuild(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    model: nn.Module,
+    impl: dict[str, bool | None],
+) -> torch.optim.Optimizer:
+    """`optimizer` remade by its own constructor over the parameters the model has now
+    (FSDP2's shards, a pipeline stage's share), with its groups' hyperparameters and its
+    state, and with the config's implementation. The caller's object is kept and takes the
+    new one's attributes: an LR scheduler bound to it goes on driving it."""
     now = {_plain(n): p for n, p in model.named_parameters()}
-    rebuilt = []
-    for group in groups or []:
-        params = [now[_plain(n)] for n in group["params"] if _plain(n) in now]
-        if params:  # a pipeline stage holds only some groups' parameters
+    rebuilt, state = [], {}
+    for group, held in zip(groups, optimizer.param_groups, strict=True):
+        params = []
+        for name, old in zip(group["params"], held["params"], strict=True):
+            param = now.get(_plain(name))
+            if param is None:  # a pipeline stage holds only some of the parameters
+                continue
+            params.append(param)
+            if old in optimizer.state:
+                state[param] = _placed(optimizer.state[old], param)
+        if params:
             rebuilt.append({**group, **impl, "params": params})
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in impl}
-    return type(optimizer)(rebuilt, **defaults, **impl)
+    fresh = type(optimizer)(rebuilt, **_arguments(optimizer, impl))
+    fresh.state.update(state)
+    # Hooks registered on the caller's optimizer stay, as does the step wrapper an LR
+    # scheduler put on the instance (the fresh one has none of its own).
+    vars(optimizer).update({k: v for k, v in vars(fresh).items() if not k.endswith("_hooks")})
+    return optimizer
+
+
+def _arguments(optimizer: torch.optim.Optimizer, impl: dict[str, bool | None]) -> dict[str, Any]:
+    """What the optimizer's constructor takes besides the parameters, each from the config's
+    implementation, the optimizer's hyperparameters (`defaults`), or an attribute of the same
+    name (where constructors keep settings that are not per-group)."""
+    kind = type(optimizer).__name__
+    accepted = _accepted(type(optimizer))
+    arguments: dict[str, Any] = {}
+    for name, value in impl.items():
+        if name in accepted:
+            arguments[name] = value
+        elif name not in optimizer.defaults and value is not None:
+            # Else torch's step reads it from each group, where _rebuild puts it.
+            raise KilnError(f"{name}: {kind} has no {name} implementation; leave {name} unset "
+                            "in the config for this optimizer.")  # fmt: skip
+    for name, parameter in accepted.items():
+        if name in arguments:
+            continue
+        if name in optimizer.defaults:
+            arguments[name] = optimizer.defaults[name]
+        elif name in vars(optimizer):
+            arguments[name] = vars(optimizer)[name]
+        elif parameter.default is inspect.Parameter.empty:
+            raise KilnError(
+                f"prepare: cannot remake {kind} over the model's new parameters: its "
+                f"constructor's argument {name} is neither in its defaults nor an attribute; "
+                f"pass a function of the parameters instead, e.g. lambda params: {kind}(params, "
+                f"{name}=...)."
+            )
+    return arguments
+
+
+def _accepted(kind: type) -> dict[str, inspect.Parameter]:
+    """The keyword arguments `kind`'s constructor takes after the parameters; where it passes
+    **kwargs on to its base class, the base's too (AdamW's own omit Adam's
+    decoupled_weight_decay, which its `defaults` hold)."""
+    accepted: dict[str, inspect.Parameter] = {}
+    for klass in kind.__mro__:
+        if klass is torch.optim.Optimizer:
+            break
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[2:]  # self, params
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        for parameter in parameters:
+            if parameter.kind in named:
+                accepted.setdefault(parameter.name, parameter)
+        if all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in parameters):
+            break
+    return accepted
+
+
+def _placed(state: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """A parameter's optimizer state for its new parameter: where FSDP2 sharded the parameter
+    into a DTensor, each full-size state tensor (Adam's moments, momentum) is sharded alike."""
+    if not isinstance(param, DTensor):
+        return dict(state)
+    return {
+        key: distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+        if isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.shape == param.shape
+        else value
+        for key, value in state.items()
+    }
 
 
 def _plain(name: str) -> str:
