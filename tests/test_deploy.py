@@ -24,6 +24,7 @@ import kiln
 from kiln.deploy import export_triton, pbtxt
 from kiln.deploy.config import DEFAULT_MAX_BATCH
 from kiln.errors import KilnError
+from kiln.ir.inputs import synthesize
 
 BERT, RESNET = "bert-tiny", "resnet-tiny"
 ORT_OPTIONS = {"optimization": "basic", "intra_op_threads": 1, "inter_op_threads": 2,
@@ -244,16 +245,22 @@ def _bert_feeds(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
             "token_type_ids": np.zeros((batch, seq), np.int64)}  # fmt: skip
 
 
-def test_the_python_model_answers_each_request_as_kiln_session_does(artifacts, tmp_path,
-                                                                    monkeypatch):  # fmt: skip
-    done = export_triton(artifacts["bert"], tmp_path / "repo", runtime="kiln")
+def _python_model(done: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The exported model.py's model, initialized as Triton's Python backend does."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _fake_pb_utils())
     spec = importlib.util.spec_from_file_location("exported_model", done.version_path / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(done.config), "model_version": "1",
+    model.initialize({"model_config": json.dumps(done.config), "model_version": str(done.version),
                       "model_repository": str(done.path)})  # fmt: skip
+    return model
+
+
+def test_the_python_model_answers_each_request_as_kiln_session_does(artifacts, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    done = export_triton(artifacts["bert"], tmp_path / "repo", runtime="kiln")
+    model = _python_model(done, monkeypatch)
     session = kiln.Session(artifacts["bert"])
     good = [_bert_feeds(*shape, seed=i) for i, shape in enumerate([(1, 8), (2, 8), (1, 12)])]
     too_long = _bert_feeds(1, 4096, seed=3)
@@ -272,6 +279,29 @@ def test_the_python_model_answers_each_request_as_kiln_session_does(artifacts, t
         want = dict(zip(session.output_names, session.run(None, feeds), strict=True))
         for name, got in answer.tensors.items():
             np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6)
+    model.finalize()
+
+
+def test_a_partitioned_artifact_runs_whole_in_the_python_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    parts = kiln.compile("zoo:two-tower-tiny", tmp_path / "tt.kiln", partition="text=ort").path
+    with pytest.raises(KilnError, match="partitioned artifact .*--runtime kiln"):
+        export_triton(parts, tmp_path / "repo")  # a native backend runs one graph
+    assert not (tmp_path / "repo").exists()
+    done = export_triton(parts, tmp_path / "repo", runtime="kiln")
+    session = kiln.Session(parts)
+    config = _parsed(done.path / "config.pbtxt")
+    assert config.backend == "python" and config.max_batch_size == DEFAULT_MAX_BATCH
+    assert [t.name for t in config.input] == session.input_names
+    assert [t.name for t in config.output] == session.output_names
+    copy = done.version_path / "artifact.kiln"
+    assert _tree(copy / "parts") == _tree(parts / "parts")
+    model = _python_model(done, monkeypatch)
+    feeds = synthesize(session.interface, dims=session.artifact.manifest.dims)
+    (answer,) = model.execute([_FakeRequest(feeds)])
+    assert answer.error is None
+    for name, want in zip(session.output_names, session.run(None, feeds), strict=True):
+        np.testing.assert_array_equal(answer.tensors[name], want)
     model.finalize()
 
 

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from kiln.artifact import Artifact, Manifest
 from kiln.runtime.metadata import graph_inputs, kserve_meta, node_arg
 from kiln.runtime.padding import batch_dims, input_layout
+from kiln.runtime.parts import interface_of
 from kiln.serve.protocol import model_config
 
 # Kiln's runtime in Triton's Python backend, or the artifact's engine as a Triton backend.
@@ -50,7 +51,7 @@ def triton_config(artifact: Artifact, name: str, runtime: str) -> tuple[dict[str
     """Triton's ModelConfig JSON for serving `artifact` as model `name`, and notes: what
     Kiln decided that the config cannot say."""
     manifest = artifact.manifest
-    model = ir.load(artifact.model_path)  # the interface; external weights stay on disk
+    model = interface(artifact)
     inputs = [kserve_meta(v) for v in graph_inputs(model)]
     outputs = [kserve_meta(v) for v in model.graph.outputs]
     max_batch, delay_ms = tuned_batcher(manifest)
@@ -67,6 +68,15 @@ def triton_config(artifact: Artifact, name: str, runtime: str) -> tuple[dict[str
     if warmup:
         config["model_warmup"] = [warmup]
     return config, notes
+
+
+def interface(artifact: Artifact) -> ir.Model:
+    """The model requests are checked against: its graph (external weights stay on disk), or
+    for a partitioned artifact the whole's inputs and outputs as its manifest records them
+    (what kiln.Session checks a request against there)."""
+    if artifact.manifest.parts:
+        return interface_of(artifact.manifest)
+    return ir.load(artifact.model_path)
 
 
 def tuned_batcher(manifest: Manifest) -> tuple[int, float]:

@@ -5,6 +5,9 @@
     REPO/NAME/VERSION/model.py           kiln: Kiln's runtime in Triton's Python backend ...
     REPO/NAME/VERSION/artifact.kiln/     ... serving this copy of the artifact
 
+A partitioned artifact (several parts, each on its own engine) goes only to Kiln's runtime,
+which runs it whole as kiln.Session does; Triton's own backends run one graph on one engine.
+
 Everything is checked before anything is written, and written into a temporary directory
 beside its place and renamed into it: a failed export leaves the repository as it was.
 
@@ -25,7 +28,14 @@ from typing import Any
 
 from kiln import __version__
 from kiln.artifact import Artifact, read_artifact
-from kiln.artifact.store import ARTIFACT_FILES, DATA_FILE, MODEL_FILE, remove_tree
+from kiln.artifact.parts import is_partitioned
+from kiln.artifact.store import (
+    ARTIFACT_FILES,
+    DATA_FILE,
+    MODEL_FILE,
+    read_partitioned,
+    remove_tree,
+)
 from kiln.deploy.config import KILN, NATIVE, RUNTIMES, triton_backend, triton_config
 from kiln.deploy.pbtxt import config_text
 from kiln.errors import KilnError
@@ -89,7 +99,7 @@ def export_triton(
     _check_name(name, given=True)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise KilnError(f"version {version!r}: Triton's versions are whole numbers from 1.")
-    source = read_artifact(artifact)
+    source = read_source(artifact, runtime)
     repository = Path(repository)
     backend = triton_backend(source.manifest, runtime)
     _check_destination(repository, name, version, force)
@@ -99,6 +109,22 @@ def export_triton(
         text = None  # the config serving the other versions serves this one as it is
     _install(repository, name, version, lambda into: _fill(into, source, runtime), text)
     return TritonExport(repository, name, version, runtime, backend, config, notes)
+
+
+def read_source(artifact: str | Path, runtime: str) -> Artifact:
+    """The artifact to export, opened; a partitioned one (its parts opened too, so a damaged
+    part is refused here) only for Kiln's runtime."""
+    if not is_partitioned(artifact):
+        return read_artifact(artifact)
+    whole, section, _ = read_partitioned(artifact)
+    if runtime != KILN:
+        placed = ", ".join(f"{p.name} on {p.engine}" for p in section.parts)
+        raise KilnError(
+            f"{artifact} is a partitioned artifact ({placed}): Triton's own backends run one "
+            "graph on one engine. Pass --runtime kiln (its model.py runs the parts as "
+            f"kiln.Session does), or export one part, e.g. {artifact}/{section.parts[0].path}."
+        )
+    return whole
 
 
 def default_name(artifact: str | Path) -> str:
@@ -217,6 +243,8 @@ def _fill(into: Path, source: Artifact, runtime: str) -> None:
     for file in sorted(ARTIFACT_FILES):  # Kiln's files only, not what else a user keeps there
         if (source.path / file).is_file():
             shutil.copyfile(source.path / file, copy / file)
+        elif (source.path / file).is_dir():  # a partitioned artifact's parts
+            shutil.copytree(source.path / file, copy / file)
 
 
 def _install(
