@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import warnings
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
@@ -108,6 +110,43 @@ def load(
             f"({_cause(exc)}); load another checkpoint, or train from the start."
         ) from None
     return step, extra
+
+
+def rank_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's `state`, in rank order, on every rank (a collective: all ranks call it):
+    what a checkpoint's `extra` keeps per rank, e.g. `rng_state()`."""
+    if not torch_dist.is_initialized():
+        return [state]
+    states: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(states, state)
+    return states
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random generators — torch (CPU and CUDA), numpy, Python — as tensors,
+    numbers and lists, which `load` reads back under weights_only."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss],
+        "python": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what `rng_state` took: dropout and a dataset's own random draws go on as
+    they would have in the run that saved it."""
+    torch.set_rng_state(state["torch"])
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _save_extra(extra: dict[str, Any], path: Path) -> None:

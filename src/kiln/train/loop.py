@@ -137,12 +137,12 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     if config.checkpointing.policy == "budget":
         config = budget_policy(module, (inputs, targets), loss_fn, config)
     prepared = prepare(module, run.optimizer or adamw, config, loss_fn=loss_fn, example=inputs)
-    start_step = _resume(run, prepared)
+    start_step, seen = _resume(run, prepared)
     loader = prepared.loader(train)
     total = _total_steps(run, len(loader), config)
     memory.reset_peak()
     resident = memory.resident_mib()  # model, data and runtime: what training adds is above
-    record = _loop(run, prepared, loader, loss_fn, start_step, total, progress)
+    record = _loop(run, prepared, loader, loss_fn, (start_step, seen), total, progress)
     peak = memory.peak_mib()
     record["peak_mib"] = {str(prepared.dist.rank): peak}
     record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
@@ -159,14 +159,16 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     return record
 
 
-def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, total: int | None,
-          progress: Progress | None) -> dict[str, Any]:  # fmt: skip
+def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[int, int],
+          total: int | None, progress: Progress | None) -> dict[str, Any]:  # fmt: skip
+    """Optimizer steps from `begin` (the step and the samples taken before it, over all
+    ranks) until `_stop`; the record of this run."""
     config, dist = prepared.config, prepared.dist
+    start, seen = begin
+    # A resumed run goes on with the samples the interrupted one had not reached: the same
+    # shuffles (the loader's generator is seeded), positioned past what it took.
+    loader.seek(seen // _replicas(config))
     stream = batches(loader)
-    # A resumed run goes on with the batches the interrupted one had not reached: the same
-    # shuffles (the loader's generator is seeded), drawn past what the steps consumed.
-    for _ in range(start * config.accumulation):
-        next(stream)
     losses: list[float] = []
     times: list[float] = []  # seconds since the loop started, at each optimizer step
     deadline = time.monotonic() + run.seconds if run.seconds else None
@@ -187,7 +189,8 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, t
         losses.append(mean)
         times.append(time.perf_counter() - started)
         if run.checkpoint and step % run.checkpoint_every == 0:
-            saved, saved_at = _save(run, prepared, step), step
+            samples = seen + (step - start) * config.global_batch
+            saved, saved_at = _save(run, prepared, step, samples), step
         if progress is not None:
             elapsed = time.perf_counter() - started
             progress({"step": step, "steps": total, "loss": mean, "seconds": elapsed,
@@ -195,7 +198,7 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, start: int, t
                       "loss_scale": prepared.loss_scale})  # fmt: skip
     seconds = time.perf_counter() - started
     if run.checkpoint and step > saved_at:  # the last step, unless just saved
-        saved = _save(run, prepared, step)
+        saved = _save(run, prepared, step, seen + (step - start) * config.global_batch)
     done = step - start
     return {
         "config": config.to_json(),
@@ -408,9 +411,11 @@ def _validate(prepared: Prepared, val: Any, loss_fn: Any) -> dict[str, float] | 
     return {"loss": total / seen, **({"accuracy": correct / count} if count else {})}
 
 
-def _resume(run: Run, prepared: Prepared) -> int:
+def _resume(run: Run, prepared: Prepared) -> tuple[int, int]:
+    """(step, samples taken over all ranks) of the checkpoint resumed from, its weights,
+    optimizer, scaler and this rank's random generators restored; (0, 0) for a fresh run."""
     if not (run.resume and run.checkpoint):
-        return 0
+        return 0, 0
     from kiln.train import checkpoint
 
     found = checkpoint.latest(run.checkpoint)
@@ -418,15 +423,28 @@ def _resume(run: Run, prepared: Prepared) -> int:
         raise KilnError(f"--resume: no checkpoint in {run.checkpoint} to continue from.")
     step, extra = checkpoint.load(found, prepared.model, prepared.optimizer)
     prepared.load_state(extra)
-    return step
+    ranks = extra.get("ranks") or []
+    # Another number of ranks draws other numbers anyway: their generators stay as seeded.
+    if len(ranks) == prepared.dist.world:
+        checkpoint.set_rng_state(ranks[prepared.dist.rank])
+    return step, int(extra.get("samples", step * prepared.config.global_batch))
 
 
-def _save(run: Run, prepared: Prepared, step: int) -> Path:
+def _save(run: Run, prepared: Prepared, step: int, samples: int) -> Path:
+    """A checkpoint at `step`, after `samples` samples over all ranks: with the weights and
+    optimizer, what a resumed run needs to go on as this one would have — the scaler, the
+    data position and every rank's random generators (dropout, a dataset's own draws)."""
     from kiln.train import checkpoint
 
     assert run.checkpoint is not None
-    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer,
-                           prepared.state())  # fmt: skip
+    extra = {**prepared.state(), "samples": samples,
+             "ranks": checkpoint.rank_states(checkpoint.rng_state())}  # fmt: skip
+    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer, extra)
+
+
+def _replicas(config: TrainConfig) -> int:
+    """How many ranks share out each batch's samples (a pipeline's stages read them all)."""
+    return config.global_batch // (config.micro_batch * config.accumulation)
 
 
 def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[str, Any]:
