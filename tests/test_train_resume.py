@@ -1,0 +1,69 @@
+"""Resuming `kiln.train.fit` from a checkpoint is the uninterrupted run, step for step, for a
+model with dropout on shuffled data whose samples draw from numpy and Python's `random`: the
+checkpoint keeps every rank's random generators and the data position."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from kiln.train import TrainConfig, fit  # noqa: E402
+from kiln.train.checkpoint import latest  # noqa: E402
+
+
+def dropout_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Samples augmented with numpy and Python random draws, as users' datasets do."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(40, 8, generator=generator)
+        self.y = torch.randint(0, 3, (40,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.from_numpy(np.random.normal(0, 0.1, 8).astype(np.float32))
+        return self.x[index] * random.uniform(0.9, 1.1) + noise, self.y[index]
+
+
+def noisy_data() -> Noisy:
+    np.random.seed(2)  # the user's own seeding, before training starts
+    random.seed(3)
+    return Noisy()
+
+
+def _resumed_at_10(config: TrainConfig, tmp_path) -> tuple[list[float], list[float]]:
+    """The losses of steps 11-20: of one uninterrupted run, and of a run resumed from the
+    checkpoint the first one wrote at step 10 (40 samples, batch 8: mid-way through epoch 3)."""
+    whole = fit(dropout_net, noisy_data, config=config, steps=20, checkpoint=tmp_path / "a",
+                checkpoint_every=10, validate=False)  # fmt: skip
+    stopped = tmp_path / "b" / "step-00000010"
+    shutil.copytree(tmp_path / "a" / "step-00000010", stopped)
+    rest = fit(dropout_net, noisy_data, config=config, steps=20, checkpoint=tmp_path / "b",
+               resume=True, validate=False)  # fmt: skip
+    assert latest(tmp_path / "b").name == "step-00000020" and rest["steps_this_run"] == 10
+    return whole["loss"][10:], rest["loss"]
+
+
+def test_a_dropout_model_resumed_at_step_10_is_the_uninterrupted_run(tmp_path):
+    whole, resumed = _resumed_at_10(TrainConfig(micro_batch=4, accumulation=2), tmp_path)
+    assert resumed == whole
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_resumed_at_step_10_are_the_uninterrupted_run(tmp_path):
+    parallel = {"strategy": "ddp", "ranks": 2, "threads_per_rank": 1}
+    whole, resumed = _resumed_at_10(TrainConfig(micro_batch=4, parallel=parallel), tmp_path)
+    assert resumed == whole
