@@ -38,6 +38,23 @@ KNATIVE_PORT_NAMES = {"http1": "--http-port=", "h2c": "--grpc-port="}
 TARGET_UTILIZATION = 0.70
 
 
+def _served_args(runtime_args: list[str], model: dict[str, Any]) -> list[str]:
+    """The arguments Triton starts with: kserve/kserve pkg/controller/v1beta1/inferenceservice/
+    utils/utils.go, MergeRuntimeContainers, puts the predictor's own args after the runtime's
+    (concatenated, not replaced)."""
+    return [*runtime_args, *model.get("args", [])]
+
+
+def _loaded_models(args: list[str]) -> list[str] | None:
+    """What tritonserver started with `args` loads (Triton's model management docs): every
+    model of the repository (None) unless --model-control-mode=explicit, then the models
+    named by --load-model."""
+    modes = [a.split("=", 1)[1] for a in args if a.startswith("--model-control-mode=")]
+    if not modes or modes[-1] != "explicit":
+        return None
+    return [a.split("=", 1)[1] for a in args if a.startswith("--load-model=")]
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
     """bert-tiny on ORT with 1 intra-op thread and a batcher `kiln tune --clients` chose;
@@ -146,6 +163,18 @@ def test_a_model_without_a_batch_dim_takes_one_request_at_a_time(artifacts, tmp_
     _check_autoscaling(predictor, 1)
 
 
+def test_each_service_of_a_shared_repository_loads_only_its_own_model(artifacts, tmp_path):
+    repo = tmp_path / "repo"
+    for key in ("resnet", "strings"):
+        done = export_kserve(artifacts[key], repo, tmp_path / key, measure_s=MEASURE_S)
+        model = _load(tmp_path / key / "inferenceservice.yaml")["spec"]["predictor"]["model"]
+        assert model["storageUri"] == "pvc://kiln-models/repo"  # the one repository ...
+        served = _served_args(KSERVE_TRITON_ARGS, model)
+        assert _loaded_models(served) == [done.triton.name]  # ... of which it loads its own
+        _check_resources(model, cpu_info().physical_cores, done.replica.peak_mib)
+    assert sorted(p.name for p in repo.iterdir()) == ["resnet", "strings"]
+
+
 # ---------------------------------------------------------------- Kiln's runtime
 
 
@@ -175,6 +204,7 @@ def test_kiln_runtime_writes_its_serving_runtime_and_image(artifacts, tmp_path):
     assert container["name"] == "kserve-container" and container["image"] == said["image"]
     assert container["args"][:2] == ["tritonserver", "--model-store=/mnt/models"]
     _check_port_and_args(container, container["args"])
+    assert _loaded_models(_served_args(container["args"], model)) == ["bert"]
     _check_resources(model, ORT_OPTIONS["intra_op_threads"], said["replica"]["peak_mib"])
     assert said["memory_mib"] == int(model["resources"]["limits"]["memory"][:-2])
     assert said["container_concurrency"] == TUNED["max_batch"]

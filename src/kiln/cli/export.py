@@ -147,8 +147,9 @@ def _print_kserve(done: KServeExport, image_given: bool) -> None:
     replica = done.replica
     console.print(
         f"wrote {files} in {done.directory}: InferenceService '{done.service}' on {on}, "
-        f"storageUri {done.storage_uri}; cpu {done.cpu} ({done.threads_from}), memory "
-        f"{done.memory_mib}Mi (measured peak {math.ceil(replica.peak_mib)} MiB), "
+        f"loading model '{done.triton.name}' alone from storageUri {done.storage_uri}; cpu "
+        f"{done.cpu} ({done.threads_from}), memory {done.memory_mib}Mi (measured peak "
+        f"{math.ceil(replica.peak_mib)} MiB), "
         f"containerConcurrency {done.container_concurrency} ({done.batch_from}), scaleTarget "
         f"{done.scale_target}; one replica served {replica.rate_rps:.1f} requests/s",
         highlight=False, markup=False, soft_wrap=True,

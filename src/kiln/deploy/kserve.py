@@ -23,13 +23,18 @@ Field by field, what KServe's own files say (kserve/kserve):
   Serverless` asks for it (newer KServe reads it as `Knative`; its default is Standard).
 - Knative's config-autoscaler: `container-concurrency-target-percentage: "70"` — the target
   is 70 % of the limit, so a replica is added before one is full.
+- pkg/controller/v1beta1/inferenceservice/utils/utils.go, MergeRuntimeContainers: the
+  predictor's `args` follow the runtime's (concatenated, not replaced). Each service gives
+  Triton `--model-control-mode=explicit --load-model=NAME`, so a replica of a repository of
+  several models loads only its own (Triton's default mode loads every model there).
 
-What Kiln fills in: cpu = the artifact's engine threads (ONNX Runtime's intra-op threads,
-OpenVINO's INFERENCE_NUM_THREADS; 0 = the engine's default, this machine's physical cores);
-memory = the peak resident memory of one replica measured in a process of its own
-(kiln.deploy.measure) × 1.5; containerConcurrency = the batch Triton gathers (`kiln tune
---clients`' max batch, else 16; 1 for a model without a batch dim); scaleTarget = 70 % of
-it; the measured requests/s of one replica as an annotation.
+What Kiln fills in: args = load this model only; cpu = the artifact's engine threads (ONNX
+Runtime's intra-op threads, OpenVINO's INFERENCE_NUM_THREADS; 0 = the engine's default, this
+machine's physical cores); memory = the peak resident memory of one replica of this model
+(the one it loads) measured in a process of its own (kiln.deploy.measure) × 1.5;
+containerConcurrency = the batch Triton gathers (`kiln tune --clients`' max batch, else 16;
+1 for a model without a batch dim); scaleTarget = 70 % of it; the measured requests/s of one
+replica as an annotation.
 """
 
 from __future__ import annotations
@@ -234,6 +239,8 @@ def inference_service(done: KServeExport) -> dict[str, Any]:
         "runtime": done.serving_runtime,
         "storageUri": done.storage_uri,
     }
+    # After the runtime's own args (KServe concatenates them): this model alone is loaded.
+    model["args"] = load_only(done.triton.name)
     if done.serving_runtime == TRITON_RUNTIME:  # KServe's runtime declares no port
         model["ports"] = [dict(PORT)]
     model["resources"] = {kind: {"cpu": str(done.cpu), "memory": f"{done.memory_mib}Mi"}
@@ -260,6 +267,11 @@ def inference_service(done: KServeExport) -> dict[str, Any]:
             }
         },
     }
+
+
+def load_only(model: str) -> list[str]:
+    """Triton's arguments that load `model` alone from the repository, not every model in it."""
+    return ["--model-control-mode=explicit", f"--load-model={model}"]
 
 
 def serving_runtime(done: KServeExport) -> dict[str, Any]:
@@ -334,10 +346,11 @@ def _header(done: KServeExport, source: Any) -> list[str]:
     clients = f"{replica.clients} client{'s' * (replica.clients != 1)}"
     return [
         f"Written by kiln export (kiln {__version__}) from {source.path.resolve()}.",
-        f"storageUri {done.storage_uri}: the Triton repository {done.triton.repository.resolve()}.",
+        f"storageUri {done.storage_uri}: the Triton repository {done.triton.repository.resolve()}"
+        f", of which Triton loads model '{done.triton.name}' only (args).",
         f"cpu {done.cpu}: {threads}. memory {done.memory_mib}Mi: {MEMORY_HEADROOM:g} x the peak "
         f"resident memory of one replica, {math.ceil(replica.peak_mib)} MiB, measured in Kiln's "
-        "process loading and serving the model (Triton's own server process is not in it).",
+        "process loading and serving this model (Triton's own server process is not in it).",
         f"containerConcurrency {done.container_concurrency}: {_BATCH_FROM[done.batch_from]}; "
         f"scaleTarget {done.scale_target}: {TARGET_UTILIZATION:.0%} of it (Knative's default "
         f"target utilization), at least 1; one replica served {replica.rate_rps:.1f} "
