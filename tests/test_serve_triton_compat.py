@@ -4,11 +4,23 @@ max_batch_size /config advertises is enforced, statistics count the executions t
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
 import numpy as np
+import onnx
 import pytest
 import tritonclient.http as triton
+from fastapi.testclient import TestClient
+from onnx import TensorProto, helper
+from prometheus_client.parser import text_string_to_metric_families
 from test_serve import RESNET, Server, _start, _stop
 from tritonclient.utils import InferenceServerException
+
+from kiln.runtime import Session
+from kiln.serve.app import create_app
+from kiln.serve.metrics import TritonMetrics
 
 MAX_BATCH = 4  # --max-batch of the servers here
 
@@ -43,3 +55,87 @@ def test_a_request_over_max_batch_size_is_refused_and_memory_stays_bounded(
         assert f"takes 1 to {MAX_BATCH} per request" in refused.value.message()
     after = resnet.metric("process_resident_memory_bytes")
     assert after <= 1.1 * before, (before, after)
+
+
+def _batch_one_model(path: Path) -> Path:
+    """x [1, 4] → relu → y [1, 4]: no batch axis (max_batch_size 0), each request its own
+    execution however the batcher groups them."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _engine_runs(server: Server, model: str) -> int:
+    """The executions the model's session ran, by its own record (Kiln's runtime extension)."""
+    stats = httpx.get(f"{server.base}/v2/models/{model}/runtime").json()
+    return sum(bucket["runs"] for bucket in stats["buckets"].values())
+
+
+def test_statistics_count_the_executions_that_ran(tmp_path) -> None:
+    requests = 8
+    model = _batch_one_model(tmp_path / "relu.onnx")
+    # The batcher hands all 8 to the session at once (the delay is never waited out); the
+    # session, with no batch axis to merge them on, runs each alone.
+    server = _start(tmp_path, str(model), "--max-batch", str(requests), "--max-delay-ms", "60000")
+    try:
+
+        def infer(seed: int) -> None:
+            client = triton.InferenceServerClient(server.url)
+            tensor = triton.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), seed, np.float32))
+            client.infer("relu", [tensor])
+
+        with ThreadPoolExecutor(requests) as pool:
+            list(pool.map(infer, range(requests)))
+        client = triton.InferenceServerClient(server.url)
+        (stats,) = client.get_inference_statistics("relu")["model_stats"]
+        ran = _engine_runs(server, "relu")
+    finally:
+        _stop(server)
+    assert ran == requests
+    assert stats["execution_count"] == ran
+    assert stats["inference_count"] == requests  # one per request: no batch axis
+    (batch,) = stats["batch_stats"]
+    assert batch["batch_size"] == 1
+    for phase in ("compute_input", "compute_infer", "compute_output"):
+        assert batch[phase]["count"] == ran, phase
+        assert batch[phase]["ns"] > 0, phase
+
+
+def test_triton_metric_names_read_by_a_prometheus_parser(tmp_path) -> None:
+    session = Session(f"zoo:{RESNET}")
+    data = np.zeros((2, 3, 32, 32), np.float32)
+    body = {"inputs": [{"name": "input", "shape": list(data.shape), "datatype": "FP32",
+                        "data": data.ravel().tolist()}]}  # fmt: skip
+    answered, batch = 3, 2
+    with TestClient(create_app(session, "r", max_batch=MAX_BATCH)) as client:
+        for _ in range(answered):  # one at a time: one execution each
+            assert client.post("/v2/models/r/infer", json=body).status_code == 200
+        assert client.post("/v2/models/r/infer", json={"inputs": []}).status_code == 400
+        text = client.get("/metrics").text
+        (stats,) = client.get("/v2/models/r/stats").json()["model_stats"]
+    read = {
+        family.name: {(s.labels["model"], s.labels["version"]): s.value for s in family.samples}
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("nv_inference_")
+    }
+    assert {name: list(values) for name, values in read.items()} == {
+        f"nv_inference_{key}": [("r", "1")] for key in TritonMetrics.NAMES
+    }
+    value = {name[len("nv_inference_") :]: values[("r", "1")] for name, values in read.items()}
+    assert value["request_success"] == answered and value["request_failure"] == 1
+    assert value["count"] == answered * batch and value["exec_count"] == answered
+    phases = stats["inference_stats"]
+    for key, phase in [("request", "success"), ("queue", "queue"), ("compute_input",
+                       "compute_input"), ("compute_infer", "compute_infer"),
+                       ("compute_output", "compute_output")]:  # fmt: skip
+        assert value[f"{key}_duration_us"] == phases[phase]["ns"] // 1000, key
+    assert value["request_duration_us"] >= value["compute_infer_duration_us"] > 0
+    # Every family served is documented, by the name a scraper stores it under.
+    documented = (Path(__file__).parents[1] / "docs/reference/metrics.md").read_text()
+    for family in text_string_to_metric_families(text):
+        own = family.name.startswith("process_") or family.name.endswith("_created")
+        names = [f"`{family.name}`", f"`{family.name}_total`"]  # the parser drops _total
+        assert own or any(n in documented for n in names), f"{family.name} is not documented"

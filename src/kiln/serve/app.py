@@ -120,9 +120,15 @@ def create_models_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(models.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics_text(models), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def metrics_text(models: ModelSet) -> bytes:
+    """/metrics: Kiln's own families (kiln_*, process_*) and Triton's (nv_inference_*)."""
+    triton = models.metrics.triton.exposition().encode()
+    return generate_latest(models.metrics.registry) + triton
 
 
 def _errors(app: FastAPI, models: ModelSet) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher
-from kiln.serve.metrics import ServeMetrics, ServerMetrics
+from kiln.serve.metrics import ServeMetrics, ServerMetrics, engine_runs
 from kiln.serve.protocol import clip, model_config
 from kiln.serve.repository import Repository
 
@@ -70,15 +70,15 @@ class ServedModel:
     ) -> None:
         self.name, self.version, self.source, self.session = name, version, source, session
         self.metrics = metrics
+        self.batch_axis = _has_batch_axis(session)
         self.batcher = Batcher(
-            metrics.executions(session.run_batch),
+            metrics.executions(session.run_batch, engine_runs(session), self.batch_axis),
             max_batch=settings.max_batch,
             max_delay=settings.max_delay_ms / 1000,
             max_queue=settings.max_queue,
         )
         self.inputs = {spec["name"]: spec for spec in session.inputs}
         self.output_names = list(session.output_names)
-        self.batch_axis = _has_batch_axis(session)
         self.platform, self.backend, self.kind = _engine(session.get_providers())
         self._users = 0
         self._idle = threading.Condition()
