@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
+from kiln.errors import KilnError  # noqa: E402
 from kiln.train import TrainConfig, fit  # noqa: E402
 from kiln.train.checkpoint import latest  # noqa: E402
 
@@ -67,3 +71,42 @@ def test_two_ranks_resumed_at_step_10_are_the_uninterrupted_run(tmp_path):
     parallel = {"strategy": "ddp", "ranks": 2, "threads_per_rank": 1}
     whole, resumed = _resumed_at_10(TrainConfig(micro_batch=4, parallel=parallel), tmp_path)
     assert resumed == whole
+
+
+def test_a_resume_under_a_config_that_changes_the_data_or_the_math_is_refused(tmp_path):
+    config = TrainConfig(micro_batch=4)
+    fit(dropout_net, noisy_data, config=config, steps=2, checkpoint=tmp_path, validate=False)
+    # How the same global batch is spread may change: 2 micro-batches of 2 make one of 4.
+    spread = config.replace(micro_batch=2, accumulation=2)
+    again = fit(dropout_net, noisy_data, config=spread, steps=4, checkpoint=tmp_path,
+                resume=True, validate=False)  # fmt: skip
+    assert again["steps_this_run"] == 2
+    changed = config.replace(micro_batch=8, precision="bf16")
+    with pytest.raises(KilnError, match="global_batch 4 → 8; precision fp32 → bf16") as refused:
+        fit(dropout_net, noisy_data, config=changed, steps=6, checkpoint=tmp_path, resume=True)
+    assert "--allow-config-change" in str(refused.value)
+    allowed = fit(dropout_net, noisy_data, config=changed, steps=6, checkpoint=tmp_path,
+                  resume=True, allow_config_change=True, validate=False)  # fmt: skip
+    assert allowed["steps"] == 6 and allowed["steps_this_run"] == 2
+
+
+def _kiln(*args: str) -> subprocess.CompletedProcess[str]:
+    # From tests/, which this module (the user's model and data) is imported from.
+    return subprocess.run([sys.executable, "-m", "kiln", "train", "test_train_resume:dropout_net",
+                           "--data", "test_train_resume:noisy_data", "--batch", "4", *args],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parent)  # fmt: skip
+
+
+def test_nothing_to_train_and_a_negative_count_are_one_line_and_rc_2(tmp_path):
+    fit(dropout_net, noisy_data, config=TrainConfig(micro_batch=4), steps=3, checkpoint=tmp_path,
+        validate=False)  # fmt: skip
+    for args, message in [
+        (("--steps", "-3"), "--steps -3: use at least 1."),
+        (("--epochs", "0"), "--epochs 0: give a length above 0."),
+        (("--steps", "3", "--checkpoint", str(tmp_path), "--resume"),
+         "is at step 3, already at --steps 3: nothing to train; give --steps above 3."),
+    ]:  # fmt: skip
+        done = _kiln(*args)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().endswith(message) and len(done.stderr.splitlines()) == 1

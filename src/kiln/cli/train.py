@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, console, emit_json, err
+from kiln.cli.console import JsonOpt, at_least, console, emit_json, err
 from kiln.cli.stopped import Stopped
 from kiln.cli.tune import parse_duration
 from kiln.errors import KilnError
@@ -110,7 +110,20 @@ def train(
         int, typer.Option(min=1, help="Optimizer steps between checkpoints.")
     ] = 50,
     resume: Annotated[
-        bool, typer.Option(help="Continue from the newest checkpoint in --checkpoint.")
+        bool,
+        typer.Option(
+            help="Continue from the newest checkpoint in --checkpoint, under the config it "
+            "was made with (its global batch, precision, loss scale, fp32 modules, gradient "
+            "clipping, seed and shuffling; the strategy and ranks may change)."
+        ),  # fmt: skip
+    ] = False,
+    allow_config_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-config-change",
+            help="With --resume: go on although the config changes the data order or the "
+            "math, so the run no longer continues the one checkpointed.",
+        ),  # fmt: skip
     ] = False,
     profile: Annotated[
         Path | None,
@@ -183,6 +196,8 @@ def train(
     from kiln.train import require_torch
 
     require_torch("kiln train")
+    if steps is not None:
+        at_least(steps=(steps, 1))
     from kiln.compress.loading import load_callable
     from kiln.train.config import TrainConfig, read_config
 
@@ -211,6 +226,7 @@ def train(
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
     options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
                "checkpoint_every": checkpoint_every}  # fmt: skip
+    options["allow_config_change"] = allow_config_change
     try:
         result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
                       options)  # fmt: skip

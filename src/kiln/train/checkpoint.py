@@ -37,7 +37,7 @@ from kiln.errors import KilnError
 KEEP = 2  # complete checkpoints kept; older ones are deleted after each save
 MARKER = "kiln-checkpoint.json"  # written last: its presence means the checkpoint is whole
 EXTRA = "extra.pt"
-FORMAT = 1
+FORMAT = 2  # 2: the record holds the config, extra.pt the samples taken and RNG states
 _NAME = re.compile(r"step-(\d{8,})")
 _PARTIAL = re.compile(r"\.step-(\d{8,})\.(partial|old)")
 
@@ -48,11 +48,13 @@ def save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Write `directory/step-{step:08d}` from every rank; return its path.
 
     `extra` (tensors, numbers, strings and lists/dicts of them: the loss scaler, the sampler,
-    RNG states) is kept by rank 0 and given back by `load`."""
+    RNG states) is kept by rank 0 and given back by `load`; `config`, the TrainConfig (as
+    JSON) the checkpoint was made under, goes in its record for `made_under`."""
     directory = Path(directory)
     final = directory / f"step-{step:08d}"
     partial = directory / f".step-{step:08d}.partial"
@@ -66,7 +68,8 @@ def save(
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
         if main:
             _save_extra(extra, partial / EXTRA)
-            (partial / MARKER).write_text(json.dumps({"step": step, "format": FORMAT}))
+            marker = {"step": step, "format": FORMAT, "config": config}
+            (partial / MARKER).write_text(json.dumps(marker))
     except (OSError, CheckpointException) as exc:  # CheckpointException: a rank's write failed
         raise KilnError(f"{directory}: cannot write the checkpoint ({_cause(exc)}).") from None
     _barrier()  # every rank's shards are written: the checkpoint is whole
@@ -81,6 +84,15 @@ def latest(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in `directory` (partial ones ignored), or None."""
     found = _complete(Path(directory))
     return found[-1][1] if found else None
+
+
+def made_under(path: str | os.PathLike) -> tuple[int, dict[str, Any] | None]:
+    """(step, the TrainConfig as JSON) of a checkpoint, or of the newest one of a directory,
+    read from its record alone (no process group, no model); the config is None for a
+    checkpoint saved without one."""
+    path = _resolve(Path(path))
+    record = _record(path)
+    return record["step"], record.get("config")
 
 
 def load(
@@ -260,11 +272,16 @@ def _resolve(path: Path) -> Path:
 
 
 def _read_marker(path: Path) -> int:
+    return _record(path)["step"]
+
+
+def _record(path: Path) -> dict[str, Any]:
+    """The checkpoint's record (its step an int), once its files are all there."""
     missing = [name for name in (".metadata", EXTRA) if not (path / name).is_file()]
     if missing:
         raise KilnError(f"{path}: damaged checkpoint ({missing[0]} is missing); load another.")
     try:
         data = json.loads((path / MARKER).read_text())
-        return int(data["step"])
+        return {**data, "step": int(data["step"])}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KilnError(f"{path}: damaged checkpoint record {MARKER} ({exc}).") from None

@@ -267,6 +267,40 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+# What a resumed run must share with the checkpoint it continues: these decide which samples
+# each step sees and what the step computes. How the work is spread — strategy, ranks, the
+# micro-batch × accumulation split of the global batch, compile, activation checkpointing,
+# the loader's workers — may change between runs.
+RESUME_KEEPS = ("global_batch", "precision", "loss_scale", "keep_fp32", "clip_grad_norm", "seed",
+                "loader.shuffle", "loader.drop_last")  # fmt: skip
+
+
+def resume_changes(saved: TrainConfig, now: TrainConfig) -> list[str]:
+    """The settings of RESUME_KEEPS that differ between a checkpoint's config and the run
+    resuming from it, each as "name before → now" (the loss scale only where fp16 uses it)."""
+    changes = []
+    for name in RESUME_KEEPS:
+        if name == "loss_scale" and "fp16" not in (saved.precision, now.precision):
+            continue
+        before, after = _field(saved, name), _field(now, name)
+        if before != after:
+            changes.append(f"{name} {_shown(before)} → {_shown(after)}")
+    return changes
+
+
+def _field(config: TrainConfig, name: str) -> Any:
+    value: Any = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _shown(value: Any) -> str:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json.dumps(dataclasses.asdict(value))
+    return json.dumps(list(value)) if isinstance(value, tuple) else str(value)
+
+
 def read_config(path: str | os.PathLike) -> TrainConfig:
     """A TrainConfig from a JSON file: a bare config, or a file `kiln train --tune` or a
     training record wrote (its "config")."""

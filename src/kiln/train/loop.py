@@ -70,6 +70,7 @@ def fit(
     seconds: float | None = None,
     checkpoint: str | Path | None = None,
     resume: bool = False,
+    allow_config_change: bool = False,
     checkpoint_every: int = CHECKPOINT_EVERY,
     profile: str | Path | None = None,
     validate: bool = True,
@@ -82,14 +83,18 @@ def fit(
     (torchrun's "N" or "MIN:MAX") and the `rdzv_endpoint` host:port all of them meet at; the
     config's ranks are then the whole world, shared out evenly over the nodes."""
     config = config or TrainConfig()
-    given = [n for n, v in (("steps", steps), ("epochs", epochs), ("seconds", seconds)) if v]
+    bounds = (("--steps", steps), ("--epochs", epochs), ("--time", seconds))
+    given = [(flag, value) for flag, value in bounds if value is not None]
     if len(given) != 1:
         raise KilnError("say how long to train: one of --steps N, --epochs N or --time 10m.")
+    _check_counts(*given[0], checkpoint_every)
     run = Run(model, data, loss, optimizer, config.to_json(), steps, epochs, seconds,
               str(checkpoint) if checkpoint else None, resume, checkpoint_every,
               str(profile) if profile else None, validate)  # fmt: skip
     if resume and not checkpoint:
         raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
+    if resume:
+        _check_resume(str(checkpoint), config, steps, allow_config_change)
     ranks = config.parallel.ranks
     nodes = int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else 0
     if nodes < 1 or ranks % nodes:
@@ -165,6 +170,10 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
     ranks) until `_stop`; the record of this run."""
     config, dist = prepared.config, prepared.dist
     start, seen = begin
+    if total is not None and start >= total:  # --epochs; --steps is checked before the ranks
+        raise KilnError(f"--resume: the checkpoint is at step {start}, already at the {total} "
+                        f"steps of --epochs {run.epochs:g}: nothing to train; give more "
+                        "--epochs.")  # fmt: skip
     # A resumed run goes on with the samples the interrupted one had not reached: the same
     # shuffles (the loader's generator is seeded), positioned past what it took.
     loader.seek(seen // _replicas(config))
@@ -411,6 +420,35 @@ def _validate(prepared: Prepared, val: Any, loss_fn: Any) -> dict[str, float] | 
     return {"loss": total / seen, **({"accuracy": correct / count} if count else {})}
 
 
+def _check_counts(flag: str, value: float, checkpoint_every: int) -> None:
+    """A bound of zero or less would train nothing and look like success: refuse it."""
+    if value <= 0:
+        raise KilnError(f"{flag} {value:g}: give a length above 0.")
+    if checkpoint_every < 1:
+        raise KilnError(f"--checkpoint-every {checkpoint_every}: use at least 1.")
+
+
+def _check_resume(directory: str, config: TrainConfig, steps: int | None, allow: bool) -> None:
+    """Before any rank starts, from the newest checkpoint's record: refuse a resume with
+    nothing left to train, or under a config that changes the data order or the math
+    (kiln.train.config.RESUME_KEEPS) unless `allow`."""
+    from kiln.train import checkpoint
+    from kiln.train.config import resume_changes
+
+    found = checkpoint.latest(directory)
+    if found is None:
+        raise KilnError(f"--resume: no checkpoint in {directory} to continue from.")
+    step, saved = checkpoint.made_under(found)
+    if steps is not None and step >= steps:
+        raise KilnError(f"--resume: {found} is at step {step}, already at --steps {steps}: "
+                        f"nothing to train; give --steps above {step}.")  # fmt: skip
+    changes = resume_changes(TrainConfig.from_json(saved, str(found)), config) if saved else []
+    if changes and not allow:
+        raise KilnError(f"--resume: {found} was made under another config ({'; '.join(changes)}"
+                        "), so the run would not go on as it began; resume with its settings, "
+                        "or add --allow-config-change to go on anyway.")  # fmt: skip
+
+
 def _resume(run: Run, prepared: Prepared) -> tuple[int, int]:
     """(step, samples taken over all ranks) of the checkpoint resumed from, its weights,
     optimizer, scaler and this rank's random generators restored; (0, 0) for a fresh run."""
@@ -439,7 +477,8 @@ def _save(run: Run, prepared: Prepared, step: int, samples: int) -> Path:
     assert run.checkpoint is not None
     extra = {**prepared.state(), "samples": samples,
              "ranks": checkpoint.rank_states(checkpoint.rng_state())}  # fmt: skip
-    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer, extra)
+    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer, extra,
+                           config=prepared.config.to_json())  # fmt: skip
 
 
 def _replicas(config: TrainConfig) -> int:
