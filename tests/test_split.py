@@ -192,6 +192,27 @@ def test_edge_session_and_kiln_serve_answer_like_the_whole_model(parts, server, 
         assert remote.bytes_sent > 0 and remote.bytes_received > 0
 
 
+def test_a_server_part_served_under_its_own_name_behaves_as_a_session(
+    parts, whole, tmp_path
+) -> None:
+    # Named, so that several splits' server parts can share one server.
+    named = _start(tmp_path, str(parts.server_path), "--name", "tiny-tail", "--grpc-port", "-1")
+    requests = [_image(seed, batch=1 + seed % 2) for seed in range(3)]
+    try:
+        with kiln.Session(
+            parts.edge_path, remote=named.base, model_name="tiny-tail", timeout=30
+        ) as remote:
+            answers = remote.run_batch(requests)
+            stats = remote.stats()
+    finally:
+        _stop(named)
+    for feeds, outputs in zip(requests, answers, strict=True):
+        assert cosine(whole.run(None, feeds)[0], outputs[0]) >= 0.99
+    assert stats["requests"] == len(requests) and stats["whole"]["runs"] == len(requests)
+    assert stats["remote"]["model"] == "tiny-tail" and stats["remote"]["bytes_sent"] > 0
+    assert "buckets" in stats["edge"]
+
+
 def test_a_remote_serving_another_model_is_one_clear_error(parts, tmp_path) -> None:
     other = _start(tmp_path, MODEL, "--grpc-port", "-1")  # serves 'resnet-tiny', not 'server'
     try:

@@ -2,11 +2,14 @@
 here, the server part on a `kiln serve` server, reached over KServe v2 HTTP with the binary
 tensor extension (the standard library's http.client: the runtime does not import the server).
 
-The edge artifact's manifest holds a `split` section (written by `kiln.split`): the server's
-model name, the boundary tensors (names, dtypes, shapes) and the whole model's outputs. On
-first use the session asks the server (GET /v2/models/NAME) whether it serves that model with
-those inputs; a server that answers for another model is one KilnError, as is a server that
-is gone or does not answer within `timeout` seconds — never a hang.
+The edge artifact's manifest holds a `split` section (written by `kiln.split`): the server
+part's default model name (`kiln serve DIR/server.kiln` serves it as "server"), the boundary
+tensors (names, dtypes, shapes) and the whole model's outputs. `model_name` names the model
+where the server serves it under another name (`kiln serve DIR/server.kiln --name NAME`, or a
+repository folder NAME), so that several splits share one server. On first use the session
+asks the server (GET /v2/models/NAME) whether it serves that model with those inputs; a server
+that answers for another model is one KilnError, as is a server that is gone or does not
+answer within `timeout` seconds — never a hang.
 
 `link_bandwidth` (bits/s) simulates a slower link on loopback: each request also sleeps the
 serialization time of the bytes it sent and received, so predicted end-to-end times can be
@@ -21,6 +24,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +32,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.runtime.metadata import NodeArg
+from kiln.runtime.monitor import LATENCY_SAMPLES, percentile_ms
 
 if TYPE_CHECKING:
     from kiln.runtime.session import Session
@@ -47,14 +52,16 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 class RemoteSession:
     """The edge part here (`local`, a runtime Session of edge.kiln), the server part at
-    `remote`; the same `run(output_names, feeds)` as kiln.Session, returning the server's
-    outputs (the whole model's)."""
+    `remote` as model `model_name` (default: the name the split wrote); the same
+    `run(output_names, feeds)`, `run_batch` and `stats` as kiln.Session, returning the
+    server's outputs (the whole model's)."""
 
     def __init__(
         self,
         local: Session,
         remote: str,
         *,
+        model_name: str | None = None,
         timeout: float = 30.0,
         link_bandwidth: float | None = None,
     ) -> None:
@@ -67,7 +74,12 @@ class RemoteSession:
         if link_bandwidth is not None and not float(link_bandwidth) > 0:
             raise KilnError(f"link_bandwidth={link_bandwidth}: give bits per second (> 0).")
         self.timeout, self.link_bandwidth = float(timeout), link_bandwidth
-        self.model = str(section["server_model"])
+        if model_name is not None and not (isinstance(model_name, str) and model_name.strip()):
+            raise KilnError(
+                f"model_name={model_name!r}: give the name the server serves the split's "
+                "server part under."
+            )
+        self.model = model_name or str(section["server_model"])
         self.boundary = [dict(spec) for spec in section["boundary"]]
         self._outputs = [dict(spec) for spec in section["outputs"]]
         parsed = urllib.parse.urlsplit(self.url)
@@ -77,6 +89,9 @@ class RemoteSession:
         self._checked = False
         self._check_lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
+        self._times: deque[float] = deque(maxlen=LATENCY_SAMPLES)  # recent runs, end to end
+        self._requests = 0
+        self._count = threading.Lock()
 
     # ------------------------------------------------------------------ interface
 
@@ -102,6 +117,7 @@ class RemoteSession:
     ) -> list[np.ndarray]:
         """The edge part on `feeds` here, its encoded boundary posted to the server, the
         server's outputs back (those named; None: all)."""
+        started = time.perf_counter()
         names = self.output_names if output_names is None else list(output_names)
         unknown = [n for n in names if n not in self.output_names]
         if unknown:
@@ -122,7 +138,40 @@ class RemoteSession:
         missing = [n for n in names if n not in outputs]
         if missing:
             raise KilnError(f"{self._where()}: the answer has no output '{missing[0]}'.")
+        self._times.append(time.perf_counter() - started)
+        with self._count:
+            self._requests += 1
         return [outputs[n] for n in names]
+
+    def run_batch(
+        self, requests: list[Feeds], output_names: list[str] | None = None
+    ) -> list[list[np.ndarray]]:
+        """Each request's outputs, in order, as kiln.Session.run_batch: one after another
+        (each is one round trip; the server batches what several clients send at once)."""
+        return [self.run(output_names, feeds) for feeds in requests]
+
+    def stats(self) -> dict[str, Any]:
+        """As kiln.Session.stats: requests answered and the end-to-end P50/P99 (ms) of recent
+        ones; the edge part's own session figures (`edge`); the server and the bytes sent to
+        and received from it (`remote`). No buckets, rebuilds or swaps here: the edge
+        session's are under `edge`."""
+        recent = self._times.copy()  # one step under the GIL, as appends are
+        latency = (
+            {"p50_ms": percentile_ms(recent, 50), "p99_ms": percentile_ms(recent, 99)}
+            if recent
+            else {}
+        )
+        return {
+            "requests": self._requests,
+            "swaps": 0,
+            "recompiles": 0,
+            "decisions": [],
+            "buckets": {},
+            "whole": {"runs": len(recent), **latency},
+            "edge": self.local.stats(),
+            "remote": {"url": self.url, "model": self.model, "bytes_sent": self.bytes_sent,
+                       "bytes_received": self.bytes_received},
+        }  # fmt: skip
 
     def check_server(self) -> None:
         """Once: the server serves `self.model` with the boundary tensors as its inputs."""
@@ -135,8 +184,9 @@ class RemoteSession:
             if status == 404:
                 raise KilnError(
                     f"the server at {self.url} does not serve model '{self.model}' "
-                    f"({_error(answer)}); start the server part of this split there: "
-                    f"kiln serve DIR/server.kiln."
+                    f"({_error(answer)}); start the server part of this split there "
+                    f"(kiln serve DIR/server.kiln --name {self.model}), or give model_name= "
+                    "the name it is served under."
                 )
             if status != 200:
                 raise KilnError(f"{self._where()}: metadata request failed: {_error(answer)}")

@@ -94,6 +94,10 @@ class _InitSignature:
         return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
+# What `Session(..., remote=URL)` passes on to the remote session.
+REMOTE_SETTINGS = ("model_name", "timeout", "link_bandwidth")
+
+
 class Session:
     """Runs an artifact (NAME.kiln, with the backend settings in its manifest), a plain .onnx
     file or zoo:NAME (as-is, on ONNX Runtime unless `backend="openvino"` is given); see the
@@ -120,11 +124,12 @@ class Session:
     __signature__ = _InitSignature()
 
     def __new__(cls, *args: Any, remote: str | None = None, **kwargs: Any) -> Any:
-        """With `remote="http://host:port"` (and optionally `timeout=` seconds and
-        `link_bandwidth=` bits/s): the edge part of a `kiln split` here and the server part
-        there, a kiln.runtime.remote.RemoteSession with the same `run`."""
+        """With `remote="http://host:port"` (and optionally `model_name=`, the name the server
+        serves the split's server part under, `timeout=` seconds and `link_bandwidth=`
+        bits/s): the edge part of a `kiln split` here and the server part there, a
+        kiln.runtime.remote.RemoteSession with the same `run`, `run_batch` and `stats`."""
         if remote is None:
-            for name in ("timeout", "link_bandwidth"):
+            for name in REMOTE_SETTINGS:
                 if name in kwargs:
                     raise KilnError(f"{name}= is for a remote session; give remote= too.")
             if args and isinstance(args[0], str | Path) and is_partitioned(args[0]):
@@ -135,7 +140,7 @@ class Session:
             return super().__new__(cls)
         from kiln.runtime.remote import RemoteSession
 
-        settings = {k: kwargs.pop(k) for k in ("timeout", "link_bandwidth") if k in kwargs}
+        settings = {k: kwargs.pop(k) for k in REMOTE_SETTINGS if k in kwargs}
         return RemoteSession(Session(*args, **kwargs), remote, **settings)
 
     def __init__(
