@@ -11,6 +11,10 @@ by torchrun.
         prepared.backward(loss)
         prepared.step()
 
+The trained model comes back as the user's own module (`prepared.unwrap()`), its weights under
+that module's names (`prepared.state_dict()`), or from a checkpoint into a module the user
+builds (`kiln.train.load(checkpoint, module)`); `fit(..., save=, export=)` writes it.
+
 `kiln.train.config` needs no PyTorch; everything else does (`pip install torch`).
 """
 
@@ -36,6 +40,7 @@ __all__ = [
     "Prepared",
     "TrainConfig",
     "fit",
+    "load",
     "prepare",
     "read_config",
     "require_torch",
@@ -60,4 +65,8 @@ def __getattr__(name: str) -> Any:
         from kiln.train.loop import fit
 
         return fit
+    if name == "load":  # a checkpoint's weights into a plain module
+        from kiln.train.export import load
+
+        return load
     raise AttributeError(f"module 'kiln.train' has no attribute {name!r}")

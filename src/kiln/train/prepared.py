@@ -159,7 +159,10 @@ class Prepared:
             )
         assert self._user is not None
         if self.pipeline is not None:
+            from kiln.train.export import remove_split_points
+
             self._user.load_state_dict(self.state_dict())
+            remove_split_points(self._user)
         return self._user
 
     def state_dict(self) -> dict[str, torch.Tensor]:
