@@ -181,6 +181,21 @@ def train(
             "-o", "--output", help="Write the training record here (with --tune: the tuned config)."
         ),  # fmt: skip
     ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the trained weights here as a plain state_dict (torch.save; "
+            "model.load_state_dict of the user's own module takes it)."
+        ),  # fmt: skip
+    ] = None,
+    export: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the trained model here: model.onnx (for kiln optimize and "
+            "kiln serve) or model.pt2 (torch.export), traced on a training batch "
+            "with a dynamic batch dim."
+        ),  # fmt: skip
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Train MODEL on --data with Kiln's loop and a TrainConfig.
@@ -204,7 +219,8 @@ def train(
     tuning = {"--trials": trials, "--max-memory": max_memory, "--target-loss": target_loss,
               "--storage": storage, "--study": study}  # fmt: skip
     _check_tuning(tune, tuning, {"--epochs": epochs, "--checkpoint": checkpoint,
-                                 "--resume": resume or None, "--profile": profile})  # fmt: skip
+                                 "--resume": resume or None, "--profile": profile,
+                                 "--save": save, "--export": export})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
     nodes = nnodes.split(":")[-1]
     if not nodes.isdigit() or int(nodes) < 1:
@@ -225,7 +241,7 @@ def train(
     if record is not None and record.is_dir():
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
     options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
-               "checkpoint_every": checkpoint_every}  # fmt: skip
+               "checkpoint_every": checkpoint_every, "save": save, "export": export}  # fmt: skip
     options["allow_config_change"] = allow_config_change
     try:
         result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,

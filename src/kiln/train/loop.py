@@ -17,6 +17,7 @@ tells the others, so no rank waits forever in a collective the others left.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torch import nn
 from kiln.errors import KilnError
 from kiln.train import memory
 from kiln.train.config import TrainConfig
+from kiln.train.export import check_outputs, write
 from kiln.train.phases import phase
 from kiln.train.prepared import Prepared, batches, prepare
 
@@ -56,6 +58,8 @@ class Run:
     checkpoint_every: int = CHECKPOINT_EVERY
     profile: str | None = None
     validate: bool = True
+    save: str | None = None  # the trained weights (a plain state_dict) are written here
+    export: str | None = None  # the trained model as .onnx or .pt2
 
 
 def fit(
@@ -74,6 +78,8 @@ def fit(
     checkpoint_every: int = CHECKPOINT_EVERY,
     profile: str | Path | None = None,
     validate: bool = True,
+    save: str | Path | None = None,
+    export: str | Path | None = None,
     progress: Progress | None = None,
     nnodes: str = "1",
     rdzv_endpoint: str | None = None,
@@ -81,7 +87,13 @@ def fit(
     """Train; the training record (see `train_rank` for its fields). Exactly one of `steps`
     (optimizer steps), `epochs` or `seconds` bounds the run. Several machines: `nnodes`
     (torchrun's "N" or "MIN:MAX") and the `rdzv_endpoint` host:port all of them meet at; the
-    config's ranks are then the whole world, shared out evenly over the nodes."""
+    config's ranks are then the whole world, shared out evenly over the nodes.
+
+    The trained model: a module instance given as `model` holds the trained weights
+    afterwards; `save` writes them as a plain state_dict (torch.save), `export` the model as
+    ONNX (.onnx: `kiln optimize`, `kiln serve`) or a torch.export program (.pt2), traced on
+    one batch of the training inputs with a dynamic batch dim; a `checkpoint` directory
+    loads into a fresh module with `kiln.train.load(directory, module)`."""
     config = config or TrainConfig()
     bounds = (("--steps", steps), ("--epochs", epochs), ("--time", seconds))
     given = [(flag, value) for flag, value in bounds if value is not None]
@@ -90,7 +102,9 @@ def fit(
     _check_counts(*given[0], checkpoint_every)
     run = Run(model, data, loss, optimizer, config.to_json(), steps, epochs, seconds,
               str(checkpoint) if checkpoint else None, resume, checkpoint_every,
-              str(profile) if profile else None, validate)  # fmt: skip
+              str(profile) if profile else None, validate,
+              str(save) if save else None, str(export) if export else None)  # fmt: skip
+    check_outputs(save, export)  # before training, not after it
     if resume and not checkpoint:
         raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
     if resume:
@@ -141,6 +155,8 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     inputs, targets = _collate_example(train, config.micro_batch)
     if config.checkpointing.policy == "budget":
         config = budget_policy(module, (inputs, targets), loss_fn, config)
+    # FSDP2 shards the module in place: an export traces a plain copy taken before.
+    template = copy.deepcopy(module) if run.export and config.parallel.strategy == "fsdp2" else None
     prepared = prepare(module, run.optimizer or adamw, config, loss_fn=loss_fn, example=inputs)
     start_step, seen = _resume(run, prepared)
     loader = prepared.loader(train)
@@ -153,6 +169,7 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
     record["val"] = _validate(prepared, val, loss_fn) if run.validate and val is not None else None
     record["config"] = config.to_json()  # a budget policy as it was resolved
+    record["written"] = write(prepared, run.save, run.export, inputs, template)
     record["tokens_per_sample"] = _tokens(example)
     if record["tokens_per_sample"]:
         record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
