@@ -110,3 +110,49 @@ def test_nothing_to_train_and_a_negative_count_are_one_line_and_rc_2(tmp_path):
         done = _kiln(*args)
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().endswith(message) and len(done.stderr.splitlines()) == 1
+
+
+# ------------------------------------------------------------------ checkpoint storage
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs mounted with the given options (mount needs root, as CI has); the test skips
+    where mounting is not permitted."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        target = tmp_path / f"mount{len(mounted)}"
+        target.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+        except FileNotFoundError:
+            pytest.skip("no mount command here")
+        if done.returncode:
+            pytest.skip(f"mount not permitted here: {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", str(target)], timeout=30)
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_step_1(tmpfs):
+    steps = []
+    with pytest.raises(KilnError, match="cannot write checkpoints there \\(Read-only file system"):
+        fit(dropout_net, noisy_data, config=TrainConfig(micro_batch=4), steps=2,
+            checkpoint=tmpfs("ro,size=64k") / "ckpt", progress=steps.append)  # fmt: skip
+    assert steps == []  # no training was spent before the refusal
+
+
+def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmpfs):
+    def wide() -> nn.Module:  # weights and AdamW's moments: ~37 kB, over the disk's 16
+        return nn.Sequential(nn.Linear(8, 256), nn.Dropout(0.5), nn.Linear(256, 3))
+
+    directory = tmpfs("size=16k") / "ckpt"
+    with pytest.raises(KilnError, match="no space left on device; the checkpoint of step 2"):
+        fit(wide, noisy_data, config=TrainConfig(micro_batch=4), steps=2, checkpoint=directory,
+            validate=False)  # fmt: skip
+    assert list(directory.iterdir()) == []

@@ -12,6 +12,7 @@ checkpoint into place and keeps the newest `KEEP`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from kiln.errors import KilnError
+from kiln.home import output_problem
 
 KEEP = 2  # complete checkpoints kept; older ones are deleted after each save
 MARKER = "kiln-checkpoint.json"  # written last: its presence means the checkpoint is whole
@@ -71,7 +73,9 @@ def save(
             marker = {"step": step, "format": FORMAT, "config": config}
             (partial / MARKER).write_text(json.dumps(marker))
     except (OSError, CheckpointException) as exc:  # CheckpointException: a rank's write failed
-        raise KilnError(f"{directory}: cannot write the checkpoint ({_cause(exc)}).") from None
+        if main:  # every rank gets DCP's failure; a half-written step must not stay behind
+            shutil.rmtree(partial, ignore_errors=True)
+        raise KilnError(_write_failed(directory, step, exc)) from None
     _barrier()  # every rank's shards are written: the checkpoint is whole
     if main:
         _publish(partial, final)
@@ -184,6 +188,45 @@ def _one_process_is_meant() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def check_storage(directory: str | os.PathLike) -> None:
+    """Refuse, before training, a checkpoint directory that cannot be created or written in
+    (read-only, no permission, a file in the way): found at the first save, it would cost
+    the training done until then."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    else:
+        problem = output_problem(directory / MARKER, directory=True)
+    if problem:
+        raise KilnError(f"--checkpoint {directory}: cannot write checkpoints there ({problem}); "
+                        "nothing was trained: choose another directory.")  # fmt: skip
+
+
+def _write_failed(directory: Path, step: int, exc: BaseException) -> str:
+    """What stopped the checkpoint of `step` being written, in one line."""
+    full = _os_error(exc)
+    if full is not None and full.errno == errno.ENOSPC:
+        return (f"{directory}: no space left on device; the checkpoint of step {step} was not "
+                "written (no partial one is left): free space there or choose another "
+                "--checkpoint, then --resume from the newest whole one.")  # fmt: skip
+    return f"{directory}: cannot write the checkpoint ({_cause(exc)})."
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError under a failed write, if any: a rank's inside DCP's CheckpointException,
+    or the one torch's file writer hides behind its own RuntimeError ("unexpected pos")."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _cause(exc: BaseException) -> str:

@@ -107,6 +107,10 @@ def fit(
     check_outputs(save, export)  # before training, not after it
     if resume and not checkpoint:
         raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
+    if checkpoint:
+        from kiln.train.checkpoint import check_storage
+
+        check_storage(checkpoint)  # before step 1, not at the first save
     if resume:
         _check_resume(str(checkpoint), config, steps, allow_config_change)
     ranks = config.parallel.ranks
