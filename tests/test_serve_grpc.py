@@ -250,13 +250,25 @@ def test_bad_requests_carry_tritons_codes_and_name_what_is_wrong(served) -> None
         )
     )
     assert "unknown output 'x'" in unknown_output.message()
-    # Over --max-request-mb (1 MiB): refused by gRPC before it is read, as Triton's own limit.
+    # Over --max-request-mb (1 MiB): RESOURCE_EXHAUSTED, as Triton's own limit, in Kiln's words.
     too_big = _refused(lambda: client.infer(RESNET, _inputs({"input": _images(100, 0)})))
     assert too_big.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "exceeds the server's limit of 1 MiB (kiln serve --max-request-mb)" in too_big.message()
     assert client.is_server_ready()  # and the server still answers
-    # Streaming and shared memory are not served: gRPC's own answer.
-    shared = _refused(client.get_system_shared_memory_status)
-    assert shared.status() == "StatusCode.UNIMPLEMENTED"
+    # Streaming, shared memory, trace and log settings are not served: said in Kiln's words.
+    for call, words in [
+        (client.get_system_shared_memory_status, "shared-memory extension is not supported"),
+        (client.get_cuda_shared_memory_status, "shared-memory extension is not supported"),
+        (client.get_trace_settings, "trace settings are not served"),
+        (client.get_log_settings, "log settings are not served"),
+    ]:
+        refused = _refused(call)
+        assert refused.status() == "StatusCode.UNIMPLEMENTED" and words in refused.message()
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(_address(served)))
+    with pytest.raises(grpc.RpcError) as streamed:
+        list(stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest(model_name=RESNET)])))
+    assert streamed.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "send each request with ModelInfer" in streamed.value.details()
 
 
 # ---------------------------------------------------------------- the repository

@@ -4,7 +4,7 @@ same `ModelSet` — the same models, batchers, limits, metrics and statistics.
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig,
 ModelStatistics, RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload and ModelInfer.
 Every other method of the service (streaming, shared memory, trace and log settings) answers
-UNIMPLEMENTED, as gRPC answers any method not registered.
+UNIMPLEMENTED, in Kiln's words: what is not served and what to do instead.
 
 ModelInfer takes each input's tensor either in `raw_input_contents` (one entry per input, in
 order, laid out as HTTP's binary extension: BYTES elements length-prefixed) or in its typed
@@ -14,7 +14,9 @@ limits, metrics and statistics.
 
 Errors carry Triton's codes for the failure HTTP answers with a status: 400 INVALID_ARGUMENT,
 404 NOT_FOUND, 503 UNAVAILABLE (queue full, model loading, server stopping), 500 INTERNAL;
-a message over --max-request-mb is refused by gRPC itself, RESOURCE_EXHAUSTED.
+a message over --max-request-mb is RESOURCE_EXHAUSTED, said as HTTP's 413 says it (up to
+OVERSIZE_READ times the limit, which is read to be refused; past that gRPC refuses it unread,
+in its own words).
 
 The server is gRPC's asyncio server on a thread and event loop of its own: neither protocol's
 loop waits on the other's, and a request awaits its batch as an HTTP request does, so the
@@ -45,6 +47,7 @@ from kiln.serve.protocol import (
     DATATYPES,
     InferRequest,
     ProtocolError,
+    RequestTooLarge,
     binary_bytes,
     bytes_from_binary,
     check_shape,
@@ -98,6 +101,27 @@ _CONTENTS: dict[str, tuple[str, np.dtype | None]] = {
     BYTES: ("bytes_contents", None),
 }
 _SHARED_MEMORY = "shared_memory_region"
+# How far past --max-request-mb a message is still read, to be refused in Kiln's words: gRPC
+# itself refuses larger ones unread (its own text), which keeps memory bounded.
+OVERSIZE_READ = 2
+
+_SHARED_MEMORY_TEXT = (
+    "the shared-memory extension is not supported by kiln serve; send each tensor in the "
+    "request (raw_input_contents or contents)"
+)
+# Kiln's answer to each method of the service it does not serve (gRPC's: "Method not found!").
+NOT_SERVED = {
+    "ModelStreamInfer": "streaming inference (ModelStreamInfer) is not served by kiln serve; "
+    "send each request with ModelInfer (tritonclient: infer or async_infer)",
+    "TraceSetting": "trace settings are not served by kiln serve; its request counts and "
+    "timings are in ModelStatistics and at /metrics on the HTTP port",
+    "LogSettings": "log settings are not served by kiln serve; its log goes to its stderr",
+    **{
+        f"{kind}SharedMemory{call}": _SHARED_MEMORY_TEXT
+        for kind in ("System", "Cuda")
+        for call in ("Status", "Register", "Unregister")
+    },
+}
 
 ModelInferResponse = message("ModelInferResponse")
 
@@ -285,10 +309,12 @@ async def _repository_change(
 class InferenceServicer:
     """GRPCInferenceService over a `ModelSet`: each method answers what the matching HTTP
     endpoint answers, from the same functions. Methods are named as the service's RPCs, which
-    is how `handlers` finds them."""
+    is how `handlers` finds them. A ModelInfer message over `max_request_bytes` is refused
+    unparsed."""
 
-    def __init__(self, models: ModelSet) -> None:
+    def __init__(self, models: ModelSet, max_request_bytes: int = 64 << 20) -> None:
         self.models = models
+        self.max_request_bytes = max_request_bytes
 
     @_answers
     async def ServerLive(self, request: Message, context: Any) -> Message:
@@ -350,6 +376,8 @@ class InferenceServicer:
 
     @_answers
     async def ModelInfer(self, request: Message, context: Any) -> Message:
+        if isinstance(request, Oversized):  # unparsed: its model is unknown, so not counted
+            raise RequestTooLarge(self.max_request_bytes)
         # Held to the answer: an unload or a newer version waits for this request to finish.
         with self.models.lease(request.model_name, _version(request.model_version)) as served:
 
@@ -365,19 +393,47 @@ class InferenceServicer:
             return await infer(served, read, decode, encode)
 
 
+class Oversized:
+    """A ModelInfer message over the limit, read by gRPC but left unparsed."""
+
+
+def _parser(name: str, limit: int | None) -> Callable[[bytes], Message | Oversized]:
+    """Message `name` from its bytes; with a `limit`, an `Oversized` past it."""
+    parse = message(name).FromString
+    if limit is None:
+        return parse
+    return lambda data: Oversized() if len(data) > limit else parse(data)
+
+
 def handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
-    """The service's methods that `servicer` has, with their messages' (de)serializers."""
+    """Every method of the service: those `servicer` has, with their messages'
+    (de)serializers; the others refused in Kiln's words (`NOT_SERVED`)."""
     methods = {}
     for method in service().methods:
         implementation = getattr(servicer, method.name, None)
         if implementation is None:
+            methods[method.name] = _not_served(method.name, method.client_streaming)
             continue
+        limit = servicer.max_request_bytes if method.name == "ModelInfer" else None
         methods[method.name] = grpc.unary_unary_rpc_method_handler(
             implementation,
-            request_deserializer=message(method.input_type.name).FromString,
+            request_deserializer=_parser(method.input_type.name, limit),
             response_serializer=message(method.output_type.name).SerializeToString,
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+
+def _not_served(name: str, streaming: bool) -> grpc.RpcMethodHandler:
+    """A handler answering UNIMPLEMENTED with what Kiln says of method `name`; its request is
+    not parsed."""
+    text = NOT_SERVED.get(name, f"{name} is not served by kiln serve")
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, text)
+
+    if streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 # ---------------------------------------------------------------- the server
@@ -396,6 +452,7 @@ class GrpcServer:
         self._thread.daemon = True  # never holds the process up: stop() is the clean way out
         self._thread.start()
         self._server: grpc.aio.Server | None = None
+        self._max_request_bytes = max_request_bytes
         try:
             self.port = self._call(self._bind(host, port, max_request_bytes))
         except BaseException:
@@ -430,7 +487,7 @@ class GrpcServer:
         target = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
         self._server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", max_request_bytes),
+                ("grpc.max_receive_message_length", OVERSIZE_READ * max_request_bytes),
                 ("grpc.max_send_message_length", -1),  # answers are as large as the model's
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not silently shared
             ]
@@ -445,5 +502,6 @@ class GrpcServer:
 
     async def _start(self, models: ModelSet) -> None:
         assert self._server is not None
-        self._server.add_generic_rpc_handlers((handlers(InferenceServicer(models)),))
+        servicer = InferenceServicer(models, self._max_request_bytes)
+        self._server.add_generic_rpc_handlers((handlers(servicer),))
         await self._server.start()
