@@ -4,6 +4,7 @@ checkpoint keeps every rank's random generators and the data position."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -96,6 +97,29 @@ def _kiln(*args: str) -> subprocess.CompletedProcess[str]:
                            "--data", "test_train_resume:noisy_data", "--batch", "4", *args],
                           capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parent)  # fmt: skip
+
+
+def half_cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target) / 2
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def test_the_record_reproduces_the_run_with_its_loss_and_optimizer(tmp_path):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    made = _kiln("--steps", "2", "--loss", "test_train_resume:half_cross_entropy",
+                 "--optimizer", "test_train_resume:sgd", "-o", str(first))  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    record = json.loads(first.read_text())
+    assert record["loss_function"] == "test_train_resume:half_cross_entropy"
+    assert record["optimizer"] == "test_train_resume:sgd"
+    assert record["versions"]["torch"] == torch.__version__ and record["host"]["name"]
+    again = _kiln("--steps", "2", "--config", str(first), "-o", str(second))
+    assert again.returncode == 0, again.stderr
+    # The same loss and optimizer, not cross-entropy and AdamW: the same numbers.
+    assert json.loads(second.read_text())["loss"] == record["loss"]
 
 
 def test_nothing_to_train_and_a_negative_count_are_one_line_and_rc_2(tmp_path):

@@ -214,7 +214,7 @@ def train(
     if steps is not None:
         at_least(steps=(steps, 1))
     from kiln.compress.loading import load_callable
-    from kiln.train.config import TrainConfig, read_config
+    from kiln.train.config import TrainConfig, read_config, recorded_functions
 
     tuning = {"--trials": trials, "--max-memory": max_memory, "--target-loss": target_loss,
               "--storage": storage, "--study": study}  # fmt: skip
@@ -222,6 +222,8 @@ def train(
                                  "--resume": resume or None, "--profile": profile,
                                  "--save": save, "--export": export})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
+    recorded = recorded_functions(config) if config else {}  # a record's --loss, --optimizer
+    loss, optimizer = loss or recorded.get("loss"), optimizer or recorded.get("optimizer")
     nodes = nnodes.split(":")[-1]
     if not nodes.isdigit() or int(nodes) < 1:
         raise KilnError(f"--nnodes {nnodes}: give N or MIN:MAX, e.g. 2 or 1:4.")
@@ -248,7 +250,8 @@ def train(
                       options)  # fmt: skip
     except (Stopped, KeyboardInterrupt) as exc:
         raise _stopped(exc, checkpoint) from None
-    result = {"model": model, "data": data, **result}
+    result = {"model": model, "data": data, "loss_function": loss, "optimizer": optimizer,
+              **result}  # fmt: skip
     if record is not None:
         from kiln.home import atomic_write_json
 

@@ -318,6 +318,24 @@ def read_config(path: str | os.PathLike) -> TrainConfig:
     return TrainConfig.from_json(data, str(path))
 
 
+# The training record's keys for the functions given as --loss and --optimizer (its "loss"
+# is the loss at each step).
+RECORDED_FUNCTIONS = {"loss": "loss_function", "optimizer": "optimizer"}
+
+
+def recorded_functions(path: str | os.PathLike) -> dict[str, str]:
+    """The --loss and --optimizer (module:function) a training record was made with, so that
+    `--config record.json` trains as that run did; {} for a bare config, and for defaults."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}  # read_config says what is wrong with the file
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+        return {}
+    found = {flag: data.get(key) for flag, key in RECORDED_FUNCTIONS.items()}
+    return {flag: spec for flag, spec in found.items() if isinstance(spec, str)}
+
+
 def _section(kind: type, data: Any, where: str) -> Any:
     if isinstance(data, kind):
         return data

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -247,7 +248,25 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
             "final": prepared.loss_scale,
         },  # fmt: skip
         "checkpoint": str(saved) if saved else None,
+        **_made_with(dist),
     }
+
+
+def _made_with(dist: Any) -> dict[str, Any]:
+    """The software and machine a run was made with, for the record that reproduces it."""
+    import platform
+    import socket
+
+    import kiln
+    from kiln.hardware import cpu_info
+
+    gpu = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else None
+    return {
+        "versions": {"kiln": kiln.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "host": {"name": socket.gethostname(), "platform": platform.platform(),
+                 "cpu": cpu_info().model, "cores": os.cpu_count(), "gpu": gpu},
+    }  # fmt: skip
 
 
 def budget_policy(module: nn.Module, batch: tuple[Any, Any], loss_fn: Any,
