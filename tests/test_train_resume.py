@@ -1,6 +1,9 @@
-"""Resuming `kiln.train.fit` from a checkpoint is the uninterrupted run, step for step, for a
-model with dropout on shuffled data whose samples draw from numpy and Python's `random`: the
-checkpoint keeps every rank's random generators and the data position."""
+"""What a long `kiln train` run relies on. Resuming from a checkpoint is the uninterrupted
+run, step for step, for a model with dropout on shuffled data whose samples draw from numpy
+and Python's `random` (the checkpoint keeps every rank's random generators and the data
+position), and only under the config the checkpoint was made with; checkpoint storage is
+checked before step 1 and a full disk is named; the record reproduces the run; a log (stderr
+not a terminal) gets plain progress lines."""
 
 from __future__ import annotations
 
@@ -120,6 +123,16 @@ def test_the_record_reproduces_the_run_with_its_loss_and_optimizer(tmp_path):
     assert again.returncode == 0, again.stderr
     # The same loss and optimizer, not cross-entropy and AdamW: the same numbers.
     assert json.loads(second.read_text())["loss"] == record["loss"]
+
+
+def test_a_log_gets_a_plain_progress_line_every_n_seconds():
+    # stderr is a pipe here, as in a batch job or under `| tee`: no live bar, plain lines.
+    done = _kiln("--steps", "2", "--progress-every", "0")
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["training: step 1 of 2",
+                                                      "training: step 2 of 2"]  # fmt: skip
+    assert "loss" in lines[-1] and "samples/s" in lines[-1]
 
 
 def test_nothing_to_train_and_a_negative_count_are_one_line_and_rc_2(tmp_path):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -39,6 +41,23 @@ def progress() -> Progress:
         transient=True,
         disable=not err.is_terminal,
     )
+
+
+class PlainProgress:
+    """Progress for logs, where the live bar is off (stderr not a terminal: a batch job,
+    `| tee`, nohup): called with each state, it writes `render(state)` as one plain line on
+    stderr once every `seconds` — the first after `seconds`, so a short run stays quiet.
+    Picklable when `render` is a module-level function, so a rank of a job can carry it."""
+
+    def __init__(self, render: Callable[[Any], str], seconds: float) -> None:
+        self.render, self.seconds = render, seconds
+        self._last = time.monotonic()
+
+    def __call__(self, state: Any) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.seconds:
+            self._last = now
+            print(self.render(state), file=sys.stderr, flush=True)
 
 
 def emit_json(data: Any) -> None:

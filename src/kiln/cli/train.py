@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, at_least, console, emit_json, err
+from kiln.cli.console import JsonOpt, PlainProgress, at_least, console, emit_json, err
 from kiln.cli.stopped import Stopped
 from kiln.cli.tune import parse_duration
 from kiln.errors import KilnError
@@ -196,6 +196,14 @@ def train(
             "with a dynamic batch dim."
         ),  # fmt: skip
     ] = None,
+    progress_every: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Where stderr is not a terminal (a batch job, | tee, nohup): a plain "
+            "progress line every this many seconds.",
+        ),  # fmt: skip
+    ] = 30.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Train MODEL on --data with Kiln's loop and a TrainConfig.
@@ -245,6 +253,7 @@ def train(
     options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
                "checkpoint_every": checkpoint_every, "save": save, "export": export}  # fmt: skip
     options["allow_config_change"] = allow_config_change
+    options["progress_every"] = progress_every
     try:
         result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
                       options)  # fmt: skip
@@ -387,16 +396,30 @@ def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: floa
                             status="starting")  # fmt: skip
 
         def tick(state: dict[str, Any]) -> None:
-            scale = f", scale {state['loss_scale']:g}" if state.get("loss_scale") else ""
             bar.update(task, completed=state["step"], total=state["steps"],
-                       status=f"step {state['step']}, loss {state['loss']:.4f}, "
-                       f"{state['samples_per_s']:.1f} samples/s{scale}")  # fmt: skip
+                       status=_status(state))  # fmt: skip
 
+        # Off a terminal the bar is disabled: a log gets a plain line now and then instead.
+        every = options.pop("progress_every")
+        progress = tick if err.is_terminal else PlainProgress(_log_line, every)
         return fit(functions["model"], functions["data"], loss=functions["loss"],
                    optimizer=functions["optimizer"], config=config, steps=steps, epochs=epochs,
                    seconds=seconds, checkpoint=checkpoint, resume=resume, profile=profile,
                    **options,
-                   progress=tick)  # fmt: skip
+                   progress=progress)  # fmt: skip
+
+
+def _status(state: dict[str, Any], of: str = "") -> str:
+    """Training's progress as the bar shows it (`of`: the steps in all, for a log)."""
+    scale = f", scale {state['loss_scale']:g}" if state.get("loss_scale") else ""
+    return (f"step {state['step']}{of}, loss {state['loss']:.4f}, "
+            f"{state['samples_per_s']:.1f} samples/s{scale}")  # fmt: skip
+
+
+def _log_line(state: dict[str, Any]) -> str:
+    """Training's progress as a line of a log."""
+    of = f" of {state['steps']}" if state.get("steps") else ""
+    return f"training: {_status(state, of)}, {state['seconds']:.0f} s in"
 
 
 def _table(result: dict[str, Any], record: Path | None) -> None:

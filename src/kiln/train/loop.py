@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -123,7 +124,7 @@ def fit(
         return train_rank(run, progress)
     from kiln.train.launch import launch
 
-    results = launch(train_rank, (run, None), ranks // nodes, nnodes=nnodes,
+    results = launch(train_rank, (run, _crossing(progress)), ranks // nodes, nnodes=nnodes,
                      rdzv_endpoint=rdzv_endpoint)  # fmt: skip
     return merge(results)
 
@@ -222,7 +223,7 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
         if run.checkpoint and step % run.checkpoint_every == 0:
             samples = seen + (step - start) * config.global_batch
             saved, saved_at = _save(run, prepared, step, samples), step
-        if progress is not None:
+        if progress is not None and dist.rank == 0:  # one report for the job
             elapsed = time.perf_counter() - started
             progress({"step": step, "steps": total, "loss": mean, "seconds": elapsed,
                       "samples_per_s": (step - start) * config.global_batch / elapsed,
@@ -458,6 +459,16 @@ def _validate(prepared: Prepared, val: Any, loss_fn: Any) -> dict[str, float] | 
     if not seen:
         return None
     return {"loss": total / seen, **({"accuracy": correct / count} if count else {})}
+
+
+def _crossing(progress: Progress | None) -> Progress | None:
+    """`progress` where it can cross to the ranks (it pickles: a plain log line does, a live
+    bar in this process does not), else None."""
+    try:
+        pickle.dumps(progress)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return None
+    return progress
 
 
 def _check_counts(flag: str, value: float, checkpoint_every: int) -> None:
