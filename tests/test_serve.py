@@ -361,6 +361,7 @@ def test_overload_answers_503(tmp_path) -> None:
     refused = next(r for r in responses if r.status_code == 503)
     assert "server overloaded" in refused.json()["error"]
     assert "--max-queue" in refused.json()["error"]
+    assert refused.headers["Retry-After"] == "1"  # when to try again
 
 
 def test_shutdown_answers_queued_requests(tmp_path) -> None:

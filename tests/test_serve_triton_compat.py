@@ -4,6 +4,10 @@ max_batch_size /config advertises is enforced, statistics count the executions t
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -139,3 +143,27 @@ def test_triton_metric_names_read_by_a_prometheus_parser(tmp_path) -> None:
         own = family.name.startswith("process_") or family.name.endswith("_created")
         names = [f"`{family.name}`", f"`{family.name}_total`"]  # the parser drops _total
         assert own or any(n in documented for n in names), f"{family.name} is not documented"
+
+
+def test_a_model_that_fails_to_load_is_reported_once_at_start_up(tmp_path) -> None:
+    repository = tmp_path / "repository"
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "1" / "model.onnx").write_text("not a model")
+    (repository / "relu" / "1").mkdir(parents=True)
+    _batch_one_model(repository / "relu" / "1" / "model.onnx")
+    command = [sys.executable, "-m", "kiln", "serve", f"--model-repository={repository}",
+               "--port", "0", "--grpc-port", "-1"]  # fmt: skip
+    env = {**os.environ, "KILN_HOME": str(tmp_path)}
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    said = []
+    try:  # the start-up lines, up to the last one: the event (pytest-timeout the safety net)
+        for line in iter(server.stderr.readline, ""):
+            said.append(line)
+            if line.startswith("(Ctrl-C to stop"):
+                break
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=30)
+    text = "".join(said)
+    assert text.count("is a text file, not an ONNX model") == 1, text
+    assert "'broken' is UNAVAILABLE" in text and "serving 'relu'" in text

@@ -53,6 +53,9 @@ from kiln.serve.service import (
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 BODY_TIMEOUT = 408  # the one refusal after which the connection is closed: its body is unread
+# Every 503 says when to try again (RFC 9110): a full queue drains, a load finishes, in about
+# this many seconds; a client that honours it does not hammer a busy server.
+RETRY_AFTER_S = 1
 
 
 class BodyTimeout(Refused):
@@ -135,11 +138,11 @@ def _errors(app: FastAPI, models: ModelSet) -> None:
     @app.exception_handler(Refused)
     async def refused(request: Request, exc: Refused) -> JSONResponse:
         headers = {"Connection": "close"} if exc.status == BODY_TIMEOUT else None
-        return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=headers)
+        return _answer({"error": str(exc)}, exc.status, headers)
 
     @app.exception_handler(ModelError)
     async def model_error(request: Request, exc: ModelError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        return _answer({"error": str(exc)}, exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -155,6 +158,15 @@ def _errors(app: FastAPI, models: ModelSet) -> None:
         return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
 
+def _answer(
+    body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """A JSON answer; a 503 with Retry-After."""
+    if status == 503:
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _health_routes(app: FastAPI, models: ModelSet) -> None:
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
@@ -163,7 +175,7 @@ def _health_routes(app: FastAPI, models: ModelSet) -> None:
     @app.get("/v2/health/ready")
     async def server_ready() -> JSONResponse:
         ready = models.ready()
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+        return _answer({"ready": ready}, 200 if ready else 503)
 
     @app.get("/v2")
     async def metadata() -> dict[str, Any]:
@@ -195,7 +207,7 @@ def _model_routes(app: FastAPI, models: ModelSet) -> None:
     @app.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str | None = None) -> JSONResponse:
         ready = models.get(model, version).accepting
-        return JSONResponse({"name": model, "ready": ready}, status_code=200 if ready else 503)
+        return _answer({"name": model, "ready": ready}, 200 if ready else 503)
 
 
 def _infer_route(app: FastAPI, models: ModelSet, limit: int, body_timeout_s: float) -> None:

@@ -185,6 +185,7 @@ class ModelSet:
         self._loads: dict[str, threading.Lock] = {}  # per model: one load or unload at a time
         self._retiring: list[threading.Thread] = []
         self._closed = False
+        self._quiet = False  # while the repository loads at start-up: see load_repository
 
     # ------------------------------------------------------------ serving
 
@@ -280,8 +281,12 @@ class ModelSet:
         """Load every model of the repository, `workers` at a time; one that fails is
         UNAVAILABLE with its reason and the others serve. The index, once done."""
         names = self.need_repository("load").names()
-        with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
-            list(pool.map(self._try_load, names))
+        self._quiet = True  # a failure is said once, by its index line, which the caller shows
+        try:
+            with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
+                list(pool.map(self._try_load, names))
+        finally:
+            self._quiet = False
         return self.index()
 
     def _try_load(self, name: str) -> None:
@@ -383,7 +388,8 @@ class ModelSet:
             else:
                 entry.state, entry.version, entry.reason = UNAVAILABLE, version or "", reason
                 keeps = ""
-        log.warning("failed to load %s: %s%s", what, reason, keeps)
+        if not self._quiet:
+            log.warning("failed to load %s: %s%s", what, reason, keeps)
         return ModelError(400, f"failed to load {what}: {reason}{keeps}")
 
     def _swap_in(self, name: str, model: ServedModel) -> None:
