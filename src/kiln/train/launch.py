@@ -125,7 +125,7 @@ def _run_rank(entry: Callable[..., Any], *args: Any) -> Any:
     try:
         result = entry(*args)
     except Exception as exc:
-        peer = _peer_failed(exc)
+        peer = peer_failed(exc)
         _record(exc, peer)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -140,7 +140,7 @@ def _run_rank(entry: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def _peer_failed(exc: Exception) -> bool:
+def peer_failed(exc: BaseException) -> bool:
     """Whether a collective failed because another rank died (gloo's socket errors)."""
     return isinstance(exc, torch_dist.DistError) or bool(_PEER_FAILURE.search(str(exc)))
 
@@ -148,14 +148,17 @@ def _peer_failed(exc: Exception) -> bool:
 def _record(exc: Exception, peer: bool) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     now = time.time()
+    # A KilnError is already the one line for the user, the place included where it matters.
+    ours = isinstance(exc, KilnError)
     data = {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": str(exc) if ours else f"{type(exc).__name__}: {exc}",
             "extraInfo": {
                 "py_callstack": traceback.format_exc(),
                 "timestamp": str(int(now)),
                 "kiln_time": now,
-                "kiln_where": _where(exc),
+                "kiln_where": "" if ours else _where(exc),
+                "kiln_error": ours,
                 "kiln_peer_failed": peer,
             },
         }
@@ -207,10 +210,11 @@ def _what_happened(failure: ProcessFailure) -> str:
             f"exited with code {failure.exitcode} before recording an error (its output says "
             'why; a script that launches ranks needs an `if __name__ == "__main__":` guard)'
         )
-    text = " ".join(str(message).split())
-    if len(text) > _MESSAGE_CHARS:
+    text = " ".join(str(message).split()).rstrip(".")
+    if len(text) > _MESSAGE_CHARS and not _info(failure).get("kiln_error"):  # Kiln's is whole
         text = text[: _MESSAGE_CHARS - 1] + "…"
-    where = _info(failure).get("kiln_where") or _where_from_stack(_info(failure))
+    info = _info(failure)
+    where = info["kiln_where"] if "kiln_where" in info else _where_from_stack(info)
     return f"failed: {text}" + (f" (at {where})" if where else "")
 
 

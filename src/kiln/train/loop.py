@@ -36,6 +36,7 @@ from kiln.train.config import TrainConfig
 from kiln.train.export import check_outputs, write
 from kiln.train.phases import phase
 from kiln.train.prepared import Prepared, batches, prepare
+from kiln.train.usercode import checked_loss, defined_at, theirs
 
 Progress = Callable[[dict[str, Any]], None]
 CHECKPOINT_EVERY = 50  # optimizer steps between checkpoints, when a directory is given
@@ -156,9 +157,11 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     config = TrainConfig.from_json(run.config)
     module = _model(run.model)
     train, val = _datasets(run.data)
-    example = _first_sample(train)
-    loss_fn = run.loss if run.loss is not None else cross_entropy
-    inputs, targets = _collate_example(train, config.micro_batch)
+    with theirs("reading the training data", train, run.data):
+        example = _first_sample(train)
+        inputs, targets = _collate_example(train, config.micro_batch)
+    # The loss runs as the user's code; where it fails on the targets, the data is named.
+    loss_fn = checked_loss(run.loss if run.loss is not None else cross_entropy, train, run.data)
     if config.checkpointing.policy == "budget":
         config = budget_policy(module, (inputs, targets), loss_fn, config)
     # FSDP2 shards the module in place: an export traces a plain copy taken before.
@@ -173,7 +176,11 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     peak = memory.peak_mib()
     record["peak_mib"] = {str(prepared.dist.rank): peak}
     record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
-    record["val"] = _validate(prepared, val, loss_fn) if run.validate and val is not None else None
+    if run.validate and val is not None:
+        with theirs("validation", prepared.model, run.model, val, run.data):
+            record["val"] = _validate(prepared, val, loss_fn)
+    else:
+        record["val"] = None
     record["config"] = config.to_json()  # a budget policy as it was resolved
     record["written"] = write(prepared, run.save, run.export, inputs, template)
     record["tokens_per_sample"] = _tokens(example)
@@ -207,9 +214,10 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
     step, started, saved, saved_at = start, time.perf_counter(), None, start
     micro_losses: list[float] = []
     while not _stop(step, total, deadline, dist):
-        with phase("data"):
+        with phase("data"), theirs("loading a training batch", run.data):
             inputs, targets = next(stream)
-        value = prepared.train_step(inputs, targets, loss_fn)
+        with theirs("the training step", prepared.model, run.model):
+            value = prepared.train_step(inputs, targets, loss_fn)
         if value is not None:
             micro_losses.append(float(value.detach()))
         if prepared._micro != 0:  # the optimizer step waits for more micro-batches
@@ -399,19 +407,20 @@ def _datasets(data: Any) -> tuple[Any, Any]:
 
 
 def _first_sample(dataset: Any) -> Any:
+    where = defined_at(dataset)
+    where = f" ({where})" if where else ""
     if len(dataset) == 0:
-        raise KilnError("the training dataset is empty.")
+        raise KilnError(f"the training dataset is empty{where}.")
     sample = dataset[0]
     if not isinstance(sample, tuple | list) or len(sample) != 2:
         raise KilnError(
             f"the dataset's samples are {type(sample).__name__}s; expected (input, target) "
-            "pairs, e.g. return x, y from __getitem__."
+            f"pairs, e.g. return x, y from __getitem__{where}."
         )
     for part, what in zip(sample, ("input", "target"), strict=True):
         if not isinstance(part, torch.Tensor | int | float):
-            raise KilnError(
-                f"the dataset's {what} is a {type(part).__name__}; expected a tensor or a number."
-            )
+            raise KilnError(f"the dataset's {what} is a {type(part).__name__}; expected a "
+                            f"tensor or a number{where}.")  # fmt: skip
     return sample
 
 
