@@ -179,10 +179,10 @@ def test_two_models_answer_concurrently_and_equal_kiln_sessions(pair, artifacts)
         assert pair.metric(f'kiln_requests_total{{model="{model}"}}') == len(sent)
 
 
-def test_the_repository_calls_need_a_repository(pair) -> None:
+def test_load_and_unload_need_a_repository(pair) -> None:
     extensions = _client(pair).get_server_metadata()["extensions"]
     assert "model_repository" not in extensions
-    for path in ["index", f"models/{RESNET}/load", f"models/{RESNET}/unload"]:
+    for path in [f"models/{RESNET}/load", f"models/{RESNET}/unload"]:
         response = httpx.post(f"{pair.base}/v2/repository/{path}")
         assert response.status_code == 400, path
         assert "--model-repository" in response.json()["error"]
@@ -327,7 +327,6 @@ def test_a_repository_folder_is_read_as_triton_reads_it(tmp_path) -> None:
         (tmp_path / folder).mkdir(parents=True)
     (tmp_path / "m/2/artifact.kiln/manifest.json").touch()  # kiln export --runtime kiln's form
     (tmp_path / "plain/3/model.onnx").touch()
-    (tmp_path / "m/config.pbtxt").write_text("version_policy: { all: {} }\n")
     repository = Repository(tmp_path, said.append)
     assert repository.names() == ["m", "plain"]
     assert repository.latest("plain").source == str(tmp_path / "plain/3/model.onnx")
@@ -337,11 +336,10 @@ def test_a_repository_folder_is_read_as_triton_reads_it(tmp_path) -> None:
         _ = highest.source
     shutil.rmtree(tmp_path / "m/10")
     assert repository.latest("m").source == str(tmp_path / "m/2/artifact.kiln")
-    # Each ignored folder and the unread policy said once, however often the folder is read.
+    # Each ignored folder said once, however often the folder is read.
     assert sorted(said) == sorted([
         f"{tmp_path / 'm/0'}: ignored, a version folder is named by a positive integer (1, 2, …)",
         f"{tmp_path / 'm/v3'}: ignored, a version folder is named by a positive integer (1, 2, …)",
-        f"{tmp_path / 'm'}: its version policy is not read; kiln serve serves the highest version",
     ])  # fmt: skip
     with pytest.raises(kiln.KilnError, match="no model 'nope' in the repository"):
         repository.latest("nope")

@@ -182,9 +182,9 @@ def serve(
             batch, delay = batcher_settings(source, max_batch, max_delay_ms)
             return BatchSettings(batch, delay, max_queue)
 
-        def open_session(source: str) -> Session:
+        def open_session(source: str, backend: str | None = None) -> Session:
             return Session(source, buckets=buckets, warmup=warmup, adaptive=adaptive,
-                           keep_requests=256 if feedback else 0)  # fmt: skip
+                           keep_requests=256 if feedback else 0, backend=backend)  # fmt: skip
 
         served = ModelSet(open_session, settings, repository)
         if repository is not None:

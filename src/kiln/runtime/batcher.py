@@ -1,11 +1,15 @@
 """Dynamic batching: concurrent requests are queued and run together by one worker thread.
 
 The worker takes the oldest request, waits up to `max_delay` (counted from that request's
-arrival) for more to fill `max_batch` samples, and hands them to `run_batch` in one call. One
-worker, because the engine already uses every core for one batch: two batches at once would
-only fight over them. The queue is bounded; a full queue refuses new work at once (`Overloaded`,
-HTTP 503) instead of growing memory and latency without limit. `close()` stops taking new work
-and lets the worker finish everything already queued.
+arrival) for more to fill `max_batch` samples, and hands them to `run_batch` in one call. With
+`preferred` batch sizes (Triton's `preferred_batch_size`), a batch of one of them that the queue
+can form goes at once, the largest such; `combine=False` runs each request alone (Triton's
+default scheduler, a model without dynamic batching). One worker by default, because the engine
+already uses every core for one batch: two batches at once would only fight over them;
+`workers` > 1 (Triton's instance count) runs that many batches side by side. The queue is
+bounded; a full queue refuses new work at once (`Overloaded`, HTTP 503) instead of growing
+memory and latency without limit. `close()` stops taking new work and lets the workers finish
+everything already queued.
 """
 
 from __future__ import annotations
@@ -64,17 +68,26 @@ class Batcher:
         max_delay: float = 0.005,
         max_queue: int = 256,
         observe: Callable[[BatchRecord], None] | None = None,
+        *,
+        preferred: tuple[int, ...] = (),
+        combine: bool = True,
+        workers: int = 1,
     ) -> None:
         self._run_batch = run_batch
         self.max_batch, self.max_delay, self.max_queue = max_batch, max_delay, max_queue
+        self.preferred, self.combine, self.workers = preferred, combine, max(1, workers)
         self._observe = observe
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="kiln-batcher", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._loop, name="kiln-batcher", daemon=True)
+            for _ in range(self.workers)
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     @property
     def depth(self) -> int:
@@ -82,7 +95,7 @@ class Batcher:
 
     @property
     def accepting(self) -> bool:
-        return not self._closing and self._thread.is_alive()
+        return not self._closing and any(t.is_alive() for t in self._threads)
 
     def full(self) -> bool:
         return len(self._queue) >= self.max_queue
@@ -99,16 +112,17 @@ class Batcher:
                     "kiln serve --max-queue); retry later"
                 )
             self._queue.append(job)
-            self._cond.notify()
+            self._cond.notify_all()  # with several workers, the one waiting for company too
         return job.future
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish the queued ones, stop the worker."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._cond.notify_all()  # every worker: each must see it to end
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout)
 
     def _loop(self) -> None:
         while (batch := self._take()) is not None:
@@ -121,22 +135,38 @@ class Batcher:
                 self._cond.wait()
             if not self._queue:
                 return None
+            if not self.combine:
+                return [self._queue.popleft()]
             deadline = self._queue[0].enqueued + self.max_delay
             # Wait for company while there is room and time; when draining, don't wait.
-            while not self._closing and self._queued_samples() < self.max_batch:
+            while not self._closing and not self._full(self._sizes()):
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch = [self._queue.popleft()]
-            samples = batch[0].samples
-            while self._queue and samples + self._queue[0].samples <= self.max_batch:
-                samples += self._queue[0].samples
-                batch.append(self._queue.popleft())
-            return batch
+            return [self._queue.popleft() for _ in range(self._count(self._sizes()))]
 
-    def _queued_samples(self) -> int:
-        return sum(job.samples for job in self._queue)
+    def _sizes(self) -> list[int]:
+        """The samples of each batch the queue can form from its oldest requests, in order
+        and within max_batch (the first request counts even beyond it: it then runs alone)."""
+        sizes, total = [], 0
+        for job in self._queue:
+            total += job.samples
+            if sizes and total > self.max_batch:
+                break
+            sizes.append(total)
+        return sizes
+
+    def _full(self, sizes: list[int]) -> bool:
+        """Whether to stop waiting: max_batch reached, or a preferred size can be formed."""
+        queued = sum(job.samples for job in self._queue)
+        return queued >= self.max_batch or any(s in self.preferred for s in sizes)
+
+    def _count(self, sizes: list[int]) -> int:
+        """How many requests the next batch takes: those of the largest preferred size the
+        queue forms (Triton's rule), else as many as fit."""
+        preferred = [i for i, s in enumerate(sizes) if s in self.preferred]
+        return preferred[-1] + 1 if preferred else len(sizes)
 
     def _run(self, batch: list[Job]) -> None:
         start = time.perf_counter()

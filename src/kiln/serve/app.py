@@ -310,7 +310,7 @@ def _repository_routes(app: FastAPI, models: ModelSet) -> None:
     @app.post("/v2/repository/index")
     async def index(request: Request) -> list[dict[str, str]]:
         args = _repository_args(await request.body(), {"ready": bool}, "index")
-        models.need_repository("index")
+        # Every server answers it, as Triton's: the models it serves (a client lists first).
         return models.index(ready_only=bool(args.get("ready", False)))
 
     @app.post("/v2/repository/models/{model}/load")

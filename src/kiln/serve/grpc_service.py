@@ -360,8 +360,7 @@ class InferenceServicer:
     @_answers
     async def RepositoryIndex(self, request: Message, context: Any) -> Message:
         _no_repository_name(request)
-        self.models.need_repository("index")
-        rows = self.models.index(ready_only=request.ready)
+        rows = self.models.index(ready_only=request.ready)  # every server has one, as Triton
         return _parse({"models": rows}, "RepositoryIndexResponse")
 
     @_answers

@@ -27,7 +27,7 @@ from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher
 from kiln.serve.metrics import ServeMetrics, ServerMetrics, engine_runs
 from kiln.serve.protocol import clip, model_config
-from kiln.serve.repository import Repository
+from kiln.serve.repository import Repository, served_settings
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 
@@ -48,11 +48,20 @@ class ModelError(Exception):
 
 @dataclass(frozen=True)
 class BatchSettings:
-    """One model's batcher: samples per batch, the longest wait for company, queue length."""
+    """One model's batcher: samples per batch, the longest wait for company, queue length;
+    and what a config.pbtxt may set besides (see repository.py): the batch sizes that go at
+    once, whether requests are batched together at all, whether the model is served with a
+    batch dim (max_batch_size 0: not), batches run side by side, and the (platform, backend)
+    it names where that is what runs."""
 
     max_batch: int = 16
     max_delay_ms: float = 0.0
     max_queue: int = 256
+    preferred: tuple[int, ...] = ()
+    combine: bool = True
+    batching: bool = True
+    workers: int = 1
+    engine: tuple[str, str] | None = None
 
 
 class ServedModel:
@@ -70,16 +79,21 @@ class ServedModel:
     ) -> None:
         self.name, self.version, self.source, self.session = name, version, source, session
         self.metrics = metrics
-        self.batch_axis = _has_batch_axis(session)
+        self.batch_axis = _has_batch_axis(session) and settings.batching
         self.batcher = Batcher(
             metrics.executions(session.run_batch, engine_runs(session), self.batch_axis),
             max_batch=settings.max_batch,
             max_delay=settings.max_delay_ms / 1000,
             max_queue=settings.max_queue,
+            preferred=settings.preferred,
+            combine=settings.combine,
+            workers=settings.workers,
         )
         self.inputs = {spec["name"]: spec for spec in session.inputs}
         self.output_names = list(session.output_names)
         self.platform, self.backend, self.kind = _engine(session.get_providers())
+        if settings.engine is not None:  # the config's name for what runs (Python backend)
+            self.platform, self.backend = settings.engine
         self._users = 0
         self._idle = threading.Condition()
         self.batcher.start()
@@ -113,12 +127,13 @@ class ServedModel:
 
     def config(self) -> dict[str, Any]:
         """Triton's ModelConfig, with the batcher's settings as they are now."""
-        return model_config(
+        config = model_config(
             self.name, list(self.session.inputs), list(self.session.outputs),
             platform=self.platform, backend=self.backend, kind=self.kind,
             max_batch_size=self.max_batch_size,
             max_delay_s=self.batcher.max_delay,
         )  # fmt: skip
+        return _scheduled(config, self.batcher)
 
     def enter(self) -> None:
         with self._idle:
@@ -156,13 +171,15 @@ class _Entry:
         return {"name": name, "version": self.version, "state": self.state, "reason": self.reason}
 
 
-Opener = Callable[[str], Any]  # a model's source (artifact, .onnx, zoo:NAME) → a kiln.Session
+# A model's source (artifact, .onnx, zoo:NAME) → a kiln.Session; `backend=` (Kiln's engine
+# name) is passed only where a config.pbtxt names the engine of a plain model file.
+Opener = Callable[..., Any]
 
 
-def _open_session(source: str) -> Any:
+def _open_session(source: str, backend: str | None = None) -> Any:
     from kiln.runtime import Session  # seconds of engine imports: only when a model is opened
 
-    return Session(source)
+    return Session(source, backend=backend)
 
 
 class ModelSet:
@@ -185,7 +202,6 @@ class ModelSet:
         self._loads: dict[str, threading.Lock] = {}  # per model: one load or unload at a time
         self._retiring: list[threading.Thread] = []
         self._closed = False
-        self._quiet = False  # while the repository loads at start-up: see load_repository
 
     # ------------------------------------------------------------ serving
 
@@ -281,12 +297,8 @@ class ModelSet:
         """Load every model of the repository, `workers` at a time; one that fails is
         UNAVAILABLE with its reason and the others serve. The index, once done."""
         names = self.need_repository("load").names()
-        self._quiet = True  # a failure is said once, by its index line, which the caller shows
-        try:
-            with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
-                list(pool.map(self._try_load, names))
-        finally:
-            self._quiet = False
+        with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
+            list(pool.map(self._try_load, names))
         return self.index()
 
     def _try_load(self, name: str) -> None:
@@ -324,14 +336,18 @@ class ModelSet:
             except KilnError as exc:
                 raise self._failed(name, None, str(exc)) from None
             try:
-                session = self._open(source)
+                backend = found.backend
+                session = self._open(source, backend=backend) if backend else self._open(source)
             except Exception as exc:
                 raise self._failed(name, version, _reason(exc, source)) from None
             try:
-                model = ServedModel(
-                    name, version, source, session, self._settings(source),
-                    self.metrics.model(name, version),
+                settings = served_settings(
+                    found, self._settings(source), session, _has_batch_axis(session),
+                    _engine(session.get_providers()),
                 )  # fmt: skip
+                model = ServedModel(
+                    name, version, source, session, settings, self.metrics.model(name, version)
+                )
             except Exception as exc:
                 session.close()
                 raise self._failed(name, version, _reason(exc, source)) from None
@@ -388,8 +404,7 @@ class ModelSet:
             else:
                 entry.state, entry.version, entry.reason = UNAVAILABLE, version or "", reason
                 keeps = ""
-        if not self._quiet:
-            log.warning("failed to load %s: %s%s", what, reason, keeps)
+        log.warning("failed to load %s: %s%s", what, reason, keeps)
         return ModelError(400, f"failed to load {what}: {reason}{keeps}")
 
     def _swap_in(self, name: str, model: ServedModel) -> None:
@@ -439,6 +454,18 @@ def _reason(exc: Exception, source: str) -> str:
 _GPU_PROVIDERS = (":GPU", "CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
+def _scheduled(config: dict[str, Any], batcher: Batcher) -> dict[str, Any]:
+    """`config` with what a config.pbtxt may set of the batcher: no dynamic_batching where
+    requests run alone, its preferred sizes, its instance count."""
+    for group in config["instance_group"]:
+        group["count"] = batcher.workers
+    if not batcher.combine:
+        config.pop("dynamic_batching", None)
+    elif batcher.preferred and "dynamic_batching" in config:
+        config["dynamic_batching"]["preferred_batch_size"] = list(batcher.preferred)
+    return config
+
+
 def _has_batch_axis(session: Any) -> bool:
     """Whether every input and output leads with the model's batch dim: what Triton's
     max_batch_size > 0 says of a model (its `dims` then leave that dim out)."""
@@ -449,9 +476,13 @@ def _has_batch_axis(session: Any) -> bool:
 
 def _engine(providers: list[str]) -> tuple[str, str, str]:
     """Triton's platform, backend and instance kind for the engine a session runs on, from its
-    providers (["CPUExecutionProvider"], ["OpenVINO:CPU"], ...)."""
+    providers (["CPUExecutionProvider"], ["OpenVINO:CPU"], ...). A partitioned model runs on
+    several engines at once, which no Triton backend does: Kiln's runtime runs it."""
     gpu = any(p.endswith(_GPU_PROVIDERS) for p in providers)
     kind = "KIND_GPU" if gpu else "KIND_CPU"
-    if any(p.startswith("OpenVINO") for p in providers):
+    openvino = [p for p in providers if p.startswith("OpenVINO")]
+    if openvino and len(openvino) < len(providers):
+        return "", "kiln", kind
+    if openvino:
         return "openvino", "openvino", kind
     return "onnxruntime_onnx", "onnxruntime", kind
