@@ -17,8 +17,9 @@ import yaml
 from string_models import strings_model
 
 import kiln
+from kiln.artifact import read_artifact
 from kiln.backends import get_backend
-from kiln.deploy import export_kserve
+from kiln.deploy import export_kserve, kserve
 from kiln.deploy.config import DEFAULT_MAX_BATCH
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
@@ -187,7 +188,8 @@ def test_kiln_runtime_writes_its_serving_runtime_and_image(artifacts, tmp_path):
     out = tmp_path / "kserve"
     assert sorted(Path(p).name for p in said["files"]) == sorted(p.name for p in out.iterdir())
     assert sorted(p.name for p in out.iterdir()) == [
-        "Dockerfile", "inferenceservice.yaml", "servingruntime.yaml"
+        "Dockerfile", "inferenceservice.yaml", f"kiln_ml-{kiln.__version__}-py3-none-any.whl",
+        "servingruntime.yaml",
     ]  # fmt: skip
     isvc = _load(out / "inferenceservice.yaml")
     runtime = _load(out / "servingruntime.yaml")
@@ -211,11 +213,8 @@ def test_kiln_runtime_writes_its_serving_runtime_and_image(artifacts, tmp_path):
     # The image: NVIDIA's Triton with the Kiln and engine that measured the artifact, numpy 1.
     dockerfile = (out / "Dockerfile").read_text()
     assert re.search(r"^FROM nvcr\.io/nvidia/tritonserver:\S+-py3$", dockerfile, re.MULTILINE)
-    pins = re.search(r"^RUN python3 -m pip install .*$", dockerfile, re.MULTILINE)[0]
     version = get_backend("ort").describe()["version"]
-    assert {'"numpy<2"', f'"onnxruntime=={version}"', f'"kiln-ml=={kiln.__version__}"'} <= set(
-        pins.split()
-    )
+    assert {"numpy<2", f"onnxruntime=={version}"} <= set(_requirements(dockerfile))
     assert (tmp_path / "repo" / "bert" / "1" / "model.py").is_file()
 
 
@@ -229,7 +228,98 @@ def test_openvino_threads_and_engine_version_go_along(artifacts, tmp_path):
     runtime = _load(tmp_path / "kserve" / "servingruntime.yaml")
     assert runtime["spec"]["containers"][0]["image"] == image
     version = get_backend("openvino").describe()["version"]
-    assert f'"openvino=={version}"' in (tmp_path / "kserve" / "Dockerfile").read_text()
+    assert f"openvino=={version}" in _requirements((tmp_path / "kserve" / "Dockerfile").read_text())
+
+
+# ---------------------------------------------------------------- the image
+
+
+def _requirements(dockerfile: str) -> list[str]:
+    """What the Dockerfile installs from the package index: the quoted requirements of its
+    `RUN python3 -m pip install` lines."""
+    lines = re.findall(r"^RUN python3 -m pip install (.*)$", dockerfile, re.MULTILINE)
+    return [req for line in lines for req in re.findall(r'"([^"]+)"', line)]
+
+
+def _copied_wheel(dockerfile: str, context: Path) -> Path:
+    """The wheel of Kiln the Dockerfile copies from its build context and installs."""
+    (name,) = re.findall(r"^COPY (\S+\.whl) ", dockerfile, re.MULTILINE)
+    assert re.search(rf"^RUN python3 -m pip install .*--no-deps \S*{re.escape(name)}$", dockerfile,
+                     re.MULTILINE)  # fmt: skip
+    return context / name
+
+
+@pytest.fixture(scope="module")
+def image(artifacts, tmp_path_factory) -> Path:
+    """--runtime kiln's build context for bert-tiny: Dockerfile and the wheel beside it."""
+    where = tmp_path_factory.mktemp("image")
+    export_kserve(artifacts["bert"], where / "repo", where / "kserve", runtime="kiln",
+                  measure_s=MEASURE_S)  # fmt: skip
+    return where / "kserve"
+
+
+@pytest.mark.timeout(120)
+def test_the_image_installs_a_wheel_of_this_kiln_from_its_build_context(image, tmp_path):
+    dockerfile = (image / "Dockerfile").read_text()
+    assert not [r for r in _requirements(dockerfile) if r.startswith("kiln")]  # not the index's
+    wheel = _copied_wheel(dockerfile, image)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--target", str(target), str(wheel)], check=True, timeout=100)  # fmt: skip
+    found = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import kiln, "
+         "kiln.runtime.session as s; print(kiln.__version__, s.__file__)", str(target)],
+        capture_output=True, text=True, check=True, timeout=100,
+    )  # fmt: skip
+    version, source = found.stdout.split()
+    assert version == kiln.__version__ and Path(source).is_relative_to(target)
+    installed = {p.relative_to(target / "kiln") for p in (target / "kiln").rglob("*.py")}
+    package = Path(kiln.__file__).parent
+    assert installed == {p.relative_to(package) for p in package.rglob("*.py")}
+
+
+def test_a_partitioned_artifact_is_served_whole_with_its_parts_engines(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    parts = kiln.compile("zoo:two-tower-tiny", tmp_path / "tt.kiln", partition="image=openvino")
+    done = export_kserve(parts.path, tmp_path / "repo", tmp_path / "kserve", runtime="kiln",
+                         measure_s=MEASURE_S)  # fmt: skip
+    section = parts.manifest.parts["parts"]
+    assert (done.cpu, done.threads_from) == (sum(p["threads"] for p in section), "parts")
+    assert done.replica.requests > 0  # one replica ran it whole
+    engines = {p["engine"] for p in section}
+    assert engines == {"ort", "openvino"}
+    names = {
+        r.split("==")[0] for r in _requirements((tmp_path / "kserve" / "Dockerfile").read_text())
+    }
+    assert {"onnxruntime", "openvino"} <= names
+    assert (done.triton.version_path / "artifact.kiln" / "parts").is_dir()
+
+
+# Where a package index cannot be reached: pip's words for it.
+_OFFLINE = re.compile(r"NewConnectionError|Max retries exceeded|Temporary failure in name "
+                      r"resolution|Network is unreachable|ProxyError|ConnectTimeout|Could not "
+                      r"fetch URL|No route to host")  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_every_requirement_has_a_wheel_for_the_images_python(artifacts, image, tmp_path):
+    """Each requirement the Dockerfile installs resolves to a wheel for the Python and
+    platform of its base image (what `docker build` would find, without Docker), for either
+    engine."""
+    openvino = kserve.image_requirements(read_artifact(artifacts["openvino"]).manifest)
+    requirements = list(dict.fromkeys([*_requirements((image / "Dockerfile").read_text()),
+                                        *openvino]))  # fmt: skip
+    assert any(r.startswith("openvino==") for r in requirements)
+    platforms = [arg for p in kserve.IMAGE_PLATFORMS for arg in ("--platform", p)]
+    command = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps",
+               "--python-version", kserve.IMAGE_PYTHON, "--implementation", "cp", *platforms,
+               "--retries", "1", "--timeout", "30", "--disable-pip-version-check",
+               "-d", str(tmp_path), *requirements]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=580)
+    if done.returncode != 0 and _OFFLINE.search(done.stderr):
+        pytest.skip(f"the package index cannot be reached: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr
+    assert len(list(tmp_path.glob("*.whl"))) == len(requirements)
 
 
 # ---------------------------------------------------------------- bad input

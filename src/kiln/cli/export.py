@@ -130,8 +130,9 @@ def _print_triton(done: TritonExport, python_note: bool = True) -> None:
     if done.runtime == "kiln" and python_note:
         err.print(
             "note: Triton runs model.py with the python3 first on its PATH (or the config's "
-            "EXECUTION_ENV_PATH): install kiln-ml there, with numpy<2 where Triton's Python "
-            "backend stub is built against numpy 1.x",
+            "EXECUTION_ENV_PATH): install this Kiln there (--kserve DIR writes a wheel of it "
+            "and a Dockerfile that installs it), with numpy<2 where Triton's Python backend "
+            "stub is built against numpy 1.x",
             highlight=False, markup=False, soft_wrap=True,
         )  # fmt: skip
     console.print(
@@ -169,8 +170,9 @@ def _print_kserve(done: KServeExport, image_given: bool) -> None:
             else f"then pass --image REGISTRY/NAME:TAG (the ServingRuntime names {done.image})"
         )
         err.print(
-            f"note: build the image from {done.directory / 'Dockerfile'} and push it where the "
-            f"cluster pulls from, {then}", highlight=False, markup=False, soft_wrap=True,
+            f"note: build the image in {done.directory} (its Dockerfile installs the wheel of "
+            f"Kiln beside it) and push it where the cluster pulls from, {then}",
+            highlight=False, markup=False, soft_wrap=True,
         )  # fmt: skip
         order.reverse()  # the ServingRuntime before the InferenceService that names it
     console.print(

@@ -4,7 +4,8 @@ resources and autoscaling one replica was measured to need.
     DIR/inferenceservice.yaml   the InferenceService: Triton's model format, protocol v2,
                                 storageUri = the repository, resources, autoscaling
     DIR/servingruntime.yaml     --runtime kiln: a ServingRuntime of Triton with Kiln ...
-    DIR/Dockerfile              ... built from NVIDIA's tritonserver image
+    DIR/Dockerfile              ... built from NVIDIA's tritonserver image, installing
+    DIR/kiln_ml-VERSION-py3-none-any.whl   a wheel of this Kiln (wheel.py)
 
 Field by field, what KServe's own files say (kserve/kserve):
 
@@ -13,7 +14,9 @@ Field by field, what KServe's own files say (kserve/kserve):
   `tritonserver --model-store=/mnt/models --grpc-port=9000 --http-port=8080 ...` (KServe
   puts storageUri's files at /mnt/models) in image nvcr.io/nvidia/tritonserver:23.05-py3
   (config/runtimes/kustomization.yaml). It declares no port: Knative's default, 8080 HTTP/1.
-  Kiln's ServingRuntime keeps those args, image lineage, annotations and securityContext.
+  Kiln's ServingRuntime keeps those args, annotations and securityContext; its image is
+  built FROM a later tritonserver (KILN_BASE_IMAGE): 23.05's Python 3.10 has no wheels of the
+  engine versions Kiln pins, and its Python backend's errors carry no code before 23.09.
 - Knative routes one container port, named `http1` or `h2c`; KServe's samples name gRPC's
   9000 `h2c`. Kiln declares HTTP's 8080 as `http1`, the port the args open.
 - pkg/apis/serving/v1beta1/component.go: `containerConcurrency` (the hard limit of requests
@@ -39,6 +42,7 @@ replica as an annotation.
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 import math
 import re
 import shutil
@@ -51,10 +55,12 @@ from typing import Any
 import yaml
 
 from kiln import __version__
-from kiln.artifact import Manifest, read_artifact
+from kiln.artifact import Manifest
+from kiln.artifact.parts import PartsSection
 from kiln.deploy.config import KILN, NATIVE, RUNTIMES, tuned_batcher
 from kiln.deploy.measure import Replica, measure_replica
-from kiln.deploy.triton import TritonExport, default_name, export_triton
+from kiln.deploy.triton import TritonExport, default_name, export_triton, read_source
+from kiln.deploy.wheel import RUNTIME_PACKAGES, WHEEL_GLOB, build_wheel, wheel_file
 from kiln.errors import KilnError
 from kiln.hardware import cpu_info
 from kiln.home import output_problem
@@ -62,7 +68,7 @@ from kiln.home import output_problem
 INFERENCE_SERVICE = "inferenceservice.yaml"
 SERVING_RUNTIME = "servingruntime.yaml"
 DOCKERFILE = "Dockerfile"
-FILES = (INFERENCE_SERVICE, SERVING_RUNTIME, DOCKERFILE)
+FILES = (INFERENCE_SERVICE, SERVING_RUNTIME, DOCKERFILE)  # and the wheel, named by version
 
 # KServe's Triton runtime, as config/runtimes/kserve-tritonserver.yaml ships it.
 TRITON_RUNTIME = "kserve-tritonserver"
@@ -78,6 +84,17 @@ SECURITY_CONTEXT = {
     "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
 }  # fmt: skip
 KILN_RUNTIME = "kiln-tritonserver"
+# The image of Kiln's runtime: Triton 26.05 (Python backend errors with codes, 23.09 on) on
+# Ubuntu 24.04, whose python3 is CPython 3.12 with glibc 2.39; the amd64 image is the one
+# checked (the tests download each requirement's wheel for it).
+KILN_BASE_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-py3"
+IMAGE_PYTHON = "3.12"
+IMAGE_PLATFORMS = tuple(
+    [f"manylinux_2_{minor}_x86_64" for minor in range(39, 16, -1)]
+    + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+)  # every manylinux tag glibc 2.39 runs, newest first
+# The Python backend's stub in the images Kiln is tested with is built against numpy 1.x.
+IMAGE_NUMPY = "numpy<2"
 DEFAULT_IMAGE = f"kiln-tritonserver:{__version__}"
 TARGET_UTILIZATION = 0.70  # Knative's container-concurrency-target-percentage default
 MEMORY_HEADROOM = 1.5
@@ -106,7 +123,7 @@ class KServeExport:
     storage_given: bool  # False: the default PVC, where the repository must be copied
     image: str | None  # --runtime kiln: the image the ServingRuntime runs
     cpu: int  # engine threads: requests and limits
-    threads_from: str  # "artifact" or "physical cores" (the artifact left it to the engine)
+    threads_from: str  # "artifact", "parts" or "physical cores" (left to the engine)
     memory_mib: int  # requests and limits: the measured peak × MEMORY_HEADROOM
     container_concurrency: int
     scale_target: int
@@ -164,7 +181,7 @@ def export_kserve(
     _check_storage_uri(storage_uri)
     service = service_name(name if name is not None else default_name(artifact))
     _check_directory(directory, force)
-    source = read_artifact(artifact)
+    source = read_source(artifact, runtime)
     cpu, threads_from = replica_threads(source.manifest)
     triton = export_triton(source.path, repository, name=name, version=version,
                            runtime=runtime, force=force)  # fmt: skip
@@ -189,13 +206,16 @@ def export_kserve(
         batch_from=batch_from, replica=replica,
     )  # fmt: skip
     done.documents[INFERENCE_SERVICE] = inference_service(done)
-    texts = {INFERENCE_SERVICE: _yaml(done.documents[INFERENCE_SERVICE], _header(done, source))}
+    files: dict[str, str | bytes] = {
+        INFERENCE_SERVICE: _yaml(done.documents[INFERENCE_SERVICE], _header(done, source))
+    }
     if runtime == KILN:
         done.documents[SERVING_RUNTIME] = serving_runtime(done)
-        texts[SERVING_RUNTIME] = _yaml(done.documents[SERVING_RUNTIME], _header(done, source))
-        texts[DOCKERFILE] = dockerfile(source.manifest, done)
-    _install(directory, texts)
-    done.files = [directory / file for file in texts]
+        files[SERVING_RUNTIME] = _yaml(done.documents[SERVING_RUNTIME], _header(done, source))
+        files[DOCKERFILE] = dockerfile(source.manifest)
+        files[wheel_file()] = build_wheel()  # the Dockerfile's build context
+    _install(directory, files)
+    done.files = [directory / file for file in files]
     return done
 
 
@@ -206,6 +226,8 @@ def replica_threads(manifest: Manifest) -> tuple[int, str]:
     """(threads, where the number comes from): the engine threads the artifact's settings
     give one session, the CPUs one replica asks for. 0 leaves them to the engine, which
     runs one per physical core: this machine's, as Kiln sees them."""
+    if manifest.parts:  # the cores its parts were given: independent ones run at once
+        return sum(p.threads for p in PartsSection.from_json(manifest.parts).parts), "parts"
     threads = int(manifest.backend.options.get(_THREADS.get(manifest.backend.name, ""), 0))
     if threads > 0:
         return threads, "artifact"
@@ -305,32 +327,55 @@ def serving_runtime(done: KServeExport) -> dict[str, Any]:
     }
 
 
-def dockerfile(manifest: Manifest, done: KServeExport) -> str:
-    """The image of Kiln's ServingRuntime: Triton, and in its python3 the Kiln and engine
-    versions that measured the artifact, with numpy < 2 (the Python backend's stub is built
-    against numpy 1.x)."""
-    from kiln.backends import get_backend
+def engines_of(manifest: Manifest) -> list[str]:
+    """The engines serving the artifact: its backend's, or each part's."""
+    if manifest.parts:
+        return list(dict.fromkeys(p.engine for p in PartsSection.from_json(manifest.parts).parts))
+    return [manifest.backend.name]
 
-    engine = manifest.backend.name
-    engine_version = get_backend(engine).describe()["version"]
-    pins = [f"kiln-ml=={__version__}", f"{_ENGINE_DISTRIBUTIONS[engine]}=={engine_version}",
-            "numpy<2"]  # fmt: skip
+
+def image_requirements(manifest: Manifest) -> list[str]:
+    """What the image installs from the package index beside the wheel of Kiln: numpy 1.x,
+    and at the versions that measured the artifact the packages Kiln's runtime imports and
+    the engines the artifact runs on."""
+    engines = [_ENGINE_DISTRIBUTIONS[engine] for engine in engines_of(manifest)]
+    packages = dict.fromkeys([*RUNTIME_PACKAGES, *engines])
+    return [IMAGE_NUMPY, *(f"{name}=={metadata.version(name)}" for name in packages)]
+
+
+def dockerfile(manifest: Manifest) -> str:
+    """The image of Kiln's ServingRuntime: Triton, and in its python3 the wheel of this Kiln
+    (copied from the build context: the directory the Dockerfile is written to) with what
+    its runtime imports."""
+    pins = " ".join(f'"{requirement}"' for requirement in image_requirements(manifest))
+    wheel = wheel_file()
+    pip = "python3 -m pip install --no-cache-dir --break-system-packages"  # PEP 668's Ubuntu
     return "\n".join([
         f"# Written by kiln export (kiln {__version__}): Triton with Kiln's runtime, for the",
-        f"# ServingRuntime '{KILN_RUNTIME}'. Build and push it, then name it there:",
+        f"# ServingRuntime '{KILN_RUNTIME}'. Build it from this directory (the wheel of Kiln",
+        "# beside this file is its build context) and push it, then name it there:",
         f"#   docker build -t REGISTRY/{DEFAULT_IMAGE} . && docker push REGISTRY/{DEFAULT_IMAGE}",
         f"#   kiln export ... --kserve DIR --image REGISTRY/{DEFAULT_IMAGE}",
-        f"FROM {TRITON_IMAGE}",
+        f"# Its python3 is CPython {IMAGE_PYTHON} (Ubuntu 24.04, linux/amd64): each requirement",
+        "# below has a wheel for it.",
+        f"FROM {KILN_BASE_IMAGE}",
         "# Triton's Python backend runs model.py in the python3 first on its PATH: Kiln goes",
-        "# there, with the engine version the artifact was measured on, and numpy < 2 because",
-        "# the backend's stub is built against numpy 1.x.",
-        "RUN python3 -m pip install --no-cache-dir " + " ".join(f'"{p}"' for p in pins),
+        "# there, with the versions of what its runtime imports that measured the artifact, and",
+        "# numpy < 2 for the backend's stub.",
+        f"COPY {wheel} /tmp/",
+        f"RUN {pip} {pins}",
+        f"RUN {pip} --no-deps /tmp/{wheel}",
         "# Kiln's state (runtime records, caches) where the non-root user can write.",
         "ENV KILN_HOME=/tmp/kiln",
         "",
     ])  # fmt: skip
 
 
+_THREADS_FROM = {
+    "artifact": "its engine threads",
+    "parts": "the threads of its parts, which run at once where independent",
+    "physical cores": "the engine's default threads: this machine's physical cores",
+}
 _BATCH_FROM = {
     "kiln tune": "the max batch `kiln tune --clients` chose for Triton's dynamic batcher",
     "default": "the max batch of Triton's dynamic batcher (Kiln's default; `kiln tune "
@@ -341,8 +386,7 @@ _BATCH_FROM = {
 
 def _header(done: KServeExport, source: Any) -> list[str]:
     replica = done.replica
-    threads = ("its engine threads" if done.threads_from == "artifact"
-               else "the engine's default threads: this machine's physical cores")  # fmt: skip
+    threads = _THREADS_FROM[done.threads_from]
     clients = f"{replica.clients} client{'s' * (replica.clients != 1)}"
     return [
         f"Written by kiln export (kiln {__version__}) from {source.path.resolve()}.",
@@ -399,7 +443,7 @@ def _check_directory(directory: Path, force: bool) -> None:
     problem = output_problem(directory, directory=True)
     if problem:
         raise KilnError(f"--kserve {directory}: {problem}. Nothing was written.")
-    there = [f for f in FILES if (directory / f).exists() or (directory / f).is_symlink()]
+    there = _earlier_files(directory)
     if there and not force:
         raise KilnError(
             f"--kserve {directory}: already holds {', '.join(there)}; pass --force to replace "
@@ -407,7 +451,15 @@ def _check_directory(directory: Path, force: bool) -> None:
         )
 
 
-def _install(directory: Path, texts: dict[str, str]) -> None:
+def _earlier_files(directory: Path) -> list[str]:
+    """The files an export wrote into `directory`, of this Kiln or an earlier one."""
+    if not directory.is_dir():
+        return []
+    written = [f for f in FILES if (directory / f).exists() or (directory / f).is_symlink()]
+    return written + sorted(p.name for p in directory.glob(WHEEL_GLOB))
+
+
+def _install(directory: Path, files: dict[str, str | bytes]) -> None:
     """A new directory is built beside its place and renamed in. Into an existing one each
     file is renamed over the old one (so none is ever half written), and an earlier export's
     file this one does not write is removed. The temporary directory never stays."""
@@ -416,15 +468,19 @@ def _install(directory: Path, texts: dict[str, str]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
     try:
         tmp.chmod(0o755)
-        for file, text in texts.items():
-            (tmp / file).write_text(text)
+        for file, content in files.items():
+            if isinstance(content, bytes):
+                (tmp / file).write_bytes(content)
+            else:
+                (tmp / file).write_text(content)
         if created:
             tmp.rename(directory)
             return
-        for file in FILES:
-            if file in texts:
-                (tmp / file).replace(directory / file)
-            elif (directory / file).exists() or (directory / file).is_symlink():
+        earlier = _earlier_files(directory)
+        for file in files:
+            (tmp / file).replace(directory / file)
+        for file in earlier:
+            if file not in files:
                 (directory / file).unlink()
     except OSError as exc:
         raise KilnError(

@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from http.client import HTTPException
 from pathlib import Path
 
+from kiln.deploy.wheel import RUNTIME_PACKAGES
+
 PYTRITON = "nvidia-pytriton==0.7.0"
 NUMPY = "numpy==1.26.4"  # what the stub was built against
-# Kiln's runtime needs these in the models' environment; pinned to this environment's versions
-# so Triton's answers and in-process kiln.Session's come from the same engine.
-RUNTIME_PACKAGES = ("onnxruntime", "onnx", "onnx-ir", "onnxscript", "psutil")
 _KILN_PARENT = Path(__file__).resolve().parents[2]  # the directory `import kiln` found it in
 _LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
 
@@ -76,6 +75,8 @@ class Triton:
 
 
 def pins() -> list[str]:
+    """What Kiln's runtime needs in the models' environment, at this environment's versions,
+    so Triton's answers and in-process kiln.Session's come from the same engine."""
     return [NUMPY, *(f"{name}=={metadata.version(name)}" for name in RUNTIME_PACKAGES)]
 
 

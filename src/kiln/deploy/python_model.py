@@ -3,8 +3,9 @@ file to REPO/NAME/VERSION/model.py, beside the artifact in artifact.kiln/.
 
 It runs only inside Triton (`triton_python_backend_utils` is Triton's), in the Python
 environment Triton starts the model in: the `python3` first on Triton's PATH, or the
-EXECUTION_ENV_PATH the config names. That environment needs Kiln (`pip install kiln-ml`), and,
-with Triton's stubs built against numpy 1.x (as nvidia-pytriton 0.7.0's), numpy < 2.
+EXECUTION_ENV_PATH the config names. That environment needs this Kiln (`kiln export --kserve`
+writes a wheel of it and a Dockerfile that installs it), and, with Triton's stubs built
+against numpy 1.x (as nvidia-pytriton 0.7.0's), numpy < 2.
 
 Each request runs through one `kiln.Session` on the artifact, so its buckets, padding checks
 and engine settings go along. Triton's dynamic batcher hands `execute` the requests it
@@ -37,7 +38,8 @@ class TritonPythonModel:
         except ImportError as exc:
             raise RuntimeError(
                 f"Kiln cannot be imported in the Python environment Triton runs this model in "
-                f"({exc}); install it there: pip install kiln-ml 'numpy<2'"
+                f"({exc}); install it there (kiln export --kserve writes a wheel of it and a "
+                "Dockerfile that installs it), with numpy<2"
             ) from None
         self.refusal = kiln.KilnError  # the request's fault, as kiln serve judges it
         config = json.loads(args["model_config"])
