@@ -21,18 +21,19 @@ import kiln
 from kiln.runtime.batcher import Batcher
 from kiln.serve.models import READY, UNAVAILABLE, ModelSet, _engine
 from kiln.serve.repository import Repository
+from kiln.serve.service import Refused, check_inputs
 
 pytestmark = pytest.mark.timeout(120)
 WIDTH = 4
 
 
-def _write_model(path: Path, batched: bool = True) -> Path:
-    """y = x + 1 on [batch, WIDTH] floats (or a fixed [2, WIDTH] without a batch dim)."""
+def _write_model(path: Path, batched: bool = True, width: int | str = WIDTH) -> Path:
+    """y = x + 1 on [batch, width] floats (or a fixed [2, width] without a batch dim)."""
     first = "batch" if batched else 2
     graph = helper.make_graph(
         [helper.make_node("Add", ["x", "one"], ["y"])], "add",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [first, WIDTH])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [first, WIDTH])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [first, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [first, width])],
         [helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])],
     )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +196,20 @@ def test_inputs_and_outputs_written_as_the_model_has_them_load(tmp_path, load) -
     _model(tmp_path, tensors)
     _, row = load()
     assert row["state"] == READY, row
+
+
+def test_input_dims_the_config_fixes_are_the_ones_requests_must_have(tmp_path, load) -> None:
+    _write_model(tmp_path / "m/1/model.onnx", width="n")  # any width
+    (tmp_path / "m/config.pbtxt").write_text(
+        f'max_batch_size: 8\ninput [ {{ name: "x" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]\n'
+    )
+    models, _ = load()
+    served = models.get("m")
+    assert served.metadata()["inputs"][0]["shape"] == [-1, WIDTH]
+    assert served.config()["input"][0]["dims"] == [WIDTH]
+    check_inputs(_one(), served.inputs)
+    with pytest.raises(Refused, match=rf"shape \[1, {WIDTH + 1}\], expected FP32 with shape"):
+        check_inputs({"x": np.zeros((1, WIDTH + 1), np.float32)}, served.inputs)
 
 
 def test_a_python_backend_model_is_reported_as_written(tmp_path, load) -> None:

@@ -62,6 +62,7 @@ class BatchSettings:
     batching: bool = True
     workers: int = 1
     engine: tuple[str, str] | None = None
+    shapes: dict[str, list[int]] | None = None  # inputs' shapes as the config narrows them
 
 
 class ServedModel:
@@ -89,7 +90,7 @@ class ServedModel:
             combine=settings.combine,
             workers=settings.workers,
         )
-        self.inputs = {spec["name"]: spec for spec in session.inputs}
+        self.inputs = {spec["name"]: _shaped(spec, settings.shapes) for spec in session.inputs}
         self.output_names = list(session.output_names)
         self.platform, self.backend, self.kind = _engine(session.get_providers())
         if settings.engine is not None:  # the config's name for what runs (Python backend)
@@ -121,14 +122,14 @@ class ServedModel:
             "name": self.name,
             "versions": [self.version],
             "platform": self.platform,  # as /config says, as Triton does
-            "inputs": list(self.session.inputs),
+            "inputs": list(self.inputs.values()),
             "outputs": list(self.session.outputs),
         }
 
     def config(self) -> dict[str, Any]:
         """Triton's ModelConfig, with the batcher's settings as they are now."""
         config = model_config(
-            self.name, list(self.session.inputs), list(self.session.outputs),
+            self.name, list(self.inputs.values()), list(self.session.outputs),
             platform=self.platform, backend=self.backend, kind=self.kind,
             max_batch_size=self.max_batch_size,
             max_delay_s=self.batcher.max_delay,
@@ -452,6 +453,12 @@ def _reason(exc: Exception, source: str) -> str:
 
 
 _GPU_PROVIDERS = (":GPU", "CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+def _shaped(spec: dict[str, Any], shapes: dict[str, list[int]] | None) -> dict[str, Any]:
+    """An input's metadata with the shape a config.pbtxt narrowed it to, if it did."""
+    shape = (shapes or {}).get(spec["name"])
+    return spec if shape is None else {**spec, "shape": shape}
 
 
 def _scheduled(config: dict[str, Any], batcher: Batcher) -> dict[str, Any]:

@@ -327,6 +327,7 @@ def served_settings(
         combine=dynamic or (not written and max_batch > 0),
         batching=max_batch > 0,
         workers=_instances(where, model, engine[2]),
+        shapes=_input_shapes(model, session, max_batch > 0),
         engine=_engine_named(model),
     )  # fmt: skip
 
@@ -390,6 +391,20 @@ def _check_engine(where: Path, model: Any, engine: tuple[str, str, str]) -> None
         f"{where}: backend '{named}', but the model's artifact runs on {backend or platform}; "
         f'write backend: "{backend}", or compile the model for {named}'
     )
+
+
+def _input_shapes(model: Any, session: Any, batched: bool) -> dict[str, list[int]]:
+    """Each input's shape as requests must give it: the model's, with the sizes the config
+    fixes where the model takes any (a checked config: the dims fit the model's)."""
+    shapes = {}
+    specs = {spec["name"]: spec for spec in session.inputs}
+    for tensor in model.input:
+        shape = list(specs[tensor.name]["shape"])
+        dims = ([-1] if batched else []) + list(tensor.dims)
+        if tensor.HasField("reshape") or len(dims) != len(shape):  # dims [1] for a scalar row
+            continue
+        shapes[tensor.name] = [s if s >= 0 else d for s, d in zip(shape, dims, strict=True)]
+    return shapes
 
 
 def _instances(where: Path, model: Any, kind: str) -> int:
