@@ -19,9 +19,10 @@ import tritonclient.http as triton
 from fastapi.testclient import TestClient
 from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import RESNET, Server, _start, _stop
+from test_serve import BERT, RESNET, Server, _start, _stop
 from tritonclient.utils import InferenceServerException
 
+from kiln import zoo
 from kiln.runtime import Session
 from kiln.serve.app import create_app
 from kiln.serve.metrics import TritonMetrics
@@ -167,3 +168,35 @@ def test_a_model_that_fails_to_load_is_reported_once_at_start_up(tmp_path) -> No
     text = "".join(said)
     assert text.count("is a text file, not an ONNX model") == 1, text
     assert "'broken' is UNAVAILABLE" in text and "serving 'relu'" in text
+
+
+def test_a_bad_token_id_or_empty_sequence_is_named_by_its_input_and_range() -> None:
+    session = Session(f"zoo:{BERT}")
+    vocabulary = zoo.build(BERT).graph.initializer  # the word table's rows, from the model
+    rows = next(t.dims[0] for t in vocabulary if "word_embeddings" in t.name)
+
+    def body(ids: np.ndarray) -> dict:
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                 "token_type_ids": np.zeros_like(ids)}  # fmt: skip
+        return {"inputs": [{"name": n, "shape": list(a.shape), "datatype": "INT64",
+                            "data": a.ravel().tolist()} for n, a in feeds.items()]}  # fmt: skip
+
+    with TestClient(create_app(session, BERT)) as client:
+
+        def refusal(ids: np.ndarray) -> str:
+            answer = client.post(f"/v2/models/{BERT}/infer", json=body(ids))
+            assert answer.status_code == 400, answer.text
+            return answer.json()["error"]
+
+        for bad in (rows, -5):  # one past the end; negative (the engine reads from the end)
+            said = refusal(np.array([[1, bad]], np.int64))
+            assert said == (
+                f"input 'input_ids' holds id {bad}; the model takes ids 0 to {rows - 1} (its "
+                f"embedding table has {rows} rows)"
+            )
+        most = session.limits["seq"].limit
+        said = refusal(np.zeros((1, 0), np.int64))
+        assert "input 'input_ids' has shape [1, 0]" in said and f"1 to {most}" in said
+        assert "node '" not in said
+        ok = client.post(f"/v2/models/{BERT}/infer", json=body(np.array([[0, rows - 1]])))
+        assert ok.status_code == 200

@@ -23,6 +23,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher
 from kiln.serve.metrics import ServeMetrics, ServerMetrics, engine_runs
@@ -92,6 +94,7 @@ class ServedModel:
         )
         self.inputs = {spec["name"]: _shaped(spec, settings.shapes) for spec in session.inputs}
         self.output_names = list(session.output_names)
+        self.vocabularies = vocabularies(session)
         self.platform, self.backend, self.kind = _engine(session.get_providers())
         if settings.engine is not None:  # the config's name for what runs (Python backend)
             self.platform, self.backend = settings.engine
@@ -203,6 +206,7 @@ class ModelSet:
         self._loads: dict[str, threading.Lock] = {}  # per model: one load or unload at a time
         self._retiring: list[threading.Thread] = []
         self._closed = False
+        self._quiet = False  # while the repository loads at start-up: see load_repository
 
     # ------------------------------------------------------------ serving
 
@@ -298,8 +302,12 @@ class ModelSet:
         """Load every model of the repository, `workers` at a time; one that fails is
         UNAVAILABLE with its reason and the others serve. The index, once done."""
         names = self.need_repository("load").names()
-        with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
-            list(pool.map(self._try_load, names))
+        self._quiet = True  # a failure is said once, by its index line, which the caller shows
+        try:
+            with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
+                list(pool.map(self._try_load, names))
+        finally:
+            self._quiet = False
         return self.index()
 
     def _try_load(self, name: str) -> None:
@@ -405,7 +413,8 @@ class ModelSet:
             else:
                 entry.state, entry.version, entry.reason = UNAVAILABLE, version or "", reason
                 keeps = ""
-        log.warning("failed to load %s: %s%s", what, reason, keeps)
+        if not self._quiet:
+            log.warning("failed to load %s: %s%s", what, reason, keeps)
         return ModelError(400, f"failed to load {what}: {reason}{keeps}")
 
     def _swap_in(self, name: str, model: ServedModel) -> None:
@@ -471,6 +480,25 @@ def _scheduled(config: dict[str, Any], batcher: Batcher) -> dict[str, Any]:
     elif batcher.preferred and "dynamic_batching" in config:
         config["dynamic_batching"]["preferred_batch_size"] = list(batcher.preferred)
     return config
+
+
+def vocabularies(session: Any) -> dict[str, int]:
+    """Per integer input that indexes an embedding table (token ids), the table's rows: a
+    request's ids must lie in [0, rows). The engine would name its Gather node for one past
+    the end, and silently read from the end for a negative one."""
+    from kiln.ir.inputs import _vocab_size  # the rule input synthesis uses: the two agree
+
+    model = getattr(session, "interface", None)
+    if model is None:
+        return {}
+    found = {}
+    for value in model.graph.inputs:
+        dtype = value.dtype.numpy() if value.dtype is not None else None
+        if dtype is not None and np.issubdtype(dtype, np.integer):
+            rows = _vocab_size(model, value)
+            if rows:
+                found[value.name] = rows
+    return found
 
 
 def _has_batch_axis(session: Any) -> bool:

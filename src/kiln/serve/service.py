@@ -115,7 +115,7 @@ async def infer(
         feeds = _checked(served, decoded)
         feeds.submitted = time.perf_counter()
         feeds.decode_s = feeds.submitted - read_at
-        values = await asyncio.wrap_future(batcher.submit(feeds))
+        values = await _run(served, feeds)
         outputs = dict(zip(served.output_names, values, strict=True))
         answered = time.perf_counter()
         answer = await encode(decoded, outputs)
@@ -135,12 +135,40 @@ async def infer(
     return answer
 
 
+async def _run(served: ServedModel, feeds: TimedFeeds) -> list[np.ndarray]:
+    """The request's outputs from the batch it joins. Where the engine refuses a request
+    with an empty dim, the refusal names the input and the sizes it takes, not the engine's
+    node that failed on it."""
+    try:
+        return await asyncio.wrap_future(served.batcher.submit(feeds))
+    except KilnError as exc:
+        raise _empty_dim(served, feeds) or exc from None
+
+
+def _empty_dim(served: ServedModel, feeds: TimedFeeds) -> Refused | None:
+    """A 400 naming the first input with a dim of size 0, and the sizes that dim takes."""
+    for name, array in feeds.items():
+        if 0 not in array.shape:
+            continue
+        axis = array.shape.index(0)
+        spec = served.inputs.get(name, {})
+        most = (spec.get("max_shape") or [-1] * array.ndim)[axis]
+        sizes = f"1 to {most}" if most > 0 else "at least 1"
+        return Refused(
+            400,
+            f"input '{name}' has shape {list(array.shape)}: dim {axis} is empty, and the model "
+            f"cannot run on it; give it {sizes} along dim {axis}",
+        )
+    return None
+
+
 def _checked(served: ServedModel, request: InferRequest) -> TimedFeeds:
     """The request's tensors, checked against the model: the protocol's view (names,
     datatypes, shapes), then the model's own (dims within its limits), before queueing — a
     request the engine would fail on must neither run nor fail the batch it would join."""
     check_inputs(request.inputs, served.inputs)
     check_batch(request.inputs, served)
+    check_ids(request.inputs, served.vocabularies)
     feeds = TimedFeeds(served.session.check_feeds(request.inputs))
     unknown = sorted(set(request.outputs) - set(served.output_names))
     if unknown:
@@ -194,6 +222,24 @@ def check_batch(feeds: dict[str, np.ndarray], served: ServedModel) -> None:
                 f"input '{name}' has batch size {array.shape[0]} (dim 0); model "
                 f"'{served.name}' takes 1 to {limit} per request (its max_batch_size); "
                 f"send at most {limit} per request",
+            )
+
+
+def check_ids(feeds: dict[str, np.ndarray], vocabularies: dict[str, int]) -> None:
+    """Token ids within the model's vocabulary (`ServedModel.vocabularies`): 400 naming the
+    input, the id and the range, before the engine fails on it (or reads a negative id from
+    the table's end)."""
+    for name, rows in vocabularies.items():
+        ids = feeds.get(name)
+        if ids is None or not ids.size:
+            continue
+        low, high = ids.min(), ids.max()
+        if low < 0 or high >= rows:
+            bad = low if low < 0 else high
+            raise Refused(
+                400,
+                f"input '{name}' holds id {bad}; the model takes ids 0 to {rows - 1} (its "
+                f"embedding table has {rows} rows)",
             )
 
 
