@@ -336,3 +336,27 @@ def test_a_damaged_checkpoint_is_named(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(KilnError, match="no complete checkpoint"):
         checkpoint.load(empty, _net(), None)
+
+
+# ------------------------------------------------------------------------ fit of an instance
+
+
+def _samples() -> torch.utils.data.TensorDataset:
+    inputs, targets = _data()
+    return torch.utils.data.TensorDataset(inputs.reshape(-1, FEATURES),
+                                          targets.reshape(-1, OUTPUTS))  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_fit_of_a_module_instance_on_two_ranks_trains_as_a_factory_does(tmp_path: Path) -> None:
+    """Each rank trains its own replica of the caller's module (not storage shared between
+    them), step for step as when each builds it; the caller's module ends trained."""
+    from kiln.train import fit
+
+    run = {"loss": nn.functional.mse_loss, "config": _config("ddp", 1), "steps": STEPS,
+           "validate": False}  # fmt: skip
+    made = fit(_net, _samples(), save=tmp_path / "factory.pt", **run)
+    model = _net()
+    given = fit(model, _samples(), **run)
+    assert given["loss"] == made["loss"]
+    _assert_same(model.state_dict(), torch.load(tmp_path / "factory.pt"))

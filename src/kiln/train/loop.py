@@ -42,6 +42,7 @@ Progress = Callable[[dict[str, Any]], None]
 CHECKPOINT_EVERY = 50  # optimizer steps between checkpoints, when a directory is given
 DEFAULT_LR = 1e-3
 DEFAULT_WEIGHT_DECAY = 0.01
+WEIGHTS = "_weights"  # rank 0's record key for the trained weights (taken out by fit)
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Run:
     validate: bool = True
     save: str | None = None  # the trained weights (a plain state_dict) are written here
     export: str | None = None  # the trained model as .onnx or .pt2
+    # `model` is the caller's module sent to ranks in other processes: each rank trains a
+    # copy of its own and rank 0 sends the trained weights back (see fit).
+    replica: bool = False
 
 
 def fit(
@@ -125,8 +129,11 @@ def fit(
         return train_rank(run, progress)
     from kiln.train.launch import launch
 
+    run.replica = isinstance(model, nn.Module)
     results = launch(train_rank, (run, _crossing(progress)), ranks // nodes, nnodes=nnodes,
                      rdzv_endpoint=rdzv_endpoint)  # fmt: skip
+    if run.replica:  # the caller's module holds the trained weights, as in one process
+        model.load_state_dict(results[0].pop(WEIGHTS))
     return merge(results)
 
 
@@ -156,6 +163,10 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     state), checkpoint."""
     config = TrainConfig.from_json(run.config)
     module = _model(run.model)
+    if run.replica:
+        # Sent here by torch.multiprocessing, its tensors share storage with the caller's
+        # module and every other rank's: updates would land on all of them.
+        module = copy.deepcopy(module)
     train, val = _datasets(run.data)
     with theirs("reading the training data", train, run.data):
         example = _first_sample(train)
@@ -183,6 +194,10 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
         record["val"] = None
     record["config"] = config.to_json()  # a budget policy as it was resolved
     record["written"] = write(prepared, run.save, run.export, inputs, template)
+    if run.replica:
+        weights = prepared.state_dict()  # every rank takes part: shards and stages gather
+        if prepared.dist.is_main:
+            record[WEIGHTS] = weights
     record["tokens_per_sample"] = _tokens(example)
     if record["tokens_per_sample"]:
         record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
