@@ -212,6 +212,15 @@ def test_input_dims_the_config_fixes_are_the_ones_requests_must_have(tmp_path, l
         check_inputs({"x": np.zeros((1, WIDTH + 1), np.float32)}, served.inputs)
 
 
+def test_backend_openvino_runs_a_plain_model_on_openvino(tmp_path, load) -> None:
+    pytest.importorskip("openvino")
+    _model(tmp_path, 'backend: "openvino"\ndefault_model_filename: "model.onnx"\n')
+    models, row = load()
+    assert row["state"] == READY, row
+    assert models.get("m").session.get_providers() == ["OpenVINO:CPU"]
+    assert models.get("m").config()["backend"] == "openvino"
+
+
 def test_a_python_backend_model_is_reported_as_written(tmp_path, load) -> None:
     source = _write_model(tmp_path / "src" / "add.onnx")
     (tmp_path / "m/1").mkdir(parents=True)
