@@ -195,8 +195,10 @@ def test_edge_session_and_kiln_serve_answer_like_the_whole_model(parts, server, 
 def test_a_server_part_served_under_its_own_name_behaves_as_a_session(
     parts, whole, tmp_path
 ) -> None:
-    # Named, so that several splits' server parts can share one server.
-    named = _start(tmp_path, str(parts.server_path), "--name", "tiny-tail", "--grpc-port", "-1")
+    # Named, so that several splits' server parts share one server (here one part, twice).
+    part = parts.server_path
+    named = _start(tmp_path, f"tiny-tail={part}", f"other-tail={part}", "--grpc-port", "-1")
+    assert [m["name"] for m in named.ready["models"]] == ["other-tail", "tiny-tail"]
     requests = [_image(seed, batch=1 + seed % 2) for seed in range(3)]
     try:
         with kiln.Session(

@@ -25,11 +25,20 @@ def model_name(model: str) -> str:
     return Path(model.rstrip("/")).stem
 
 
+def _named(model: str) -> tuple[str | None, str]:
+    """`NAME=MODEL` → (NAME, MODEL): a model served under a name of its own (two splits'
+    server.kiln side by side); anything else (a path that exists, zoo:NAME) → (None, model)."""
+    name, equals, source = model.partition("=")
+    if not equals or not name or "/" in name or name.startswith("zoo:") or Path(model).exists():
+        return None, model
+    return name, source
+
+
 ModelsArg = Annotated[
     list[str] | None,
     typer.Argument(
         help="NAME.kiln artifacts, .onnx files or zoo:NAME; each served under its name (the "
-        "file's stem).",
+        "file's stem), or under NAME given as NAME=MODEL.",
         metavar="MODEL",
         show_default=False,
     ),
@@ -190,7 +199,7 @@ def serve(
         if repository is not None:
             index = served.load_repository()
         else:  # every file must open: a bad one is one line and exit 2, as with one model
-            for model, served_as in sources.items():
+            for served_as, model in sources.items():
                 served.open(served_as, model)
             index = served.index()
         app = create_models_app(
@@ -258,8 +267,8 @@ def _check_models(
     models: list[str], repository: Path | None, name: str | None, buckets: str | None,
     feedback: bool,
 ) -> dict[str, str]:  # fmt: skip
-    """Each model given → the name it is served as; KilnError, naming the flag, for what
-    cannot go together."""
+    """The name each model given is served as → the model; KilnError, naming the flag, for
+    what cannot go together."""
     if bool(models) == (repository is not None):
         raise KilnError(
             "give the models to serve (NAME.kiln, .onnx files, zoo:NAME) or "
@@ -270,17 +279,19 @@ def _check_models(
         if several and value:
             raise KilnError(
                 f"{flag} applies to one model; with several, each is served under its file's "
-                "stem, with the buckets and batcher its artifact records."
+                "stem (or NAME, given as NAME=MODEL), with the buckets and batcher its "
+                "artifact records."
             )
     names: dict[str, str] = {}
-    for model in models:
-        served = name or model_name(model)
-        if served in names.values():
-            other = next(m for m, n in names.items() if n == served)
+    for given in models:
+        own, model = _named(given)
+        served = own or name or model_name(model)
+        if served in names:
             raise KilnError(
-                f"{other} and {model} would both be served as '{served}'; rename one of them."
+                f"{names[served]} and {model} would both be served as '{served}'; serve one "
+                f"under another name: NAME={model}."
             )
-        names[model] = served
+        names[served] = model
     return names
 
 
