@@ -138,9 +138,11 @@ def test_a_log_gets_a_plain_progress_line_every_n_seconds():
 def test_nothing_to_train_and_a_negative_count_are_one_line_and_rc_2(tmp_path):
     fit(dropout_net, noisy_data, config=TrainConfig(micro_batch=4), steps=3, checkpoint=tmp_path,
         validate=False)  # fmt: skip
+    for bound in ({"epochs": 0}, {"seconds": -1.0}):  # the Python API refuses them too
+        with pytest.raises(KilnError, match="give a length above 0"):
+            fit(dropout_net, noisy_data, config=TrainConfig(micro_batch=4), **bound)
     for args, message in [
         (("--steps", "-3"), "--steps -3: use at least 1."),
-        (("--epochs", "0"), "--epochs 0: give a length above 0."),
         (("--steps", "3", "--checkpoint", str(tmp_path), "--resume"),
          "is at step 3, already at --steps 3: nothing to train; give --steps above 3."),
     ]:  # fmt: skip
