@@ -137,10 +137,14 @@ def test_native_inference_service_is_kserves_triton_sized_from_the_replica(artif
     _check_autoscaling(predictor, DEFAULT_MAX_BATCH)  # no tuned batcher: Kiln's default
     annotations = isvc["metadata"]["annotations"]
     assert annotations["serving.kserve.io/deploymentMode"] == "Serverless"  # where Knative acts
-    assert float(annotations["kiln.dev/throughput-rps"]) == pytest.approx(
-        done.replica.rate_rps, abs=0.05
+    # What was measured, named for what it is: Kiln's runtime in one process, no server.
+    assert "kiln.dev/throughput-rps" not in annotations
+    assert float(annotations["kiln.dev/in-process-rps"]) == pytest.approx(
+        done.replica.in_process_rps, abs=0.05
     )
-    assert done.replica.rate_rps > 0 and done.replica.requests > 0
+    assert done.replica.in_process_rps > 0 and done.replica.requests > 0
+    header = (tmp_path / "kserve" / "inferenceservice.yaml").read_text().split("\napiVersion")[0]
+    assert "in-process" in header and "one replica served" not in header
     assert done.replica.peak_mib >= done.replica.run_peak_mib > 0
 
 
@@ -158,10 +162,13 @@ def test_a_tuned_batcher_and_threads_size_the_service(artifacts, tmp_path):
 
 
 def test_a_model_without_a_batch_dim_takes_one_request_at_a_time(artifacts, tmp_path):
-    export_kserve(artifacts["strings"], tmp_path / "repo", tmp_path / "kserve",
-                  measure_s=MEASURE_S)  # fmt: skip
+    done = _kiln("export", str(artifacts["strings"]), "--triton", "repo", "--kserve", "kserve",
+                 "--measure-s", str(MEASURE_S), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
     predictor = _load(tmp_path / "kserve" / "inferenceservice.yaml")["spec"]["predictor"]
     _check_autoscaling(predictor, 1)
+    # The figure is said for what it is: no server and no network were in it.
+    assert "in-process" in done.stdout and "one replica served" not in done.stdout
 
 
 def test_each_service_of_a_shared_repository_loads_only_its_own_model(artifacts, tmp_path):

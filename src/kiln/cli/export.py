@@ -152,7 +152,9 @@ def _print_kserve(done: KServeExport, image_given: bool) -> None:
         f"{done.cpu} ({done.threads_from}), memory {done.memory_mib}Mi (measured peak "
         f"{math.ceil(replica.peak_mib)} MiB), "
         f"containerConcurrency {done.container_concurrency} ({done.batch_from}), scaleTarget "
-        f"{done.scale_target}; one replica served {replica.rate_rps:.1f} requests/s",
+        f"{done.scale_target}; Kiln's runtime answered {replica.in_process_rps:.1f} "
+        "requests/s in-process (no server or network between: an upper bound on a served "
+        "replica)",
         highlight=False, markup=False, soft_wrap=True,
     )  # fmt: skip
     if not done.storage_given:

@@ -6,7 +6,8 @@ and the KServe files that serve that repository, sized from one measured replica
 Modules: `config` (the ModelConfig of an artifact), `pbtxt` (its config.pbtxt text),
 `triton` (the repository layout, written atomically), `python_model` (the model.py Triton
 runs; it runs only there), `kserve` (the InferenceService, ServingRuntime and Dockerfile),
-`measure` (one replica's memory and throughput, in a process of its own). The verb is
+`wheel` (the wheel of this Kiln that Dockerfile installs), `measure` (one replica's memory,
+and the requests/s Kiln's runtime answers in-process, in a process of its own). The verb is
 `kiln.cli.export`.
 """
 

@@ -36,8 +36,9 @@ Runtime's intra-op threads, OpenVINO's INFERENCE_NUM_THREADS; 0 = the engine's d
 machine's physical cores); memory = the peak resident memory of one replica of this model
 (the one it loads) measured in a process of its own (kiln.deploy.measure) × 1.5;
 containerConcurrency = the batch Triton gathers (`kiln tune --clients`' max batch, else 16;
-1 for a model without a batch dim); scaleTarget = 70 % of it; the measured requests/s of one
-replica as an annotation.
+1 for a model without a batch dim); scaleTarget = 70 % of it; the requests/s Kiln's runtime
+answered in the measuring process (no server, no network: an upper bound on what a served
+replica answers) as the annotation kiln.dev/in-process-rps.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def export_kserve(
     concurrency, delay_ms, batch_from = _concurrency(source.manifest, triton.config)
     say(
         f"measuring one replica of {source.path.name} for {measure_s:g} s: its peak memory and "
-        f"the requests/s it serves {concurrency} client{'s' * (concurrency != 1)}"
+        f"the requests/s Kiln's runtime answers {concurrency} in-process "
+        f"client{'s' * (concurrency != 1)}"
     )
     try:
         replica = measure_replica(source.path, clients=concurrency, max_batch=concurrency,
@@ -277,7 +279,8 @@ def inference_service(done: KServeExport) -> dict[str, Any]:
                 "serving.kserve.io/deploymentMode": "Serverless",
                 "kiln.dev/threads": str(done.cpu),
                 "kiln.dev/peak-memory": f"{math.ceil(replica.peak_mib)}Mi",
-                "kiln.dev/throughput-rps": f"{replica.rate_rps:.1f}",
+                # Not a served replica's rate: Kiln's runtime in-process, no server between.
+                "kiln.dev/in-process-rps": f"{replica.in_process_rps:.1f}",
             },
         },
         "spec": {
@@ -397,8 +400,10 @@ def _header(done: KServeExport, source: Any) -> list[str]:
         "process loading and serving this model (Triton's own server process is not in it).",
         f"containerConcurrency {done.container_concurrency}: {_BATCH_FROM[done.batch_from]}; "
         f"scaleTarget {done.scale_target}: {TARGET_UTILIZATION:.0%} of it (Knative's default "
-        f"target utilization), at least 1; one replica served {replica.rate_rps:.1f} "
-        f"requests/s to {clients} over {replica.seconds:g} s.",
+        f"target utilization), at least 1. kiln.dev/in-process-rps "
+        f"{replica.in_process_rps:.1f}: the requests/s Kiln's runtime answered {clients} "
+        f"in-process over {replica.seconds:g} s, with no server and no network between: an "
+        "upper bound on what a served replica answers, not a measure of one.",
     ]
 
 

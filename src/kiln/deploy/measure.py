@@ -6,10 +6,12 @@ requests per second it serves.
 The replica runs as a Triton model or `kiln serve` runs it: one `kiln.Session` (the
 artifact's engine and settings) behind Kiln's dynamic batcher, `clients` closed-loop
 clients each sending one batch-1 request at a time (`kiln.tune.serving.serve`, what
-`kiln tune --clients` measures).
+`kiln tune --clients` measures). The clients are threads of the same process: no server,
+no network, no request encoding is in the rate, so it is an upper bound on what a served
+replica answers (on small models, several times what one does), named `in_process_rps`.
 
     measure_replica("bert.kiln", clients=16, max_batch=16, max_delay_ms=0.0, seconds=3.0)
-    → Replica(peak_mib=312.4, run_peak_mib=290.1, rate_rps=812.0, p99_ms=25.3, ...)
+    → Replica(peak_mib=312.4, run_peak_mib=290.1, in_process_rps=812.0, p99_ms=25.3, ...)
 
 Run as `python -m kiln.deploy.measure ARTIFACT --clients N --max-batch B --max-delay-ms D
 --seconds S`, it prints one JSON line: what the parent reads.
@@ -36,8 +38,8 @@ class Replica:
 
     peak_mib: float  # high-water mark over loading, one run and the served window
     run_peak_mib: float  # ... over loading and one run at the verified shapes
-    rate_rps: float  # requests (one sample each) answered per second while served
-    p99_ms: float  # the served requests' P99 latency
+    in_process_rps: float  # requests (one sample each) answered per second, no server between
+    p99_ms: float  # the requests' P99 latency, in-process
     requests: int  # requests answered in the window
     batches: int  # engine runs they took: fewer than requests when the batcher merged them
     seconds: float
@@ -95,7 +97,7 @@ def _measure(argv: list[str]) -> dict[str, Any]:
                        max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
                        seconds=args.seconds)  # fmt: skip
         return {
-            "peak_mib": peak_rss_mib(), "run_peak_mib": run_peak, "rate_rps": served.rate,
+            "peak_mib": peak_rss_mib(), "run_peak_mib": run_peak, "in_process_rps": served.rate,
             "p99_ms": served.p99_ms, "requests": len(served.latencies_s),
             "batches": served.batches, "seconds": args.seconds, "clients": args.clients,
         }  # fmt: skip
