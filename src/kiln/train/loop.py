@@ -100,7 +100,12 @@ def fit(
     afterwards; `save` writes them as a plain state_dict (torch.save), `export` the model as
     ONNX (.onnx: `kiln optimize`, `kiln serve`) or a torch.export program (.pt2), traced on
     one batch of the training inputs with a dynamic batch dim; a `checkpoint` directory
-    loads into a fresh module with `kiln.train.load(directory, module)`."""
+    loads into a fresh module with `kiln.train.load(directory, module)`.
+
+    `resume` goes on from the newest checkpoint in `checkpoint` as the run that wrote it
+    would have (the same samples, dropout and augmentation draws), under the config it was
+    made with: one that changes the data order or the math (config.RESUME_KEEPS) is refused
+    unless `allow_config_change`."""
     config = config or TrainConfig()
     bounds = (("--steps", steps), ("--epochs", epochs), ("--time", seconds))
     given = [(flag, value) for flag, value in bounds if value is not None]
