@@ -10,8 +10,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
+import select
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +237,45 @@ def test_kiln_train_tune_writes_a_config_that_kiln_train_reads_back(monkeypatch,
     code, out, _err = kiln(monkeypatch, capsys, "train", *task, "--config", str(output),
                            "--steps", "2", "--json")  # fmt: skip
     assert code == 0 and json.loads(out)["steps"] == 2
+
+
+def test_ctrl_c_ends_the_running_trial_with_kiln(tmp_path):
+    # The trial tells the test (through a FIFO) that it is about to train and in which
+    # session; Ctrl-C then reaches kiln only, as a terminal's does (the trial leads a session
+    # of its own), and no process of that session may outlive kiln.
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    env = {**os.environ, "KILN_TEST_FIFO": str(fifo), "KILN_HOME": str(tmp_path / "home")}
+    command = [sys.executable, "-m", "kiln", "train", MODEL, "--data",
+               "train_tune_helpers:blobs_announced", "--optimizer", OPTIMIZER, "--batch",
+               str(BATCH), "--tune", "--trials", "1", "--steps", "100000"]  # fmt: skip
+    kiln_process = subprocess.Popen(command, cwd=Path(__file__).parent, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    session = None
+    try:
+        ready, _, _ = select.select([reader], [], [], 120)
+        assert ready, "no trial started"
+        session = int(os.read(reader, 64).split()[0])
+        kiln_process.send_signal(signal.SIGINT)
+        _out, err = kiln_process.communicate(timeout=60)
+        assert kiln_process.returncode == 128 + signal.SIGINT, err
+        assert err.startswith("interrupted; the trial running was ended;"), err
+        assert "resumes" in err and len(err.strip().splitlines()) == 1, err
+        assert in_session(session) == []
+    finally:
+        os.close(reader)
+        kiln_process.kill()
+        if session is not None:  # a trial that outlived kiln (the failure) is ended here
+            with contextlib.suppress(OSError):
+                os.killpg(session, signal.SIGKILL)
+
+
+def in_session(session: int) -> list[str]:
+    """The live processes of `session`, by their command lines."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(process.pid) == session and process.info["status"] != "zombie":
+                found.append(" ".join(process.info["cmdline"] or []))
+    return found

@@ -4,7 +4,9 @@ final table and a JSON training record."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -305,7 +307,7 @@ def _tune(specs: dict[str, str | None], base: Any, batch: int, steps: int | None
 
     limit = tuning["--max-memory"]
     cap = parse_constraint("max_memory", limit).bound if limit is not None else None
-    with progress() as bar:
+    with _tuning_stopped(), progress() as bar:
         task = bar.add_task(f"tuning {specs['model']}")
         result = tune(specs["model"], specs["data"], loss=specs["loss"],
                       optimizer=specs["optimizer"], base=base, global_batch=batch,
@@ -318,6 +320,19 @@ def _tune(specs: dict[str, str | None], base: Any, batch: int, steps: int | None
         emit_json(result)
     else:
         _tune_table(result, output)
+
+
+@contextlib.contextmanager
+def _tuning_stopped() -> Iterator[None]:
+    """A stop while tuning names what it kept: the trial running is ended with Kiln, the
+    finished ones stay in the study, which the same command resumes."""
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        raise Stopped(signum, "the trial running was ended; the finished trials are kept in "
+                      "the study, which the same command resumes; no tuned config was "
+                      "written.") from None  # fmt: skip
 
 
 def _tune_table(result: dict[str, Any], output: Path | None) -> None:

@@ -265,7 +265,11 @@ class Probe:
                 [sys.executable, "-m", "kiln.train.trial", f"{stem}.json"], stdout=out,
                 stderr=err, env=_child_env(), start_new_session=True,
             )  # fmt: skip
-            peak, why = watch(proc, self.cap_mib, deadline)
+            try:
+                peak, why = watch(proc, self.cap_mib, deadline)
+            except BaseException:  # Ctrl-C, SIGTERM, a bug: its own session hears no signal
+                kill_tree(proc)
+                raise
         wall = time.monotonic() - started
         if why is not None:
             state = "over-memory" if why.startswith("over") else "out-of-time"
@@ -428,7 +432,7 @@ class Search:
         """A resumed study: what its trials measured counts."""
         for trial in self.study.trials:
             attrs = trial.user_attrs
-            if "key" not in attrs or "duplicate_of" in attrs:
+            if "key" not in attrs or "duplicate_of" in attrs or trial.state.name == "FAIL":
                 continue
             self.seen.setdefault(attrs["key"], trial.number)
             if attrs.get("point"):
@@ -465,7 +469,11 @@ class Search:
             return self._prune(trial, skip)
         self.seen[key] = trial.number
         self.say(f"trial {self.ran + 1}/{trials}: {describe(config)}")
-        run = self.probe.run(config, self.trial_deadline(deadline))
+        try:
+            run = self.probe.run(config, self.trial_deadline(deadline))
+        except BaseException:  # stopped mid-trial (Ctrl-C): a resumed study measures it again
+            self._fail(trial)
+            raise
         self.ran += 1
         trial.set_user_attr("ran", True)
         if params == self.space.base_params:
@@ -556,6 +564,12 @@ class Search:
         else:
             self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         return False
+
+    def _fail(self, trial: Any) -> None:
+        import optuna
+
+        with contextlib.suppress(Exception):  # the stop that got here is what the user hears
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
     def _prune(self, trial: Any, reason: str) -> bool:
         import optuna
