@@ -93,6 +93,27 @@ def test_the_memory_model_fits_a_line_per_group_and_never_predicts_below_a_measu
     assert predicted_over(points, config, None) is None
 
 
+def test_trials_stopped_by_the_memory_cap_are_named_with_figures_that_differ():
+    from kiln.train.tune import nothing_fit, over_limit
+
+    # A peak a hair above the cap reads above it, the cap at the same precision.
+    assert over_limit(415.04, 415.0) == "415.04 MiB > 415.00 MiB"
+    assert over_limit(431.2, 415.0) == "431 MiB > 415 MiB"
+    assert over_limit(95.3677, 95.367431640625) == "95.368 MiB > 95.367 MiB"  # 100MB
+    over = {"reason": f"over the memory limit: {over_limit(415.04, 415.0)}", "peak_mib": 415.04}
+    late = {"reason": "out of time: stopped where the time left for it ended", "peak_mib": 300}
+    message = nothing_fit([over] * 6 + [late], 415.0, "s")
+    assert message.startswith("no configuration fit --max-memory 415.00 MiB in 7 trials of "
+                              "study 's': 6 were stopped over it (the leanest at 415.04 MiB), "
+                              "1 ran out of time;")  # fmt: skip
+    assert "raise --max-memory" in message and "more --time" in message
+    assert nothing_fit([late] * 2, 415.0, "s").startswith("no trial of study 's' finished")
+    assert nothing_fit([over] * 2, 415.0, "s").startswith(
+        "no configuration fit --max-memory 415.00 MiB in 2 trials of study 's': 2 were "
+        "stopped over it (the leanest at 415.04 MiB);"
+    )
+
+
 def test_different_limits_and_objectives_name_different_studies():
     specs = {"model": MODEL, "data": DATA, "loss": None, "optimizer": OPTIMIZER}
     rest = {"base": TrainConfig().to_json(), "steps": STEPS}

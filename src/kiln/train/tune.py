@@ -226,8 +226,8 @@ def predicted_over(points: list[Point], config: TrainConfig, cap_mib: float | No
     predicted = predict_peak(points, group_of(config), config.micro_batch)
     if predicted is None or predicted <= PREDICT_MARGIN * cap_mib:
         return None
-    return (f"skipped: predicted to peak at {predicted:.0f} MiB > {PREDICT_MARGIN:g} × "
-            f"{cap_mib:g} MiB from the trials measured so far")  # fmt: skip
+    return (f"skipped: predicted to peak at {over_limit(predicted, PREDICT_MARGIN * cap_mib)} "
+            f"({PREDICT_MARGIN:g} × the limit) from the trials measured so far")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ one child run
@@ -317,7 +317,7 @@ def watch(proc: subprocess.Popen, cap_mib: float | None,
         peak = max(peak, mib)
         why = None
         if cap_mib is not None and mib > cap_mib:
-            why = f"over the memory limit: {mib:.1f} MiB > {cap_mib:g} MiB"
+            why = f"over the memory limit: {over_limit(mib, cap_mib)}"
         elif deadline is not None and time.monotonic() > deadline:
             why = "out of time: stopped where the time left for it ended"
         if why is not None:
@@ -521,8 +521,8 @@ class Search:
         """Why a measured run does not count (None: it does)."""
         cap = self.probe.cap_mib
         if cap is not None and measure["peak_mib"] > cap:
-            return (f"over the memory limit: peaked at {measure['peak_mib']:.1f} MiB > {cap:g} "
-                    "MiB between two polls")  # fmt: skip
+            return (f"over the memory limit: peaked at {over_limit(measure['peak_mib'], cap)} "
+                    "between two polls")  # fmt: skip
         worse = self._worse(measure["loss"])
         if worse:
             return worse
@@ -806,21 +806,42 @@ def _row(trial: Any) -> dict[str, Any]:
 
 def _nothing_fit(search: Search, name: str) -> str:
     rows = [_row(t) for t in search.study.trials if t.user_attrs.get("ran")]
+    return nothing_fit(rows, search.probe.cap_mib, name)
+
+
+def nothing_fit(rows: list[dict[str, Any]], cap_mib: float | None, name: str) -> str:
+    """Why no trial of study `name` qualified, from the trials that ran: what stopped them,
+    counted (the memory cap, the time, a failure), and what to change."""
     if not rows:
         return (f"study '{name}': no trial ran within --time; give more --time (the study is "
                 "kept and resumes).")  # fmt: skip
     over = [r for r in rows if (r["reason"] or "").startswith("over the memory")]
     late = [r for r in rows if (r["reason"] or "").startswith("out of time")]
-    if late and len(over) + len(late) == len(rows):
+    if len(late) == len(rows):
         return (f"no trial of study '{name}' finished within --time; give more --time or "
                 "fewer --steps (the study is kept and resumes).")  # fmt: skip
-    if len(over) == len(rows) and search.probe.cap_mib is not None:
+    if over and cap_mib is not None and len(over) + len(late) == len(rows):
         least = min(r["peak_mib"] or math.inf for r in over)
-        return (f"no configuration fit --max-memory {search.probe.cap_mib:g} MiB in "
-                f"{len(rows)} trials of study '{name}' (the leanest was stopped at {least:.0f} "
-                "MiB); raise --max-memory or lower --batch.")  # fmt: skip
+        peak, cap = over_limit(least, cap_mib).split(" > ")
+        causes = f"{len(over)} were stopped over it (the leanest at {peak})"
+        fixes = "raise --max-memory or lower --batch"
+        if late:
+            causes += f", {len(late)} ran out of time"
+            fixes = "raise --max-memory, lower --batch or give more --time"
+        return (f"no configuration fit --max-memory {cap} in {len(rows)} trials of study "
+                f"'{name}': {causes}; {fixes} (the study is kept and resumes).")  # fmt: skip
     return (f"no configuration trained in {len(rows)} trials of study '{name}' (first: "
             f"{rows[0]['reason']}); fix that, or run more --trials.")  # fmt: skip
+
+
+def over_limit(peak_mib: float, cap_mib: float) -> str:
+    """`PEAK MiB > CAP MiB`, both at the fewest decimals that show the peak above the cap
+    (415.04 over 415 is "415.04 MiB > 415.00 MiB", never "415.0 MiB > 415 MiB")."""
+    for decimals in range(4):
+        peak, cap = f"{peak_mib:.{decimals}f}", f"{cap_mib:.{decimals}f}"
+        if float(peak) > float(cap):
+            return f"{peak} MiB > {cap} MiB"
+    return f"{peak_mib:.6f} MiB > {cap_mib:.6f} MiB"
 
 
 # ------------------------------------------------------------------------------ storage, library
