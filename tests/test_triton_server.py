@@ -37,9 +37,11 @@ from kiln.deploy.local_triton import (
     env_dir,
     running,
 )
+from kiln.ir.inputs import synthesize
 
 CI = os.environ.get("CI") == "true"
 BERT, RESNET, STRINGS = "bert-tiny", "resnet-tiny", "strings"
+PARTS = "two-tower-tiny"  # a partitioned artifact: its parts, all on ONNX Runtime here
 BERT_ORT, RESNET_OPENVINO = "bert-tiny-ort", "resnet-tiny-openvino"  # native forms
 BATCH_DELAY_MS = 50  # bert's tuned batcher: a window wide enough for concurrent requests
 
@@ -86,6 +88,8 @@ def _export(where: Path) -> tuple[dict[str, Path], dict[str, object]]:
     artifacts = {m: kiln.compile(f"zoo:{m}", where / f"{m}.kiln").path for m in (BERT, RESNET)}
     strings = strings_model(where / "strings.onnx")
     artifacts[STRINGS] = kiln.compile(strings, where / f"{STRINGS}.kiln").path
+    artifacts[PARTS] = kiln.compile(f"zoo:{PARTS}", where / f"{PARTS}.kiln",
+                                    partition="text=ort").path  # fmt: skip
     manifest = artifacts[BERT] / "manifest.json"
     data = json.loads(manifest.read_text())
     data["benchmark"] = {"tune": {"serving": {"max_batch": 8, "max_delay_ms": BATCH_DELAY_MS}}}
@@ -105,7 +109,7 @@ def server(env: TritonEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         patch.setenv("KILN_HOME", str(where / "home"))  # the server's KILN_HOME too
         artifacts, exports = _export(where)
     # Kiln's runtime loaded at start; the native forms are loaded by a test (see there).
-    models = [BERT, RESNET, STRINGS]
+    models = [BERT, RESNET, STRINGS, PARTS]
     with ExitStack() as stack:
         try:
             triton = stack.enter_context(running(where / "repo", models, where, env=env,
@@ -262,6 +266,16 @@ def test_a_client_mistake_is_invalid_argument_with_kilns_reason(server: Server,
         model, feeds = CASES[0]  # and the model still answers
         result = client.infer(model, _inputs(module, feeds))
     session = server.session(model)
+    names = session.output_names
+    _assert_same({n: result.as_numpy(n) for n in names}, session.run(None, feeds), names)
+
+
+def test_a_partitioned_artifact_is_served_whole(server: Server) -> None:
+    session = server.session(PARTS)
+    assert len(session.parts) > 1
+    feeds = synthesize(session.interface, dims={**session.artifact.manifest.dims, "batch": 2})
+    with closing(triton_http.InferenceServerClient(server.http)) as client:
+        result = client.infer(PARTS, _inputs(triton_http, feeds))
     names = session.output_names
     _assert_same({n: result.as_numpy(n) for n in names}, session.run(None, feeds), names)
 
