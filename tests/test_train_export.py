@@ -103,3 +103,26 @@ def test_an_unwritable_export_is_refused_before_training(monkeypatch, capsys, tm
         code, out, err = kiln_cli(monkeypatch, capsys, *TASK, *flags)
         assert code == 2 and out == "" and named in err, err
         assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # two ranks twice: ~60 s on 2 cores
+@pytest.mark.parametrize("strategy", ["fsdp2", "pipeline"])
+def test_weights_spread_over_ranks_are_gathered_and_exported(tmp_path, strategy):
+    # FSDP2 shards every parameter, a pipeline rank holds one stage: what is written is the
+    # whole model, and the export traces a plain module (no shards, no split markers).
+    from train_tune_helpers import blobs, wide_net
+
+    saved, program = tmp_path / "model.pt", tmp_path / "model.pt2"
+    config = TrainConfig(micro_batch=16, parallel={"strategy": strategy, "ranks": 2})
+    fit(wide_net, blobs, config=config, steps=2, validate=False, checkpoint=tmp_path / "ckpt",
+        save=saved, export=program)  # fmt: skip
+    trained = wide_net()
+    trained.load_state_dict(torch.load(saved, weights_only=True))
+    from_checkpoint = load(tmp_path / "ckpt", wide_net())
+    for name, value in trained.state_dict().items():
+        assert torch.equal(from_checkpoint.state_dict()[name], value), name
+    x = probe()
+    with torch.no_grad():
+        expected = trained.eval()(x)
+        got = torch.export.load(str(program)).module()(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
