@@ -73,6 +73,33 @@ def test_fit_leaves_the_trained_weights_in_the_callers_module_and_writes_them(tm
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+class Branchy(torch.nn.Module):
+    """Trains, but does not export: a branch on a tensor's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from train_tune_helpers import CLASSES, FEATURES
+
+        self.head = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) if x.sum() > 0 else -self.head(x)
+
+
+def test_an_export_that_fails_after_training_says_where_the_weights_are(tmp_path):
+    from train_tune_helpers import blobs
+
+    saved, graph = tmp_path / "model.pt", tmp_path / "model.onnx"
+    model = Branchy()
+    with pytest.raises(kiln.KilnError) as failed:
+        fit(model, blobs, config=TrainConfig(micro_batch=16), steps=1, validate=False,
+            save=saved, export=graph)  # fmt: skip
+    assert f"the trained weights are in {saved}" in str(failed.value)
+    assert "data-dependent" in str(failed.value) and not graph.exists()
+    state = torch.load(saved, weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_train_export_optimize_run_answers_as_the_trained_module(monkeypatch, capsys, tmp_path):
     from train_tune_helpers import wide_net
 

@@ -102,8 +102,11 @@ def write(prepared: Prepared, save: str | None, export: str | None, example: Any
         # would gather them again, a collective this rank alone cannot enter).
         source = template if template is not None else prepared._user
         assert source is not None
-        module = plain_module(source, state)
-        export_module(module, example, Path(export))
+        try:
+            export_module(plain_module(source, state), example, Path(export))
+        except KilnError as exc:  # after the training: say where its weights are
+            kept = f"the trained weights are in {save}" if save else "give --save to keep them"
+            raise KilnError(f"--export {export}: {exc} ({kept}).") from None
         written["export"] = str(export)
     return written
 
