@@ -276,3 +276,17 @@ def test_partition_auto_writes_an_artifact_and_says_why(tmp_path, monkeypatch, c
     assert (summary["parts"] is not None) == (record["choice"] == "partitioned")
     with kiln.Session(path) as session:  # either way it opens and runs
         session.run(None, synthesize(session.interface))
+
+
+def test_served_statistics_count_each_request_a_partitioned_artifact_runs(built) -> None:
+    from kiln.serve.metrics import ServerMetrics, engine_runs
+
+    session = kiln.Session(built.path)
+    metrics = ServerMetrics(list).model("tt", "1")
+    run = metrics.executions(session.run_batch, engine_runs(session))
+    requests = [synthesize(load_model(MODEL).model, seed=seed) for seed in range(3)]
+    assert len(run(requests)) == len(requests)  # handed over together, as a batcher does
+    stats = metrics.statistics.to_json()
+    # The parts run each request on its own: one execution each, as the session counts them.
+    assert stats["execution_count"] == session.stats()["requests"] == len(requests)
+    assert [b["compute_infer"]["count"] for b in stats["batch_stats"]] == [len(requests)]
