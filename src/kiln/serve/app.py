@@ -2,14 +2,16 @@
 `kiln.Session` with its own batcher), and the extensions Triton's clients call:
 model_configuration (`/config`, Triton's ModelConfig), statistics (`/stats`, Triton's
 statistics, the same counts /metrics exports) and, serving a repository, model_repository
-(`v2/repository/index`, `.../load`, `.../unload`).
+(`v2/repository/index`, `.../load`, `.../unload`). /metrics holds Kiln's families and Triton's
+`nv_inference_*` counters (every name: metrics.py, docs/reference/metrics.md).
 
 Every error is answered in KServe's form, `{"error": "..."}`: 400 for a request the protocol or
-the model cannot take (the message names the input and what was expected) or a load that
-failed, 404 for a model not served (unknown, or unloaded: Triton's NOT_FOUND), 408 for a body
-that stops arriving (the connection is then closed), 413 for a body over the size limit, 503
-when the queue is full, the model is on its first load or the server is shutting down, 500 only
-for a failure inside Kiln itself, never for anything a client sends.
+the model cannot take (the message names the input and what was expected: a batch over the
+max_batch_size /config advertises, a token id outside the vocabulary) or a load that failed,
+404 for a model not served (unknown, or unloaded: Triton's NOT_FOUND), 408 for a body that
+stops arriving (the connection is then closed), 413 for a body over the size limit, 503 (with
+Retry-After) when the queue is full, the model is on its first load or the server is shutting
+down, 500 only for a failure inside Kiln itself, never for anything a client sends.
 """
 
 from __future__ import annotations
