@@ -250,6 +250,11 @@ def test_bad_requests_carry_tritons_codes_and_name_what_is_wrong(served) -> None
         )
     )
     assert "unknown output 'x'" in unknown_output.message()
+    # Over the max_batch_size /config advertises: INVALID_ARGUMENT before any work, as Triton.
+    most = client.get_model_config(RESNET).config.max_batch_size
+    over = _refused(lambda: client.infer(RESNET, _inputs({"input": _images(most + 1, 0)})))
+    assert over.status() == "StatusCode.INVALID_ARGUMENT"
+    assert f"has batch size {most + 1} (dim 0)" in over.message()
     # Over --max-request-mb (1 MiB): RESOURCE_EXHAUSTED, as Triton's own limit, in Kiln's words.
     too_big = _refused(lambda: client.infer(RESNET, _inputs({"input": _images(100, 0)})))
     assert too_big.status() == "StatusCode.RESOURCE_EXHAUSTED"
