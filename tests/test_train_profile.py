@@ -20,12 +20,15 @@ from kiln.train.config import TrainConfig  # noqa: E402
 from kiln.train.phases import PHASES, phase  # noqa: E402
 from kiln.train.profile import (  # noqa: E402
     PARTS,
+    UNTRIED,
+    Finding,
     _communication,
     _Event,
     _windows,
     diagnose,
     print_profile,
     profile_steps,
+    try_advice,
     write_report,
 )
 
@@ -226,3 +229,121 @@ def test_ddp_gradient_all_reduce_is_found(tmp_path) -> None:
     assert "gloo:all_reduce" in profile.communication["collectives"]
     assert profile.flops_per_step == pytest.approx(expected_flops(model.module), rel=0.03)
     assert sum(profile.split_ms.values()) == pytest.approx(profile.step_ms, rel=1e-9)
+
+
+def _with_memory(profile, peak_mib: float, device_mib: float):
+    """The profile with its peak memory held mostly by activations, on a device this large."""
+    import dataclasses
+
+    shares = {"parameters": 0.05, "gradients": 0.05, "optimizer state": 0.1, "activations": 0.8}
+    held = {**{k: v * peak_mib for k, v in shares.items()}, "other": 0.0}
+    memory = {**profile.memory, "source": "categories", "peak_mib": peak_mib,
+              "at_peak_mib": held, "device_mib": device_mib, "device": "cpu"}  # fmt: skip
+    return dataclasses.replace(profile, memory=memory)
+
+
+def test_activation_checkpointing_is_advised_only_where_memory_is_the_constraint(fast) -> None:
+    # activations hold 80 % of the peak in both; only the second is short of memory
+    roomy = _with_memory(fast[1], peak_mib=64, device_mib=24 * 1024)
+    tight = _with_memory(fast[1], peak_mib=20 * 1024, device_mib=24 * 1024)
+    assert "memory-activations" not in {f.kind for f in diagnose(roomy)}
+    advice = {f.kind: f for f in diagnose(tight)}["memory-activations"]
+    assert advice.settings == {"checkpointing.policy": "full"}
+
+
+def _finding(kind: str, settings: dict) -> Finding:
+    return Finding(kind, kind, 0.5, 10.0, "evidence", "fix: kiln train …", settings)
+
+
+def _sleeping(seconds: float) -> Callable[[], None]:
+    return lambda: time.sleep(seconds)  # a planted step time, as the slow dataset plants its own
+
+
+def test_speed_advice_is_measured_and_withdrawn_where_it_is_not_faster() -> None:
+    now = _sleeping(0.004)
+    steps = {"bf16": _sleeping(0.012), "fp16": _sleeping(0.001)}  # one slower, one faster
+    findings = [
+        _finding("slower", {"precision": "bf16"}),
+        _finding("faster", {"precision": "fp16"}),
+        _finding("untestable", {"loader.workers": 2}),
+    ]
+    memory = Finding(
+        "memory", "memory", 0.9, None, "evidence", "fix", {"checkpointing.policy": "full"}
+    )
+
+    tried = try_advice([*findings, memory], now, lambda c: steps.get(c.get("precision")),
+                       make_model())  # fmt: skip
+    by_kind = {f.kind: f for f in tried}
+    assert by_kind["slower"].measured["verdict"] == "slower"
+    assert by_kind["slower"].action.startswith("keep the settings in use")
+    assert (
+        by_kind["faster"].measured["verdict"] == "faster"
+        and "measured here" in by_kind["faster"].action
+    )
+    assert by_kind["untestable"].measured == {"tried": False, "why": UNTRIED}
+    assert "untested" in by_kind["untestable"].action
+    assert by_kind["memory"].measured is None  # a memory finding is not a speed claim
+    assert tried[-1].kind == "slower"  # withdrawn advice comes after every standing one
+
+
+def test_the_loop_switches_only_the_precision_between_steps() -> None:
+    from kiln.train.loop import _advised
+    from kiln.train.prepared import prepare
+
+    model = make_model()
+    prepared = prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), TrainConfig(micro_batch=BATCH)
+    )
+    dtypes: list[torch.dtype] = []
+
+    def one_step() -> None:
+        with prepared.autocast():
+            dtypes.append(prepared.model(torch.randn(BATCH, WIDTHS[0])).dtype)
+
+    advised = _advised(prepared, one_step)
+    assert advised({"loader": {"workers": 2}}) is None  # another run's setting
+    assert advised({"precision": "fp16"}) is None  # needs a loss scaler this run may not have
+    advised({"precision": "bf16"})()
+    one_step()
+    assert dtypes == [torch.bfloat16, torch.float32]  # the run's own precision is back
+    assert prepared.config.precision == "fp32"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "pipeline"])
+def test_profile_on_two_ranks_keeps_the_training_and_sees_their_communication(
+    strategy: str, tmp_path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    command = [sys.executable, "-m", "kiln", "train", "tiny:model", "--data", "tiny:data",
+               "--batch", "16", "--steps", "3", "--nproc", "2", "--strategy", strategy,
+               "--profile", "report.html", "-o", "record.json"]  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["steps"] == 3 and len(record["loss"]) == 3  # the training's record is whole
+    profile = record["profile"]
+    assert profile.get("error") is None and (tmp_path / "report.html").stat().st_size > 0
+    assert profile["communication"]["collectives"], profile["communication"]
+
+
+TINY = """
+import torch
+from torch import nn
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g),
+                                          torch.randint(0, 4, (64,), generator=g))
+"""

@@ -466,7 +466,8 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
     if result.get("checkpoint"):
         rows.append(("checkpoint", result["checkpoint"]))
     if result.get("profile"):
-        rows.append(("profile", result["profile"]["report"]))
+        profile = result["profile"]
+        rows.append(("profile", profile["report"] or f"failed ({profile['error']})"))
     if record is not None:
         rows.append(("record", str(record)))
     for name, value in rows:

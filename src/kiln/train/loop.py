@@ -206,7 +206,7 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     record["tokens_per_sample"] = _tokens(example)
     if record["tokens_per_sample"]:
         record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
-    if run.profile and prepared.dist.rank == 0:
+    if run.profile:
         record["profile"] = _profile(run, prepared, loader, loss_fn)
     from kiln.train import parallel
 
@@ -566,9 +566,12 @@ def _replicas(config: TrainConfig) -> int:
     return config.global_batch // (config.micro_batch * config.accumulation)
 
 
-def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[str, Any]:
-    """A few more steps under the step profiler, written as the HTML report."""
-    from kiln.train.profile import diagnose, profile_steps, write_report
+def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[str, Any] | None:
+    """A few more steps under the step profiler on every rank together (their collectives
+    meet; exposed communication exists only then), each speed finding's advice timed against
+    the settings in use, rank 0's written as the HTML report; None on the other ranks. A
+    profile that fails is reported in the record, and the training's record is kept."""
+    from kiln.train.profile import diagnose, profile_steps, try_advice, write_report
 
     stream = batches(loader)
 
@@ -578,13 +581,53 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[st
                 inputs, targets = next(stream)
             prepared.train_step(inputs, targets, loss_fn)
 
-    found = profile_steps(one_step, model=prepared.model, precision=prepared.config.precision,
-                          samples_per_step=prepared.config.global_batch)  # fmt: skip
-    findings = diagnose(found, prepared.config)
+    try:
+        found = profile_steps(one_step, model=prepared.model,
+                              precision=prepared.config.precision,
+                              samples_per_step=prepared.config.global_batch)  # fmt: skip
+        # Every rank tries the same advice, in the same order: rank 0's findings.
+        findings = _from_rank0(diagnose(found, prepared.config))
+        findings = try_advice(findings, one_step, _advised(prepared, one_step), prepared.model)
+    except Exception as exc:  # the training is done and kept; only its profile failed
+        return {"report": None, "error": f"{type(exc).__name__}: {exc}"}
+    if not prepared.dist.is_main:
+        return None
     assert run.profile is not None
     write_report(found, findings, run.profile)
     return {
         "report": run.profile,
         **found.to_json(),
-        "findings": [f.to_json() if hasattr(f, "to_json") else asdict(f) for f in findings],
+        "findings": [f.to_json() for f in findings],
     }
+
+
+def _from_rank0(items: list[Any]) -> list[Any]:
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        return items
+    box = [items]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _advised(prepared: Prepared, one_step: Callable[[], None]) -> Callable[[dict], Any]:
+    """`one_step` under a finding's changes where this run can switch to them between steps:
+    the autocast precision (bf16 or fp32; fp16 needs a loss scaler the run may not have).
+    None for everything else (a loader, a hook, an optimizer: another run's settings)."""
+
+    def advised(changes: dict[str, Any]) -> Callable[[], None] | None:
+        if set(changes) != {"precision"} or changes["precision"] not in ("bf16", "fp32"):
+            return None
+        changed = prepared.config.replace(**changes)
+
+        def step() -> None:
+            kept, prepared.config = prepared.config, changed
+            try:
+                one_step()
+            finally:
+                prepared.config = kept
+
+        return step
+
+    return advised

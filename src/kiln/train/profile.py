@@ -40,6 +40,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.hardware import Peaks, cpu_info, measured_peaks
+from kiln.timing import FASTER, Speedup, interleave, speedup
 from kiln.train.config import PRECISIONS, TrainConfig
 from kiln.train.phases import PHASES, recording
 
@@ -133,6 +134,9 @@ class Finding:
     evidence: str
     action: str
     settings: dict[str, Any]
+    # the advised settings timed against those in use (kiln.timing.Speedup's JSON and
+    # "tried": true), or {"tried": false, "why": ...}; None for memory findings
+    measured: dict[str, Any] | None = None
 
     def changes(self) -> dict[str, Any]:
         """{"loader": {"workers": 1}, "precision": "bf16"}: for TrainConfig.replace(**...)
@@ -601,6 +605,9 @@ EXPOSED_COMM = 0.10  # of the step in collectives no compute hides
 FP32_MATMULS = 0.20  # of the (profiled) step in fp32 matrix products
 OPTIMIZER_BOUND = 0.25  # of the step in the optimizer
 ACTIVATIONS = 0.50  # of the peak memory held by activations
+# Of the device's memory: below this share memory limits neither the batch nor the model, and
+# trading compute for memory (checkpointing) only slows the step.
+MEMORY_TIGHT = 0.50
 UNEVEN = 1.5  # slowest batch over the mean: prefetch more to ride out the slow ones
 # TrainConfig fields that `kiln train` takes as flags; the rest go in its --config JSON
 CLI_FLAGS = {"precision": "--precision", "checkpointing.policy": "--checkpointing"}
@@ -676,8 +683,19 @@ def _exposed_comm(p: StepProfile, base: TrainConfig) -> Finding | None:
         f"compute beside it, mostly in {where}; {comm['overlapped_ms']:.1f} ms overlapped (a "
         "wait for a slower rank counts as exposed too)"
     )
-    if base.parallel.strategy == "fsdp2":
-        settings: dict[str, Any] = {"parallel.reduce_dtype": "bf16"}
+    if base.parallel.strategy == "pipeline":
+        # Stages wait on each other's sends for (stages − 1) of (microbatches + stages − 1)
+        # slots of a GPipe-style schedule: more microbatches shrink that bubble.
+        now = base.parallel.microbatches
+        more = next((n for n in range(now + 1, base.micro_batch + 1) if base.micro_batch % n == 0),
+                    None)  # fmt: skip
+        settings: dict[str, Any] = {"parallel.microbatches": more} if more else {}
+        fix = (f"more microbatches ({more}, now {now}) shrink the schedule's bubble, where a "
+               "stage waits on its neighbour's sends" if more else
+               f"a larger micro-batch, cut into more than {now} microbatches, shrinks the "
+               "schedule's bubble, where a stage waits on its neighbour's sends")  # fmt: skip
+    elif base.parallel.strategy == "fsdp2":
+        settings = {"parallel.reduce_dtype": "bf16"}
         fix = "reduce-scatter gradients in bf16 (half the bytes)"
     else:
         bucket = max(round(base.parallel.bucket_mb / 2, 1), 1.0)
@@ -730,7 +748,8 @@ def _activations(p: StepProfile, base: TrainConfig) -> Finding | None:
         return None
     held = memory["at_peak_mib"]
     share = held["activations"] / memory["peak_mib"]
-    if share < ACTIVATIONS or base.checkpointing.policy == "full":
+    tight = memory["peak_mib"] >= MEMORY_TIGHT * memory["device_mib"]
+    if not tight or share < ACTIVATIONS or base.checkpointing.policy == "full":
         return None
     others = ", ".join(f"{k} {v:.0f}" for k, v in held.items() if k != "activations")
     evidence = (f"activations hold {held['activations']:.0f} MiB of the {memory['peak_mib']:.0f} "
@@ -744,6 +763,60 @@ def _activations(p: StepProfile, base: TrainConfig) -> Finding | None:
     )
     return _finding("memory-activations", "activations dominate the peak memory", share, None,
                     evidence, fix, {"checkpointing.policy": "full"})  # fmt: skip
+
+
+# --------------------------------------------------------------------------- trying the advice
+AB_ROUNDS = 3  # alternating blocks a side: the fewest kiln.timing gives a verdict on
+AB_STEPS = 2  # timed steps a block, after one untimed (the other side's threads and caches)
+UNTRIED = "it needs another run to try; kiln train --tune measures it"
+
+
+def try_advice(
+    findings: list[Finding],
+    run_step: Callable[[], None],
+    advised_step: Callable[[dict[str, Any]], Callable[[], None] | None],
+    model: torch.nn.Module,
+) -> list[Finding]:
+    """Each speed finding's advice timed against the settings in use, in alternating blocks
+    of real steps (kiln.timing: interleaved rounds, the ratio of P50s, a verdict only when
+    every round agrees). A peak ratio is not a speedup: bf16 kernels twice as fast in a GEMM
+    can lose to autocast's casts in a small model's step. `advised_step(changes)` is
+    `run_step` under the finding's changes, or None where this run cannot switch to them (a
+    loader, a communication hook, another optimizer): that finding says it is untested.
+    Advice measured not faster is withdrawn; its evidence stays. Every call trains."""
+    sync = _sync_for(_device_of(model))
+
+    def timed(step: Callable[[], None]) -> Callable[[], None]:
+        return step if sync is None else lambda: (step(), sync())[-1]
+
+    for finding in (f for f in findings if f.time_ms is not None):
+        step = advised_step(finding.changes())
+        if step is None:
+            finding.measured = {"tried": False, "why": UNTRIED}
+            finding.action += f" (untested: {UNTRIED})"
+            continue
+        runners = {"now": timed(run_step), "advised": timed(step)}
+        samples = interleave(runners, rounds=AB_ROUNDS, runs=AB_STEPS, warmup=1)
+        _judge(finding, speedup(samples["now"], samples["advised"]))
+    return sorted(findings, key=_advice_first)
+
+
+def _judge(finding: Finding, measured: Speedup) -> None:
+    finding.measured = {"tried": True, **measured.to_json()}
+    low, high = measured.spread or (measured.value, measured.value)
+    figures = f"{measured.value:.2f}× ({low:.2f}–{high:.2f}, {measured.verdict})"
+    if measured.verdict == FASTER:
+        finding.action += f" — measured here {figures}"
+    else:
+        finding.action = (
+            f"keep the settings in use: {_how(finding.settings)} measured {figures} against "
+            "them in alternating blocks of this run's steps"
+        )
+
+
+def _advice_first(finding: Finding) -> tuple[bool, bool, float]:
+    withdrawn = bool(finding.measured and finding.measured.get("verdict") not in (None, FASTER))
+    return withdrawn, finding.time_ms is None, -finding.share
 
 
 # --------------------------------------------------------------------------- the report
