@@ -104,9 +104,10 @@ def test_train_export_optimize_run_answers_as_the_trained_module(monkeypatch, ca
     from train_tune_helpers import wide_net
 
     monkeypatch.chdir(tmp_path)
-    code, _out, err = kiln_cli(monkeypatch, capsys, *TASK, "--checkpoint", "ckpt",
-                               "--save", "model.pt", "--export", "model.onnx")  # fmt: skip
+    code, out, err = kiln_cli(monkeypatch, capsys, *TASK, "--checkpoint", "ckpt",
+                              "--save", "model.pt", "--export", "model.onnx")  # fmt: skip
     assert code == 0, err
+    assert "trained weights" in out and "model.onnx" in out  # the table says where
     trained = wide_net()
     trained.load_state_dict(torch.load("model.pt", weights_only=True))
     from_checkpoint = load("ckpt", wide_net())  # the newest whole checkpoint, step 3

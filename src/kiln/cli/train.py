@@ -465,6 +465,9 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
         rows.append(("loss scale", f"{scale['final']:g} ({scale['skipped']} steps skipped)"))
     if result.get("checkpoint"):
         rows.append(("checkpoint", result["checkpoint"]))
+    written = result.get("written") or {}
+    rows += [(label, written[key]) for key, label in (("save", "trained weights"),
+             ("export", "trained model")) if key in written]  # fmt: skip
     if result.get("profile"):
         profile = result["profile"]
         rows.append(("profile", profile["report"] or f"failed ({profile['error']})"))
