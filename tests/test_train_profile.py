@@ -347,3 +347,10 @@ def data():
     return torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g),
                                           torch.randint(0, 4, (64,), generator=g))
 """
+
+
+def test_the_profiler_leaves_no_native_lines_on_stderr(capfd) -> None:
+    model = make_model()
+    profile_steps(make_step(model, Samples(2 * BATCH)), model=model, steps=1, warmup=0,
+                  count_flops=False, peaks=PEAKS)  # fmt: skip
+    assert "USDT" not in capfd.readouterr().err

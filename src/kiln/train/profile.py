@@ -25,13 +25,15 @@ and "other" is what no phase covers (logging, the loop's own code).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -316,13 +318,19 @@ def _traced(
 
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
     # stacks and shapes are what the memory profiler needs to tell activations from the rest
-    with profile(activities=activities, record_shapes=True, profile_memory=True,
-                 with_stack=True) as prof:  # fmt: skip
+    prof = profile(activities=activities, record_shapes=True, profile_memory=True,
+                   with_stack=True)  # fmt: skip
+    with _native_stderr_muted():
+        prof.start()
+    try:
         for _ in range(steps):
             with recording(sync), record_function("kiln.step"):
                 run_step()
                 if sync is not None:
                     sync()
+    finally:
+        with _native_stderr_muted():
+            prof.stop()
     events = _events(prof)
     windows = _windows(events)
     origin = windows[0]["step"][0][0] if windows else 0.0
@@ -335,6 +343,22 @@ def _traced(
         "optimizer": _optimizer(events, windows),
         "memory": _memory(prof, device, origin, [w["step"][0][0] for w in windows]),
     }
+
+
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """The process's stderr closed for one call: libkineto writes "USDT: … profiler_start"
+    and "… profiler_stop" lines from C++ at each start and stop, noise in the user's output.
+    Only the start and the stop are muted, never the user's steps."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _events(prof: Any) -> list[_Event]:
