@@ -459,7 +459,7 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
     if "accuracy" in val:
         rows.append(("validation accuracy", f"{val['accuracy']:.1%}"))
     for rank, mib in sorted(result["peak_mib"].items()):
-        rows.append((f"peak memory, rank {rank}", f"{mib:.0f} MiB"))
+        rows.append((f"peak RSS (process), rank {rank}", f"{mib:.0f} MiB"))
     scale = result["scale"]
     if scale["final"] is not None:
         rows.append(("loss scale", f"{scale['final']:g} ({scale['skipped']} steps skipped)"))

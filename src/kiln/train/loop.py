@@ -207,7 +207,8 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     if record["tokens_per_sample"]:
         record["tokens_per_s"] = record["samples_per_s"] * record["tokens_per_sample"]
     if run.profile:
-        record["profile"] = _profile(run, prepared, loader, loss_fn)
+        tokens = record["tokens_per_sample"]
+        record["profile"] = _profile(run, prepared, loader, loss_fn, tokens)
     from kiln.train import parallel
 
     parallel.teardown()
@@ -566,7 +567,8 @@ def _replicas(config: TrainConfig) -> int:
     return config.global_batch // (config.micro_batch * config.accumulation)
 
 
-def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[str, Any] | None:
+def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any,
+             tokens_per_sample: int | None) -> dict[str, Any] | None:  # fmt: skip
     """A few more steps under the step profiler on every rank together (their collectives
     meet; exposed communication exists only then), each speed finding's advice timed against
     the settings in use, rank 0's written as the HTML report; None on the other ranks. A
@@ -584,7 +586,9 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any) -> dict[st
     try:
         found = profile_steps(one_step, model=prepared.model,
                               precision=prepared.config.precision,
-                              samples_per_step=prepared.config.global_batch)  # fmt: skip
+                              samples_per_step=prepared.config.global_batch,
+                              tokens_per_step=tokens_per_sample and tokens_per_sample
+                              * prepared.config.global_batch)  # fmt: skip
         # Every rank tries the same advice, in the same order: rank 0's findings.
         findings = _from_rank0(diagnose(found, prepared.config))
         findings = try_advice(findings, one_step, _advised(prepared, one_step), prepared.model)
