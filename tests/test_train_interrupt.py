@@ -6,6 +6,7 @@ itself while it writes the second checkpoint, so the test does not depend on tim
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,3 +75,62 @@ def test_ctrl_c_while_checkpointing_keeps_the_last_whole_checkpoint_loadable(tmp
                     "-o", str(record))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(record.read_text())["steps_this_run"] == 2
+
+
+# The user's module, on one rank or several: a Ctrl-C (SIGINT to the whole foreground process group,
+# as a terminal sends it) raised by rank 0 inside its second checkpoint's save, after the
+# shards and before the marker. Ranks import it to build the model, so the patch is theirs.
+RANKS_MODULE = textwrap.dedent(
+    """
+    import os, signal
+    import kiln.train.checkpoint as checkpoint
+    from train_tune_helpers import blobs, wide_net
+    real = checkpoint._save_extra
+    calls = []
+
+    def save_extra(*args, **kwargs):
+        calls.append(1)
+        real(*args, **kwargs)
+        if len(calls) == 2:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+
+    checkpoint._save_extra = save_extra
+
+
+    def net():
+        return wide_net()
+
+
+    def data():
+        return blobs()
+    """
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp2", "pipeline"])
+def test_ctrl_c_on_any_strategy_names_the_whole_checkpoint_and_leaves_no_partial(
+    strategy: str, tmp_path: Path
+) -> None:
+    (tmp_path / "interrupting.py").write_text(RANKS_MODULE)
+    directory = tmp_path / "ckpt"
+    # The ranks import the helper's module from tests/, beside the user's module here.
+    tests = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+    )
+    ranks = "1" if strategy == "single" else "2"
+    stopped = subprocess.run(
+        [sys.executable, "-m", "kiln", "train", "interrupting:net", "--data", "interrupting:data",
+         "--batch", "16", "--checkpoint-every", "2", "--steps", "50", "--nproc", ranks,
+         "--strategy", strategy, "--checkpoint", str(directory)],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": tests}, start_new_session=True,
+    )  # fmt: skip
+    assert stopped.returncode == 128 + signal.SIGINT, stopped.stderr
+    # Off a terminal kiln train also writes progress lines; apart from those, one line.
+    lines = [line for line in stopped.stderr.strip().splitlines()
+             if not line.startswith("training: step")]  # fmt: skip
+    assert len(lines) == 1, stopped.stderr
+    assert lines[0].startswith("interrupted; the newest checkpoint, ")
+    assert "step-00000002" in lines[0] and "--resume" in lines[0]
+    assert sorted(p.name for p in directory.iterdir()) == ["step-00000002"]

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -47,6 +48,8 @@ _PEER_FAILURE = re.compile(
     re.IGNORECASE,
 )
 _MESSAGE_CHARS = 300
+# The signals the agent handles itself while the job runs (TORCHELASTIC_SIGNALS_TO_HANDLE).
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # The loggers of torchrun's agent (a logger's `disabled` is its own, not its children's).
 _AGENT_LOGGERS = (
     "torch.distributed.elastic",
@@ -94,18 +97,55 @@ def launch(
         start_method="spawn",
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
-    with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as logs, _quiet_agent():
+    with (
+        tempfile.TemporaryDirectory(prefix="kiln-ranks-") as logs,
+        _quiet_agent(),
+        _callers_signal_handlers(),
+    ):
         # The ranks' error files live here, and go once the failure has been read.
         config.logs_specs = DefaultLogsSpecs(log_dir=logs)
         try:
             return elastic_launch(config, _run_rank)(entry, *args)
         except ChildFailedError as exc:
-            raise KilnError(describe_failure(exc.failures)) from None
+            stopped = _stopped_by(exc.failures)
+            if stopped is None:
+                raise KilnError(describe_failure(exc.failures)) from None
         except RendezvousError as exc:
             raise KilnError(_rendezvous_problem(endpoint, exc)) from None
         except SignalException as exc:  # the agent stopped its ranks before raising this
-            name = signal.Signals(exc.sigval).name
-            raise KilnError(f"training stopped by {name}; every rank was ended.") from None
+            stopped = signal.Signals(exc.sigval)
+    # Every rank has ended. The stop goes on as the signal itself, to the caller's handler:
+    # the CLI's says which checkpoint survived it, a script gets its KeyboardInterrupt.
+    signal.raise_signal(stopped)
+    raise KilnError(f"training stopped by {stopped.name}; every rank was ended.")
+
+
+def _stopped_by(failures: dict[int, ProcessFailure]) -> signal.Signals | None:
+    """The signal that stopped the job from outside where its ranks died of it before the
+    agent saw it: Ctrl-C reaches every rank of the terminal's process group (SIGINT), a
+    scheduler ends every process with SIGTERM. None where a rank failed."""
+    _, first = min(failures.items(), key=lambda item: _root_cause_order(*item))
+    if first.exitcode == -signal.SIGINT:
+        return signal.SIGINT
+    if all(failure.exitcode == -signal.SIGTERM for failure in failures.values()):
+        return signal.SIGTERM
+    return None
+
+
+@contextlib.contextmanager
+def _callers_signal_handlers() -> Iterator[None]:
+    """The agent installs handlers of its own for these signals (they raise SignalException)
+    and leaves them installed; the caller's come back when the job ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {signum: signal.getsignal(signum) for signum in _AGENT_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 def describe_failure(failures: dict[int, ProcessFailure]) -> str:
@@ -122,6 +162,10 @@ def _run_rank(entry: Callable[..., Any], *args: Any) -> Any:
     (the launcher reports it as one line) and without interpreter shutdown, whose destructors
     can hang on a process group a failed step left busy. A rank that returns has its group,
     if kiln.train.parallel.setup made it, ended here (teardown is idempotent)."""
+    # A Ctrl-C reaches every rank of the terminal's process group: a rank ends at once and
+    # quietly (the launcher reports the stop once; no traceback per rank, no destructor that
+    # hangs on a busy group). A checkpoint it was writing stays partial, and is never read.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         result = entry(*args)
     except Exception as exc:

@@ -17,12 +17,14 @@ tells the others, so no rank waits forever in a collective the others left.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import pickle
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,16 +132,29 @@ def fit(
     if nodes < 1 or ranks % nodes:
         raise KilnError(f"--nnodes {nnodes}: the {ranks} ranks must share out evenly over the "
                         "nodes (give N or MIN:MAX with ranks a multiple of MAX).")  # fmt: skip
-    if ranks == 1:
-        return train_rank(run, progress)
-    from kiln.train.launch import launch
+    with _no_partial_left(run.checkpoint):
+        if ranks == 1:
+            return train_rank(run, progress)
+        from kiln.train.launch import launch
 
-    run.replica = isinstance(model, nn.Module)
-    results = launch(train_rank, (run, _crossing(progress)), ranks // nodes, nnodes=nnodes,
-                     rdzv_endpoint=rdzv_endpoint)  # fmt: skip
-    if run.replica:  # the caller's module holds the trained weights, as in one process
-        model.load_state_dict(results[0].pop(WEIGHTS))
-    return merge(results)
+        run.replica = isinstance(model, nn.Module)
+        results = launch(train_rank, (run, _crossing(progress)), ranks // nodes, nnodes=nnodes,
+                         rdzv_endpoint=rdzv_endpoint)  # fmt: skip
+        if run.replica:  # the caller's module holds the trained weights, as in one process
+            model.load_state_dict(results[0].pop(WEIGHTS))
+        return merge(results)
+
+
+@contextlib.contextmanager
+def _no_partial_left(directory: str | None) -> Iterator[None]:
+    """A run stopped (Ctrl-C, SIGTERM) or failed while a checkpoint was being written leaves
+    it partial (`.step-N.partial`, never read): it is removed once every rank has ended."""
+    try:
+        yield
+    except BaseException:
+        for partial in Path(directory).glob(".step-*.partial") if directory else ():
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def merge(results: dict[int, dict[str, Any]]) -> dict[str, Any]:

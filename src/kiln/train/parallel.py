@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -342,6 +343,7 @@ def pipeline(
     parallel = config.parallel
     if not torch_dist.is_initialized() or dist.world != parallel.ranks:
         raise KilnError("parallel.strategy pipeline needs its ranks: call setup(config) first.")
+    _thread_lock_for_progress_bars()
     per_rank = _STAGES_PER_RANK[parallel.schedule]
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -350,6 +352,17 @@ def pipeline(
     indices = [dist.rank + k * parallel.ranks for k in range(per_rank)]
     stages = [pipe.build_stage(index, dist.device) for index in indices]
     return PipelineRunner(stages, parallel, loss_fn)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """A stage runs through torch.fx's Interpreter, which opens a (disabled) tqdm bar, and
+    tqdm's first bar makes a multiprocessing lock: a named semaphore that a rank ended by a
+    signal (Ctrl-C) leaves behind, and Python's resource tracker warns about at exit. The
+    rank's bars are its own threads': a thread lock serves them."""
+    from torch.hub import tqdm  # tqdm's, where installed
+
+    if hasattr(tqdm, "set_lock"):
+        tqdm.set_lock(threading.RLock())
 
 
 def _device_of(model: nn.Module) -> torch.device:
