@@ -360,3 +360,36 @@ def test_fit_of_a_module_instance_on_two_ranks_trains_as_a_factory_does(tmp_path
     given = fit(model, _samples(), **run)
     assert given["loss"] == made["loss"]
     _assert_same(model.state_dict(), torch.load(tmp_path / "factory.pt"))
+
+
+# ------------------------------------------------------------------------ under torchrun
+
+
+def _script_entry() -> dict[str, Any]:
+    """A user's script, the same whatever torchrun's --nproc-per-node: a TrainConfig that
+    names no ranks, the loader prepare() gives, SGD."""
+    from kiln.train import prepare
+
+    model = _net()
+    config = TrainConfig(micro_batch=BATCH // RANKS, loader={"shuffle": False},
+                         parallel={"threads_per_rank": 1})  # fmt: skip
+    prepared = prepare(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    for inputs, targets in prepared.loader(_samples()):
+        prepared.train_step(inputs, targets, nn.functional.mse_loss)
+    state = _full_state(prepared.model)
+    parallel.teardown()
+    return {"parallel": prepared.config.parallel, "state": state}
+
+
+@pytest.mark.timeout(120)
+def test_prepare_takes_the_world_size_torchrun_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)  # torchrun --nproc-per-node 1
+    alone = _script_entry()
+    assert (alone["parallel"].strategy, alone["parallel"].ranks) == ("single", 1)
+    results = launch(_script_entry, (), RANKS)  # torchrun --nproc-per-node 2
+    for rank in range(RANKS):
+        assert (results[rank]["parallel"].strategy, results[rank]["parallel"].ranks) == (
+            "ddp", RANKS)  # fmt: skip
+        # Each rank took half of every batch of 8 and DDP averaged: one process's steps.
+        _assert_same(results[rank]["state"], _reference())

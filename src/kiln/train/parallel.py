@@ -89,6 +89,24 @@ def setup(config: TrainConfig) -> Dist:
     return Dist(rank, world, local_rank, device, backend)
 
 
+def launched(config: TrainConfig) -> TrainConfig:
+    """`config` for the world this process was started in. Under torchrun (WORLD_SIZE,
+    LOCAL_WORLD_SIZE) a config that names no ranks takes the launcher's, several ranks
+    without a strategy train data-parallel (ddp), and the node's cores are shared out among
+    its ranks, as Accelerate and Lightning do: one script runs under --nproc-per-node 1 and 2
+    unchanged. A config that names its ranks is held to them (see setup)."""
+    world = _place()[0]
+    if world == 1 or config.parallel.ranks != 1:
+        return config
+    changes: dict[str, Any] = {"ranks": world}
+    if config.parallel.strategy == "single":
+        changes["strategy"] = "ddp"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if config.parallel.threads_per_rank is None:
+        changes["threads_per_rank"] = max(1, (os.cpu_count() or 1) // local)
+    return config.replace(parallel=changes)
+
+
 def teardown() -> None:
     """End the process group if `setup` made it (a group the caller made is theirs). The
     DDP models `wrap` made are unusable afterwards."""

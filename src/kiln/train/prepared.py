@@ -214,7 +214,7 @@ def prepare(
     ranks torchrun started, fp32 modules pinned, blocks checkpointed, wrapped for DDP/FSDP2
     or split into this rank's pipeline stage, compiled. A pipeline needs `loss_fn` and an
     `example` micro-batch input (the stages are traced on it)."""
-    config = config or TrainConfig()
+    config = parallel.launched(config or TrainConfig())
     _check_model(model)
     dist = parallel.setup(config)
     torch.manual_seed(config.seed)
