@@ -14,6 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -139,8 +140,11 @@ class LoadMonitor:
         with self._lock:
             self._fold()
             fresh = min(max(self.observed - cursor, 0), len(self._window))
-            recent = list(self._window)
-            return recent[len(recent) - fresh :], self.observed
+            # The newest `fresh` only, read from the right end: copying the whole window
+            # (2,000 records) cost 10–17 µs on every batch a server runs.
+            recent = list(islice(reversed(self._window), fresh))
+            recent.reverse()
+            return recent, self.observed
 
     def reset_window(self) -> None:
         with self._lock:
