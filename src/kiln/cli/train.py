@@ -75,6 +75,21 @@ def train(
         str | None,
         typer.Option(help="Activation checkpointing: none, full or every (every 2nd block)."),
     ] = None,
+    clip_grad_norm: Annotated[
+        float | None,
+        typer.Option(help="Clip the gradients' global norm to this (the record keeps the norm)."),
+    ] = None,
+    lr_schedule: Annotated[
+        str | None,
+        typer.Option(
+            help="The learning rate over the run: constant, linear or cosine (decay to 0 "
+            "over --steps/--epochs), or module:fn(optimizer) -> LRScheduler of your own."
+        ),  # fmt: skip
+    ] = None,
+    warmup: Annotated[
+        int | None,
+        typer.Option(help="Optimizer steps over which the learning rate first rises to its own."),
+    ] = None,
     strategy: Annotated[
         str | None,
         typer.Option(help="single, ddp, fsdp2 or pipeline (several ranks: give --nproc)."),
@@ -198,6 +213,29 @@ def train(
             "with a dynamic batch dim."
         ),  # fmt: skip
     ] = None,
+    val_every: Annotated[
+        str | None,
+        typer.Option(
+            help="Validate on the data's validation set every N optimizer steps, or each "
+            "epoch (epoch); with --checkpoint the lowest validation loss's step is kept in "
+            "DIR/best."
+        ),  # fmt: skip
+    ] = None,
+    early_stop: Annotated[
+        int | None,
+        typer.Option(
+            help="Stop after this many validations in a row without a lower loss "
+            "(needs --val-every)."
+        ),  # fmt: skip
+    ] = None,
+    metrics: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write metrics into this directory as they happen: metrics.jsonl (a line "
+            "per step: loss, lr, grad_norm, samples/s; one per validation) and TensorBoard "
+            "event files where tensorboard is installed."
+        ),  # fmt: skip
+    ] = None,
     progress_every: Annotated[
         float,
         typer.Option(
@@ -230,7 +268,9 @@ def train(
               "--storage": storage, "--study": study}  # fmt: skip
     _check_tuning(tune, tuning, {"--epochs": epochs, "--checkpoint": checkpoint,
                                  "--resume": resume or None, "--profile": profile,
-                                 "--save": save, "--export": export})  # fmt: skip
+                                 "--save": save, "--export": export,
+                                 "--val-every": val_every, "--early-stop": early_stop,
+                                 "--metrics": metrics})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
     recorded = recorded_functions(config) if config else {}  # a record's --loss, --optimizer
     loss, optimizer = loss or recorded.get("loss"), optimizer or recorded.get("optimizer")
@@ -239,6 +279,8 @@ def train(
         raise KilnError(f"--nnodes {nnodes}: give N or MIN:MAX, e.g. 2 or 1:4.")
     world = nproc * int(nodes) if nproc is not None else None
     chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, world)
+    math = {"clip_grad_norm": clip_grad_norm, "lr_schedule": lr_schedule, "warmup": warmup}
+    chosen = chosen.replace(**{k: v for k, v in math.items() if v is not None})
     seconds = parse_duration(time) if time else None
     if tune:
         specs = {"model": model, "data": data, "loss": loss, "optimizer": optimizer}
@@ -256,6 +298,8 @@ def train(
                "checkpoint_every": checkpoint_every, "save": save, "export": export}  # fmt: skip
     options["allow_config_change"] = allow_config_change
     options["progress_every"] = progress_every
+    options["val_every"] = int(val_every) if val_every and val_every.isdigit() else val_every
+    options["early_stop"], options["metrics"] = early_stop, metrics
     try:
         result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
                       options)  # fmt: skip
@@ -458,6 +502,12 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
         rows.append(("validation loss", f"{val['loss']:.4f}"))
     if "accuracy" in val:
         rows.append(("validation accuracy", f"{val['accuracy']:.1%}"))
+    best = result.get("best")
+    if best:
+        kept = f", {best['checkpoint']}" if best["checkpoint"] else ""
+        stop = ", stopped early" if result.get("stopped_early") else ""
+        note = f"step {best['step']}{kept}{stop}"
+        rows.append(("best validation loss", f"{best['loss']:.4f} ({note})"))
     for rank, mib in sorted(result["peak_mib"].items()):
         rows.append((f"peak RSS (process), rank {rank}", f"{mib:.0f} MiB"))
     scale = result["scale"]

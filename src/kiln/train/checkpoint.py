@@ -51,8 +51,10 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
     config: dict[str, Any] | None = None,
+    keep: int = KEEP,
 ) -> Path:
-    """Write `directory/step-{step:08d}` from every rank; return its path.
+    """Write `directory/step-{step:08d}` from every rank; return its path. The newest
+    `keep` complete checkpoints of `directory` stay.
 
     `extra` (tensors, numbers, strings and lists/dicts of them: the loss scaler, the sampler,
     RNG states) is kept by rank 0 and given back by `load`; `config`, the TrainConfig (as
@@ -79,7 +81,7 @@ def save(
     _barrier()  # every rank's shards are written: the checkpoint is whole
     if main:
         _publish(partial, final)
-        _prune(directory)
+        _prune(directory, keep)
     _barrier()  # no rank reads `final` before it is in place
     return final
 
@@ -282,8 +284,8 @@ def _sync(directory: Path) -> None:
         os.close(handle)
 
 
-def _prune(directory: Path) -> None:
-    for _, path in _complete(directory)[:-KEEP]:
+def _prune(directory: Path, keep: int) -> None:
+    for _, path in _complete(directory)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
     for child in directory.iterdir():  # partials of other steps: crashed saves of earlier runs
         if _PARTIAL.fullmatch(child.name) and child.is_dir():

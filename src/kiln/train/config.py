@@ -28,6 +28,7 @@ STRATEGIES = ("single", "ddp", "fsdp2", "pipeline")
 COMM_HOOKS = ("none", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 DTYPES = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,10 @@ class TrainConfig:
                      fp32 under autocast
     micro_batch, accumulation   samples per forward, forwards per optimizer step
     clip_grad_norm   max global gradient norm (None: no clipping)
+    lr_schedule      the learning rate over the run, as a fraction of the optimizer's own:
+                     constant | linear or cosine (decay to 0 over the run's steps) | the
+                     user's own scheduler, "module:fn" (fn(optimizer) -> LRScheduler)
+    warmup           optimizer steps over which the rate first rises linearly to the full one
     checkpointing    activation checkpointing (see Checkpointing)
     compile          None (eager) or a torch.compile mode, e.g. "default"
     foreach, fused   the optimizer's implementation (None: PyTorch's choice)
@@ -183,6 +188,8 @@ class TrainConfig:
     micro_batch: int = 32
     accumulation: int = 1
     clip_grad_norm: float | None = None
+    lr_schedule: str = "constant"
+    warmup: int = 0
     checkpointing: Checkpointing = field(default_factory=Checkpointing)
     compile: str | None = None
     foreach: bool | None = None
@@ -198,6 +205,7 @@ class TrainConfig:
         _at_least(self.accumulation, 1, "accumulation")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise KilnError(f"clip_grad_norm {self.clip_grad_norm:g}: give a norm > 0 or None.")
+        _check_schedule(self.lr_schedule, self.warmup)
         if self.compile is not None:
             _one_of(self.compile, COMPILE_MODES, "compile")
         if self.foreach and self.fused:
@@ -271,8 +279,8 @@ _SECTIONS: dict[str, type] = {
 # each step sees and what the step computes. How the work is spread — strategy, ranks, the
 # micro-batch × accumulation split of the global batch, compile, activation checkpointing,
 # the loader's workers — may change between runs.
-RESUME_KEEPS = ("global_batch", "precision", "loss_scale", "keep_fp32", "clip_grad_norm", "seed",
-                "loader.shuffle", "loader.drop_last")  # fmt: skip
+RESUME_KEEPS = ("global_batch", "precision", "loss_scale", "keep_fp32", "clip_grad_norm",
+                "lr_schedule", "warmup", "seed", "loader.shuffle", "loader.drop_last")  # fmt: skip
 
 
 def resume_changes(saved: TrainConfig, now: TrainConfig) -> list[str]:
@@ -365,6 +373,19 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
     if isinstance(value, str) or not all(isinstance(v, str) for v in value or ()):
         raise KilnError(f'{where}: expected a list of names, e.g. ["LayerNorm"].')
     return tuple(value)
+
+
+def _check_schedule(schedule: Any, warmup: Any) -> None:
+    """A named schedule, or a user's scheduler (module:fn) with its warm-up built in."""
+    if not isinstance(schedule, str) or (":" not in schedule and schedule not in LR_SCHEDULES):
+        raise KilnError(f"lr_schedule '{schedule}': use one of {', '.join(LR_SCHEDULES)}, "
+                        "or module:fn, a function of the optimizer returning an "
+                        "LRScheduler.")  # fmt: skip
+    _at_least(warmup, 0, "warmup")
+    if ":" in schedule and warmup:
+        raise KilnError(f"warmup {warmup} with lr_schedule {schedule}: a scheduler of your own "
+                        "does its own warm-up (e.g. torch's LinearLR in a SequentialLR); set "
+                        "warmup 0.")  # fmt: skip
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], name: str) -> None:

@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from kiln.errors import KilnError
-from kiln.train import memory
+from kiln.train import memory, schedule
 from kiln.train.config import TrainConfig
 from kiln.train.export import check_outputs, write
+from kiln.train.metrics_log import MetricsLog
 from kiln.train.phases import phase
 from kiln.train.prepared import Prepared, batches, prepare
 from kiln.train.usercode import checked_loss, defined_at, theirs
@@ -45,6 +46,7 @@ CHECKPOINT_EVERY = 50  # optimizer steps between checkpoints, when a directory i
 DEFAULT_LR = 1e-3
 DEFAULT_WEIGHT_DECAY = 0.01
 WEIGHTS = "_weights"  # rank 0's record key for the trained weights (taken out by fit)
+BEST = "best"  # the checkpoint directory's subdirectory for the lowest validation loss's step
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Run:
     validate: bool = True
     save: str | None = None  # the trained weights (a plain state_dict) are written here
     export: str | None = None  # the trained model as .onnx or .pt2
+    val_every: int | str | None = None  # validate every N optimizer steps, or "epoch"
+    early_stop: int | None = None  # stop after this many validations without a lower loss
+    metrics: str | None = None  # the directory of metrics.jsonl (and TensorBoard's events)
     # `model` is the caller's module sent to ranks in other processes: each rank trains a
     # copy of its own and rank 0 sends the trained weights back (see fit).
     replica: bool = False
@@ -89,6 +94,9 @@ def fit(
     validate: bool = True,
     save: str | Path | None = None,
     export: str | Path | None = None,
+    val_every: int | str | None = None,
+    early_stop: int | None = None,
+    metrics: str | Path | None = None,
     progress: Progress | None = None,
     nnodes: str = "1",
     rdzv_endpoint: str | None = None,
@@ -104,6 +112,13 @@ def fit(
     one batch of the training inputs with a dynamic batch dim; a `checkpoint` directory
     loads into a fresh module with `kiln.train.load(directory, module)`.
 
+    `val_every` validates on the data's "val" set every N optimizer steps, or each epoch
+    ("epoch"), during training; with a `checkpoint` directory the step of the lowest
+    validation loss is kept in its `best/`, and `early_stop` stops the run after that many
+    validations in a row without a lower loss. `metrics` is a directory the run writes its
+    metrics into as they happen (kiln.train.metrics_log: metrics.jsonl, and TensorBoard's
+    event files where tensorboard is installed).
+
     `resume` goes on from the newest checkpoint in `checkpoint` as the run that wrote it
     would have (the same samples, dropout and augmentation draws), under the config it was
     made with: one that changes the data order or the math (config.RESUME_KEEPS) is refused
@@ -117,7 +132,11 @@ def fit(
     run = Run(model, data, loss, optimizer, config.to_json(), steps, epochs, seconds,
               str(checkpoint) if checkpoint else None, resume, checkpoint_every,
               str(profile) if profile else None, validate,
-              str(save) if save else None, str(export) if export else None)  # fmt: skip
+              str(save) if save else None, str(export) if export else None,
+              val_every=val_every, early_stop=early_stop,
+              metrics=str(metrics) if metrics else None)  # fmt: skip
+    _check_validation(val_every, early_stop)
+    schedule.check_length(config, steps or epochs)
     check_outputs(save, export)  # before training, not after it
     if resume and not checkpoint:
         raise KilnError("--resume continues from a checkpoint directory: give --checkpoint DIR.")
@@ -180,7 +199,8 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     ({"loss", "accuracy"}), scale (events, skipped, final), step_seconds (since the loop began,
     at each step), peak_mib {rank: MiB} (the process's resident peak) and train_peak_mib (the
     part above what was resident when the loop began: activations, gradients, optimizer
-    state), checkpoint."""
+    state), checkpoint, validations (each {step, loss, accuracy}: with `val_every`), best
+    ({step, loss, checkpoint} of the lowest validation loss) and stopped_early."""
     config = TrainConfig.from_json(run.config)
     module = _model(run.model)
     if run.replica:
@@ -198,12 +218,19 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
     # FSDP2 shards the module in place: an export traces a plain copy taken before.
     template = copy.deepcopy(module) if run.export and config.parallel.strategy == "fsdp2" else None
     prepared = prepare(module, run.optimizer or adamw, config, loss_fn=loss_fn, example=inputs)
-    start_step, seen = _resume(run, prepared)
     loader = prepared.loader(train)
     total = _total_steps(run, len(loader), config)
+    if schedule.needs_length(config):
+        prepared.schedule(total)  # the decay spreads over the run's steps
+    start_step, seen, extra = _resume(run, prepared)  # the scheduler exists: restored too
+    watch = _Watch.made(run, prepared, val, len(loader), start_step, extra)
     memory.reset_peak()
     resident = memory.resident_mib()  # model, data and runtime: what training adds is above
-    record = _loop(run, prepared, loader, loss_fn, (start_step, seen), total, progress)
+    try:
+        record = _loop(run, prepared, loader, loss_fn, (start_step, seen), total, progress,
+                       watch)  # fmt: skip
+    finally:
+        watch.close()
     peak = memory.peak_mib()
     record["peak_mib"] = {str(prepared.dist.rank): peak}
     record["train_peak_mib"] = {str(prepared.dist.rank): max(0.0, peak - resident)}
@@ -231,9 +258,10 @@ def train_rank(run: Run, progress: Progress | None = None) -> dict[str, Any]:
 
 
 def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[int, int],
-          total: int | None, progress: Progress | None) -> dict[str, Any]:  # fmt: skip
+          total: int | None, progress: Progress | None,
+          watch: _Watch) -> dict[str, Any]:  # fmt: skip
     """Optimizer steps from `begin` (the step and the samples taken before it, over all
-    ranks) until `_stop`; the record of this run."""
+    ranks) until `_stop` or `watch` stops it early; the record of this run."""
     config, dist = prepared.config, prepared.dist
     start, seen = begin
     if total is not None and start >= total:  # --epochs; --steps is checked before the ranks
@@ -248,6 +276,7 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
     times: list[float] = []  # seconds since the loop started, at each optimizer step
     deadline = time.monotonic() + run.seconds if run.seconds else None
     step, started, saved, saved_at = start, time.perf_counter(), None, start
+    watch.clock = started
     micro_losses: list[float] = []
     while not _stop(step, total, deadline, dist):
         with phase("data"), theirs("loading a training batch", run.data):
@@ -264,17 +293,23 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
         _check_loss(mean, step, start, prepared)
         losses.append(mean)
         times.append(time.perf_counter() - started)
+        samples = seen + (step - start) * config.global_batch
+        watch.log_step(step, mean, prepared, times[-1])
+        stopping = watch.due(step) and watch.validate(run, prepared, loss_fn, step, samples)
         if run.checkpoint and step % run.checkpoint_every == 0:
-            samples = seen + (step - start) * config.global_batch
-            saved, saved_at = _save(run, prepared, step, samples), step
+            saved, saved_at = _save(run, prepared, step, samples, watch.state()), step
         if progress is not None and dist.rank == 0:  # one report for the job
             elapsed = time.perf_counter() - started
             progress({"step": step, "steps": total, "loss": mean, "seconds": elapsed,
                       "samples_per_s": (step - start) * config.global_batch / elapsed,
                       "loss_scale": prepared.loss_scale})  # fmt: skip
+        if stopping:  # every rank agrees: the validation loss is the same on all of them
+            break
+        watch.clock = time.perf_counter()  # the next step's samples/s leaves out the above
     seconds = time.perf_counter() - started
     if run.checkpoint and step > saved_at:  # the last step, unless just saved
-        saved = _save(run, prepared, step, seen + (step - start) * config.global_batch)
+        saved = _save(run, prepared, step, seen + (step - start) * config.global_batch,
+                      watch.state())  # fmt: skip
     done = step - start
     return {
         "config": config.to_json(),
@@ -293,8 +328,96 @@ def _loop(run: Run, prepared: Prepared, loader: Any, loss_fn: Any, begin: tuple[
             "final": prepared.loss_scale,
         },  # fmt: skip
         "checkpoint": str(saved) if saved else None,
+        **watch.record(),
         **_made_with(dist),
     }
+
+
+@dataclass
+class _Watch:
+    """Between optimizer steps: the metrics log (on the rank that has the losses), the
+    validations every `every` steps, the lowest validation loss so far and its checkpoint,
+    and early stopping after `patience` validations in a row without a lower loss."""
+
+    val: Any = None
+    every: int | None = None
+    patience: int | None = None
+    log: MetricsLog | None = None
+    best: float = math.inf
+    best_step: int | None = None
+    best_checkpoint: str | None = None
+    since: int = 0  # validations since the loss was last lower
+    results: list[dict[str, Any]] = field(default_factory=list)
+    stopped: bool = False
+    clock: float = field(default_factory=time.perf_counter)  # when this step began
+
+    @classmethod
+    def made(cls, run: Run, prepared: Prepared, val: Any, batches_per_epoch: int, start: int,
+             extra: dict[str, Any]) -> _Watch:  # fmt: skip
+        """For this run; a resumed one goes on from the checkpoint's `extra` (its best)."""
+        every = run.val_every
+        if every is not None and val is None:
+            raise KilnError("--val-every: the data has no validation set; return "
+                            '{"train": ..., "val": ...} from the data function.')  # fmt: skip
+        if every == "epoch":  # one pass over this rank's share of the training data
+            every = max(1, batches_per_epoch // prepared.config.accumulation)
+        dist = prepared.dist
+        writer = dist.world - 1 if prepared.pipeline is not None else 0  # the last stage's
+        log = MetricsLog(run.metrics, start) if run.metrics and dist.rank == writer else None
+        kept = extra.get("validation") or {}
+        return cls(val, every, run.early_stop, log, kept.get("best", math.inf),
+                   kept.get("best_step"), kept.get("best_checkpoint"),
+                   kept.get("since", 0))  # fmt: skip
+
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0
+
+    def log_step(self, step: int, loss: float, prepared: Prepared, seconds: float) -> None:
+        """The step's line: its samples/s is over its own time (loading, forward, backward,
+        optimizer), without the validation or checkpoint that may follow a step."""
+        if self.log is None:
+            return
+        took = time.perf_counter() - self.clock
+        rate = prepared.config.global_batch / took if took > 0 else 0.0
+        self.log.step(step, loss, prepared.lr, prepared.grad_norm, rate, seconds)
+
+    def validate(self, run: Run, prepared: Prepared, loss_fn: Any, step: int,
+                 samples: int) -> bool:  # fmt: skip
+        """Validate now (every rank: FSDP2 and a pipeline need them all); whether to stop."""
+        with theirs("validation", prepared.model, run.model, self.val, run.data):
+            result = _validate(prepared, self.val, loss_fn)
+        if prepared.dist.world > 1:  # a pipeline's figure is on its last stage only
+            result = next((r for r in reversed(prepared.gather(result)) if r), None)
+        if result is None:  # no whole micro-batch of validation data
+            return False
+        lower = result["loss"] < self.best
+        if lower:
+            self.best, self.best_step, self.since = result["loss"], step, 0
+            if run.checkpoint:
+                self.best_checkpoint = str(Path(run.checkpoint) / BEST / f"step-{step:08d}")
+                _save(run, prepared, step, samples, self.state(), best=True)
+        else:
+            self.since += 1
+        self.results.append({"step": step, **result})
+        if self.log is not None:
+            self.log.validation(step, result, lower)
+        self.stopped = self.patience is not None and self.since >= self.patience
+        return self.stopped
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so that a resumed run compares with the same best."""
+        return {"best": self.best, "best_step": self.best_step,
+                "best_checkpoint": self.best_checkpoint, "since": self.since}  # fmt: skip
+
+    def record(self) -> dict[str, Any]:
+        best = None
+        if self.best_step is not None:
+            best = {"step": self.best_step, "loss": self.best, "checkpoint": self.best_checkpoint}
+        return {"validations": self.results, "best": best, "stopped_early": self.stopped}
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
 
 
 def _made_with(dist: Any) -> dict[str, Any]:
@@ -524,6 +647,19 @@ def _check_counts(flag: str, value: float, checkpoint_every: int) -> None:
         raise KilnError(f"--checkpoint-every {checkpoint_every}: use at least 1.")
 
 
+def _check_validation(val_every: int | str | None, early_stop: int | None) -> None:
+    steps = isinstance(val_every, int) and not isinstance(val_every, bool) and val_every >= 1
+    if val_every not in (None, "epoch") and not steps:
+        raise KilnError(f"--val-every {val_every}: give a number of optimizer steps ≥ 1, or "
+                        "epoch.")  # fmt: skip
+    if early_stop is not None:
+        if not isinstance(early_stop, int) or early_stop < 1:
+            raise KilnError(f"--early-stop {early_stop}: give a number of validations ≥ 1.")
+        if val_every is None:
+            raise KilnError("--early-stop counts validations: give --val-every N (optimizer "
+                            "steps) or --val-every epoch.")  # fmt: skip
+
+
 def _check_resume(directory: str, config: TrainConfig, steps: int | None, allow: bool) -> None:
     """Before any rank starts, from the newest checkpoint's record: refuse a resume with
     nothing left to train, or under a config that changes the data order or the math
@@ -545,11 +681,12 @@ def _check_resume(directory: str, config: TrainConfig, steps: int | None, allow:
                         "or add --allow-config-change to go on anyway.")  # fmt: skip
 
 
-def _resume(run: Run, prepared: Prepared) -> tuple[int, int]:
-    """(step, samples taken over all ranks) of the checkpoint resumed from, its weights,
-    optimizer, scaler and this rank's random generators restored; (0, 0) for a fresh run."""
+def _resume(run: Run, prepared: Prepared) -> tuple[int, int, dict[str, Any]]:
+    """(step, samples taken over all ranks, its extra) of the checkpoint resumed from, its
+    weights, optimizer, scaler, LR scheduler and this rank's random generators restored;
+    (0, 0, {}) for a fresh run."""
     if not (run.resume and run.checkpoint):
-        return 0, 0
+        return 0, 0, {}
     from kiln.train import checkpoint
 
     found = checkpoint.latest(run.checkpoint)
@@ -561,20 +698,24 @@ def _resume(run: Run, prepared: Prepared) -> tuple[int, int]:
     # Another number of ranks draws other numbers anyway: their generators stay as seeded.
     if len(ranks) == prepared.dist.world:
         checkpoint.set_rng_state(ranks[prepared.dist.rank])
-    return step, int(extra.get("samples", step * prepared.config.global_batch))
+    return step, int(extra.get("samples", step * prepared.config.global_batch)), extra
 
 
-def _save(run: Run, prepared: Prepared, step: int, samples: int) -> Path:
+def _save(run: Run, prepared: Prepared, step: int, samples: int,
+          validation: dict[str, Any] | None = None, best: bool = False) -> Path:  # fmt: skip
     """A checkpoint at `step`, after `samples` samples over all ranks: with the weights and
     optimizer, what a resumed run needs to go on as this one would have — the scaler, the
-    data position and every rank's random generators (dropout, a dataset's own draws)."""
+    data position, every rank's random generators (dropout, a dataset's own draws) and the
+    `validation` state (the best loss so far). `best`: the one checkpoint in `BEST`."""
     from kiln.train import checkpoint
 
     assert run.checkpoint is not None
-    extra = {**prepared.state(), "samples": samples,
+    extra = {**prepared.state(), "samples": samples, "validation": validation or {},
              "ranks": checkpoint.rank_states(checkpoint.rng_state())}  # fmt: skip
-    return checkpoint.save(run.checkpoint, step, prepared.model, prepared.optimizer, extra,
-                           config=prepared.config.to_json())  # fmt: skip
+    directory = Path(run.checkpoint) / BEST if best else run.checkpoint
+    return checkpoint.save(directory, step, prepared.model, prepared.optimizer, extra,
+                           config=prepared.config.to_json(),
+                           keep=1 if best else checkpoint.KEEP)  # fmt: skip
 
 
 def _replicas(config: TrainConfig) -> int:

@@ -117,6 +117,42 @@ def teardown() -> None:
     _made_group = False
 
 
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def reduce(value: float | torch.Tensor, op: str, dist: Dist) -> Any:
+    """`value` (a number, or a tensor of one shape on every rank) combined over the ranks —
+    sum, mean, max or min — on every rank; a number comes back a float, a tensor a tensor
+    on its own device. Every rank must call it."""
+    if op not in _REDUCE_OPS:
+        raise KilnError(f"reduce op '{op}': use one of {', '.join(_REDUCE_OPS)}.")
+    number = not isinstance(value, torch.Tensor)
+    tensor = torch.as_tensor(value, dtype=torch.float64 if number else None)
+    home = tensor.device
+    if dist.world > 1:  # NCCL reduces on this rank's GPU, gloo on the CPU
+        tensor = tensor.detach().to(dist.device, copy=True)
+        torch_dist.all_reduce(tensor, getattr(torch_dist.ReduceOp, _REDUCE_OPS[op]))
+    if op == "mean":
+        tensor = tensor / dist.world
+    return float(tensor) if number else tensor.to(home)
+
+
+def gather(value: Any, dist: Dist) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank: a tensor of one shape on every
+    rank is gathered as tensors (on its own device), anything else that pickles as objects.
+    Every rank must call it."""
+    if dist.world == 1:
+        return [value]
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to(dist.device).contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(dist.world)]
+        torch_dist.all_gather(parts, tensor)
+        return [part.to(value.device) for part in parts]
+    found: list[Any] = [None] * dist.world
+    torch_dist.all_gather_object(found, value)
+    return found
+
+
 def _release_reducers() -> None:
     """Free each DDP model's C++ reducer (and the logger that shares it) now, while the
     process group is still held elsewhere. Otherwise the reducer is the group's last owner,

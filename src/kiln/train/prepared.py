@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kiln.errors import KilnError
-from kiln.train import memory, parallel, precision
+from kiln.train import memory, parallel, precision, schedule
 from kiln.train.config import TrainConfig
 from kiln.train.phases import phase
 
@@ -69,6 +69,9 @@ class Prepared:
     steps: int = 0  # optimizer steps taken
     skipped: int = 0  # optimizer steps skipped on overflow
     scale_events: list[ScaleEvent] = field(default_factory=list)
+    scheduler: Any = None  # the LR scheduler step() steps (kiln.train.schedule), or None
+    lr: float | None = None  # the learning rate the last optimizer step took (first group's)
+    _grad_norm: torch.Tensor | None = None  # of the last step's gradients, before clipping
     _micro: int = 0  # backward calls since the last optimizer step
     _wrapped: nn.Module | None = None  # the DDP/FSDP2 module under torch.compile
     _user: nn.Module | None = None  # the module as the user gave it (unwrap)
@@ -93,18 +96,25 @@ class Prepared:
         self._sync(self._micro + 1 >= self.config.accumulation)
 
     def step(self) -> bool:
-        """The optimizer step, once every `accumulation` backward calls: unscale, clip,
-        skip on overflow, update the scale, zero the gradients. Whether it stepped."""
+        """The optimizer step, once every `accumulation` backward calls: unscale, clip (the
+        gradient norm is kept: `grad_norm`), skip on overflow, update the scale, step the LR
+        scheduler, zero the gradients. Whether it stepped."""
         if self._micro < self.config.accumulation:
             return False
+        if self.scheduler is None and schedule.needs_length(self.config):
+            raise KilnError(f"lr_schedule {self.config.lr_schedule} decays over the run's "
+                            "steps: pass prepare(..., steps=N), or call prepared.schedule(N) "
+                            "before the first step.")  # fmt: skip
         self._micro = 0
-        if self.config.clip_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+        # The scaler's step unscales anyway; doing it first makes the norm the true one.
+        self.scaler.unscale_(self.optimizer)
+        self._grad_norm = self._norm()
         before = self.loss_scale
+        self.lr = float(self.optimizer.param_groups[0]["lr"])
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.config.set_to_none)
         self._sync(self.config.accumulation == 1)
         return self._account(before)
@@ -131,6 +141,28 @@ class Prepared:
         return loss
 
     @property
+    def grad_norm(self) -> float | None:
+        """The global norm of the last optimizer step's gradients (unscaled, before
+        clipping), over every rank's parameters for ddp and fsdp2 (a pipeline rank's: its
+        stage's); None before the first step. Reading it waits for the GPU."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def schedule(self, steps: int | None) -> None:
+        """Build the LR scheduler of `config.lr_schedule` and `warmup` for a run of `steps`
+        optimizer steps (a decaying schedule needs them; `prepare(..., steps=N)` does this)."""
+        self.scheduler = schedule.scheduler(self.optimizer, self.config, steps)
+
+    def reduce(self, value: float | torch.Tensor, op: str = "mean") -> Any:
+        """A metric combined over the ranks (sum, mean, max or min), on every rank: a
+        number as a float, a tensor as a tensor. Every rank must call it."""
+        return parallel.reduce(value, op, self.dist)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` in rank order, on every rank (tensors of one shape as
+        tensors, anything else that pickles as objects). Every rank must call it."""
+        return parallel.gather(value, self.dist)
+
+    @property
     def loss_scale(self) -> float | None:
         """The fp16 loss scale now (None where there is none: fp32, bf16)."""
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None
@@ -144,8 +176,10 @@ class Prepared:
         return make_loader(dataset, self.config, self.dist, **overrides)
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps besides the weights: steps and the loss scaler."""
-        return {"steps": self.steps, "skipped": self.skipped,
+        """What a checkpoint keeps besides the weights: steps, the loss scaler and the LR
+        scheduler."""
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else {}
+        return {"steps": self.steps, "skipped": self.skipped, "scheduler": scheduler,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}}  # fmt: skip
 
     def unwrap(self) -> nn.Module:
@@ -178,6 +212,8 @@ class Prepared:
         self.steps, self.skipped = int(state.get("steps", 0)), int(state.get("skipped", 0))
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler"):
+            schedule.restore(self.scheduler, state["scheduler"], self.optimizer)
 
     # ---------------------------------------------------------------- inside
 
@@ -189,6 +225,17 @@ class Prepared:
             module.require_backward_grad_sync = enabled
         elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
             module.set_requires_gradient_sync(enabled)
+
+    def _norm(self) -> torch.Tensor:
+        """The gradients' global norm, clipped to `clip_grad_norm` where set (clipping
+        computes it: no second pass). A tensor: no wait for the GPU here."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.config.clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        # FSDP2: the shards' norms combined here, on every rank (reading it is then local).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _account(self, before: float | None) -> bool:
         after = self.loss_scale
@@ -209,11 +256,13 @@ def prepare(
     *,
     loss_fn: Loss | None = None,
     example: Any = None,
+    steps: int | None = None,
 ) -> Prepared:
     """`model` and `optimizer` made ready for `config` (default TrainConfig()): joined to the
     ranks torchrun started, fp32 modules pinned, blocks checkpointed, wrapped for DDP/FSDP2
     or split into this rank's pipeline stage, compiled. A pipeline needs `loss_fn` and an
-    `example` micro-batch input (the stages are traced on it)."""
+    `example` micro-batch input (the stages are traced on it). `steps`: the optimizer steps
+    the run will take, which a decaying `lr_schedule` spreads its decay over."""
     config = parallel.launched(config or TrainConfig())
     _check_model(model)
     dist = parallel.setup(config)
@@ -252,6 +301,8 @@ def prepare(
     prepared = Prepared(model, optimizer, config, dist, scaler, [n for n, _ in blocks], kept,
                         runner, _wrapped=wrapped, _user=user)  # fmt: skip
     prepared._sync(config.accumulation == 1)
+    if steps is not None or not schedule.needs_length(config):
+        prepared.schedule(steps)  # else fit (or the user) gives the length once it is known
     return prepared
 
 
