@@ -57,12 +57,14 @@ from kiln.serve.protocol import (
 )
 from kiln.serve.server import bind, resolve
 from kiln.serve.service import (
+    INLINE_BYTES,
     Refused,
     check_load_parameters,
     check_unload_parameters,
     infer,
     repository_change,
     server_metadata,
+    small_answer,
     status_of,
 )
 
@@ -384,12 +386,27 @@ class InferenceServicer:
                 return request  # gRPC has read and parsed the message already
 
             async def decode(received: Message) -> InferRequest:
+                if _raw_and_small(received):
+                    return decode_request(received)
                 return await asyncio.to_thread(decode_request, received)
 
             async def encode(decoded: InferRequest, outputs: dict[str, np.ndarray]) -> Message:
+                if small_answer(outputs, decoded.outputs or dict.fromkeys(outputs, True)):
+                    return encode_response(served, decoded, outputs)
                 return await asyncio.to_thread(encode_response, served, decoded, outputs)
 
             return await infer(served, read, decode, encode)
+
+
+def _raw_and_small(request: Message) -> bool:
+    """Whether decoding `request` is cheap enough for the event loop (service.INLINE_BYTES):
+    every tensor raw (a view of the message's bytes) and none of them BYTES elements."""
+    raw = request.raw_input_contents
+    return (
+        len(raw) == len(request.inputs)
+        and sum(map(len, raw)) <= INLINE_BYTES
+        and all(tensor.datatype != BYTES for tensor in request.inputs)
+    )
 
 
 class Oversized:
