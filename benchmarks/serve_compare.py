@@ -33,9 +33,12 @@ Lone requests (one client, after the throughput blocks), interleaved in blocks o
 `--lone-runs` over `--lone-rounds` rounds (kiln.timing.interleave): in-process
 `kiln.Session(artifact).run(None, feeds)`, `kiln serve` HTTP and gRPC on the artifact, the
 null twin in-process and over HTTP and gRPC, and `GET v2/health/ready` (the bare loopback
-round trip). The protocol's cost is null-over-protocol P50 − null-in-process P50; the check
-is `serve P50 / (Session.run P50 + that cost)` within 5 % (0.95–1.05), with the range of the
-per-round ratios. Prints the command, CPU, versions and every figure; writes JSON (`--json`).
+round trip), and Triton over HTTP and gRPC on the same model where it runs (kiln serve's lone
+P50 over Triton's, and the median and range of the per-round ratios). The protocol's cost is
+null-over-protocol P50 − null-in-process P50; the check is `serve P50 / (Session.run P50 +
+that cost)` within 5 % (0.95–1.05), with the range of the per-round ratios. Prints the
+command, CPU, versions and every figure; writes JSON to `--json`, by default
+benchmarks/results/serve_compare/<date>-<cpu class>-<commit>.json.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import onnx
 import onnxruntime
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+from _machine import machine  # benchmarks/ is the script's own directory
 from onnx import helper, numpy_helper
 from tritonclient.utils import np_to_triton_dtype
 
@@ -67,7 +71,7 @@ import kiln
 from kiln.deploy import export_triton, local_triton
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
-from kiln.timing import interleave, round_p50_ms
+from kiln.timing import interleave, round_p50_ms, round_ratios
 
 Feeds = dict[str, np.ndarray]
 SERVERS = ("kiln-http", "kiln-grpc", "triton-http", "triton-grpc")
@@ -77,6 +81,7 @@ WITHIN = 0.05
 # Triton's Python environment, where tests/test_triton_server.py keeps it (pytest's cache, as
 # it names it) under the same key: whichever runs first builds it for both.
 TRITON_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "d" / "kiln-triton"
+RESULTS = Path(__file__).resolve().parent / "results" / "serve_compare"
 
 
 # ---------------------------------------------------------------- clients
@@ -364,10 +369,14 @@ def kiln_over_triton(blocks: dict[tuple, list[dict]]) -> list[dict]:
 # ---------------------------------------------------------------- lone requests
 
 
-def lone(model: Model, kiln_http: Target, kiln_grpc: Target, rounds: int, runs: int) -> dict:
-    """One client, nothing else running: Session.run in-process against kiln serve, and the
-    protocol's cost measured on the null twin."""
-    with closing(kiln_http.client()) as http, closing(kiln_grpc.client()) as grpc:
+def lone(model: Model, targets: list[Target], rounds: int, runs: int) -> dict:
+    """One client, nothing else running: Session.run in-process against kiln serve, the
+    protocol's cost measured on the null twin, and Triton on the same model where it runs."""
+    kiln_http, kiln_grpc = targets[0], targets[1]
+    with ExitStack() as clients:
+        http, grpc = (clients.enter_context(closing(t.client())) for t in targets[:2])
+        triton = {t.name.replace("-", "_"): (t, clients.enter_context(closing(t.client())))
+                  for t in targets[2:]}  # fmt: skip
         runners = {
             "session": lambda: model.session.run(None, model.feeds),
             "serve_http": lambda: kiln_http.infer(http, model.name, model.feeds),
@@ -377,6 +386,8 @@ def lone(model: Model, kiln_http: Target, kiln_grpc: Target, rounds: int, runs: 
             "null_grpc": lambda: kiln_grpc.infer(grpc, model.null_name, model.feeds),
             "health_http": http.is_server_ready,
         }
+        for name, (target, client) in triton.items():
+            runners[name] = _infer_runner(target, client, model)
         samples = interleave(runners, rounds=rounds, runs=runs, warmup=5)
     p50 = {name: round_p50_ms(rounds_) for name, rounds_ in samples.items()}
     out: dict = {"p50_ms": p50, "runs": runs, "rounds": rounds}
@@ -393,7 +404,25 @@ def lone(model: Model, kiln_http: Target, kiln_grpc: Target, rounds: int, runs: 
             "ratio_rounds": [min(per_round), max(per_round)],
             "within_5pct": abs(ratio - 1) <= WITHIN,
         }
+        if f"triton_{protocol}" in samples:
+            out[protocol]["over_triton"] = _over(
+                samples[f"serve_{protocol}"], samples[f"triton_{protocol}"]
+            )
     return out
+
+
+def _infer_runner(target: Target, client, model: Model):
+    return lambda: target.infer(client, model.name, model.feeds)
+
+
+def _over(kiln_rounds: list[list[float]], triton_rounds: list[list[float]]) -> dict:
+    """kiln serve's lone P50 over Triton's: the ratio of the round-median P50s, and the
+    median and range of the per-round ratios (each round ran both side by side)."""
+    per_round = round_ratios(kiln_rounds, triton_rounds)  # P50(kiln) / P50(Triton) per round
+    return {
+        "ratio": round_p50_ms(kiln_rounds) / round_p50_ms(triton_rounds),
+        "rounds": spread(per_round),
+    }
 
 
 def _median(seconds: list[float]) -> float:
@@ -420,7 +449,7 @@ def print_cells(table: list[dict], ratios: list[dict]) -> None:
         r = row["throughput_ratio"]
         print(
             f"kiln/triton throughput, {row['model']}, {row['clients']} clients, "
-            f"{row['protocol']}: {r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f})"
+            f"{row['protocol']}: {r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f})  [{cpu_line()}]"
         )
 
 
@@ -439,6 +468,12 @@ def print_lone(name: str, figures: dict) -> None:
             f"{f['cost_ms']:.3f} (null twin {p50[f'null_{protocol}']:.3f}); serve / (Session.run "
             f"+ cost) = {f['ratio']:.3f} (rounds {low:.3f}–{high:.3f}): {verdict} 5 %"
         )
+        if "over_triton" in f:
+            t = f["over_triton"]
+            rounds = t["rounds"]
+            print(f"  kiln serve {protocol} / Triton {protocol} (lone P50): {t['ratio']:.2f}× "
+                  f"(rounds {rounds['median']:.2f}, {rounds['min']:.2f}–{rounds['max']:.2f}); "
+                  f"Triton {p50[f'triton_{protocol}']:.3f} ms  [{cpu_line()}]")  # fmt: skip
 
 
 # ---------------------------------------------------------------- main
@@ -457,19 +492,42 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--lone-rounds", type=int, default=5)
     parser.add_argument("--lone-runs", type=int, default=20)
     parser.add_argument("--no-triton", action="store_true")
-    parser.add_argument(
-        "--lone-only", action="store_true", help="only the lone-request rounds (no Triton)"
-    )
+    parser.add_argument("--lone-only", action="store_true", help="only the lone-request rounds")
     parser.add_argument(
         "--work",
         default=None,
         help="keep the artifacts built, null twins, "
         "Triton repository and logs here (default: a temporary directory)",
     )
-    parser.add_argument("--json", default="results/serve_compare.json")
+    parser.add_argument(
+        "--json", default=None, help=f"where to write (default: {RESULTS}/DATE-CPU-COMMIT.json)"
+    )
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     return args
+
+
+def results_path() -> Path:
+    """The suite's file name: RESULTS/<date>-<cpu class>-<commit>.json."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=RESULTS.parent.parent,
+    ).stdout.strip()
+    return RESULTS / f"{time.strftime('%Y-%m-%d')}-{cpu_class()}-{commit or 'nocommit'}.json"
+
+
+def cpu_class() -> str:
+    """The CPU's vendor line and widest ISA, e.g. amd-epyc-avx512bf16: the engines' ranking
+    moves with it, so results are filed under it."""
+    cpu = cpu_info()
+    words = [w for w in cpu.model.lower().replace("(r)", "").split() if w.isalpha()][:2]
+    isa = next((f for f in ISA_CLASSES if f in cpu.features), cpu.machine)
+    return "-".join([*words, isa.replace("_", "")])
+
+
+ISA_CLASSES = ("amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
 def workdir(given: str | None):
@@ -479,12 +537,17 @@ def workdir(given: str | None):
     return nullcontext(given)
 
 
+def cpu_line() -> str:
+    """The CPU as `kiln doctor` names it, printed beside every ratio: rankings move with it."""
+    cpu = cpu_info()
+    return f"{cpu.model}, {cpu.logical_cores} cores"
+
+
 def header() -> dict:
     cpu = cpu_info()
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpu": cpu.model, "cores": cpu.logical_cores, "features": cpu.features,
-                    "platform": platform.platform()},  # fmt: skip
+        "machine": machine(),
         "versions": {"kiln": kiln.__version__, "onnxruntime": onnxruntime.__version__,
                      "tritonclient": metadata.version("tritonclient"),
                      "grpcio": metadata.version("grpcio"), "python": platform.python_version()},
@@ -511,9 +574,7 @@ def main() -> None:
         proc = stack.enter_context(kiln_serve(sources, log))  # starts while Triton does
         triton: list[Target] = []
         about = {"skipped": "--no-triton"}
-        if args.lone_only:
-            about = {"skipped": "--lone-only"}
-        elif not args.no_triton:
+        if not args.no_triton:
             triton, about = start_triton(stack, models, work)
         targets = kiln_targets(proc, log) + triton
         if "skipped" in about:
@@ -547,13 +608,13 @@ def main() -> None:
         })  # fmt: skip
         print_cells(result["cells"], result["kiln_over_triton"])
         for model in models:
-            figures = lone(model, targets[0], targets[1], args.lone_rounds, args.lone_runs)
+            figures = lone(model, targets, args.lone_rounds, args.lone_runs)
             result["lone"][model.name] = figures
             print_lone(model.name, figures)
         for model in models:
             model.session.close()
             model.null_session.close()
-    out = Path(args.json)
+    out = Path(args.json) if args.json else results_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
