@@ -19,9 +19,11 @@ pipeline runs forward and backward together: `prepared.train_step(x, y, loss_fn)
 every strategy and is what `kiln.train.fit` uses.
 
 The optimizer may be an instance or a function of the parameters. Where the parameters change
-(FSDP2 shards them into DTensors; a pipeline rank holds only its stage) an instance is rebuilt
-with its class, hyperparameters and parameter groups (matched by parameter name), as
-torchtitan builds optimizers after sharding.
+(FSDP2 shards them into DTensors; a pipeline rank holds only its stage), or the config chooses
+its implementation (foreach, fused), an instance is remade by its own constructor (the
+arguments it takes, from its hyperparameters) over the new parameters, with its parameter
+groups (matched by parameter name) and state, as torchtitan builds optimizers after sharding;
+the object stays the caller's, so an LR scheduler made on it still drives it.
 """
 
 from __future__ import annotations
@@ -259,10 +261,12 @@ def prepare(
     steps: int | None = None,
 ) -> Prepared:
     """`model` and `optimizer` made ready for `config` (default TrainConfig()): joined to the
-    ranks torchrun started, fp32 modules pinned, blocks checkpointed, wrapped for DDP/FSDP2
-    or split into this rank's pipeline stage, compiled. A pipeline needs `loss_fn` and an
-    `example` micro-batch input (the stages are traced on it). `steps`: the optimizer steps
-    the run will take, which a decaying `lr_schedule` spreads its decay over."""
+    ranks torchrun started (a config that names no ranks takes torchrun's world, and without
+    a strategy trains ddp: see parallel.launched), fp32 modules pinned, blocks checkpointed,
+    wrapped for DDP/FSDP2 or split into this rank's pipeline stage, compiled. A pipeline
+    needs `loss_fn` and an `example` micro-batch input (the stages are traced on it).
+    `steps`: the optimizer steps the run will take, which a decaying `lr_schedule` spreads
+    its decay over."""
     config = parallel.launched(config or TrainConfig())
     _check_model(model)
     dist = parallel.setup(config)
