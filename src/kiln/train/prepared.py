@@ -401,7 +401,13 @@ def _rebuild(
         if params:
             rebuilt.append({**group, **impl, "params": params})
     fresh = type(optimizer)(rebuilt, **_arguments(optimizer, impl))
-    fresh.state.update(state)
+    if state:
+        # Loaded rather than assigned: each value moves to its parameter's device (the GPU
+        # prepare moved the model to) by torch's own policy, `step` included where fused.
+        order = {id(p): i for i, p in enumerate(p for g in fresh.param_groups for p in g["params"])}
+        saved = fresh.state_dict()
+        saved["state"] = {order[id(param)]: value for param, value in state.items()}
+        fresh.load_state_dict(saved)
     # Hooks registered on the caller's optimizer stay, as does the step wrapper an LR
     # scheduler put on the instance (the fresh one has none of its own).
     vars(optimizer).update({k: v for k, v in vars(fresh).items() if not k.endswith("_hooks")})
