@@ -14,3 +14,9 @@ class ModelError(KilnError):
         super().__init__(f"{problem} {fix}")
         self.problem = problem
         self.fix = fix
+
+
+def a_type(value: object) -> str:
+    """'a list', 'an OrderedDict': the value's type with its article, for messages."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

@@ -512,7 +512,9 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
         rows.append((f"peak RSS (process), rank {rank}", f"{mib:.0f} MiB"))
     scale = result["scale"]
     if scale["final"] is not None:
-        rows.append(("loss scale", f"{scale['final']:g} ({scale['skipped']} steps skipped)"))
+        skipped = scale["skipped"]
+        steps = f"{skipped} step{'s' * (skipped != 1)} skipped"
+        rows.append(("loss scale", f"{scale['final']:g} ({steps})"))
     if result.get("checkpoint"):
         rows.append(("checkpoint", result["checkpoint"]))
     written = result.get("written") or {}

@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from kiln.compress.data import Dataset
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 
 
 def check_data(module: nn.Module, data: object) -> None:
     """`data` is a Dataset whose splits `module` can classify (KilnError otherwise)."""
     if not isinstance(data, Dataset):
         raise KilnError(
-            f"the data loader returned a {type(data).__name__}; expected a "
+            f"the data loader returned {a_type(data)}; expected a "
             "kiln.compress.data.Dataset (train/val/test splits of inputs and labels)."
         )
     for part in ("train", "val", "test"):

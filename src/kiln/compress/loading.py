@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 
 
 def load_callable(spec: str, what: str) -> Callable[[], Any]:
@@ -39,7 +39,7 @@ def call(function: Any, what: str, expected: type, described: str) -> Any:
     something else."""
     name = spec_of(function)
     if not callable(function):
-        raise KilnError(f"{what} is a {type(function).__name__}; expected {described} or a "
+        raise KilnError(f"{what} is {a_type(function)}; expected {described} or a "
                         "function that returns one.")  # fmt: skip
     try:
         signature = inspect.signature(function)
@@ -66,7 +66,7 @@ def call(function: Any, what: str, expected: type, described: str) -> Any:
             f"{frame.lineno}); expected it to return {described}."
         ) from None
     if not isinstance(made, expected):
-        raise KilnError(f"{what} {name} returned a {type(made).__name__}; expected {described}.")
+        raise KilnError(f"{what} {name} returned {a_type(made)}; expected {described}.")
     return made
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import onnx
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 from kiln.frontend.torch_import import require_torch
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -47,7 +47,7 @@ def to_onnx(
         args, kwargs = split_example(example_inputs, what)
     else:
         raise KilnError(
-            f"cannot export a {type(module_or_program).__name__}: give a torch.nn.Module or a "
+            f"cannot export {a_type(module_or_program)}: give a torch.nn.Module or a "
             "torch.export.ExportedProgram."
         )
     with eval_mode(module_or_program), quiet():
@@ -176,7 +176,7 @@ def split_example(example_inputs: Any, what: str) -> tuple[tuple, dict | None]:
     if isinstance(example_inputs, tuple | list):
         return tuple(example_inputs), None
     raise KilnError(
-        f"{what}: example_inputs is a {type(example_inputs).__name__}; give a tuple of the "
+        f"{what}: example_inputs is {a_type(example_inputs)}; give a tuple of the "
         "module's positional arguments, one tensor, or a dict of keyword arguments."
     )
 

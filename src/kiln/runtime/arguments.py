@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 from kiln.ir.inputs import check_feeds
 from kiln.runtime.metadata import graph_inputs
 
@@ -42,7 +42,7 @@ def checked_feeds(feeds: Any, model: ir.Model, where: str) -> Feeds:
     inputs = graph_inputs(model)
     if not isinstance(feeds, Mapping):
         names = [v.name for v in inputs]
-        got = "None" if feeds is None else f"a {type(feeds).__name__}"
+        got = "None" if feeds is None else a_type(feeds)
         raise KilnError(
             f"{where}: feeds must be a dict of input name -> numpy array, one per input "
             f"{names}, e.g. {{{names[0]!r}: array}}; got {got}."

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 
 if TYPE_CHECKING:
     from kiln.train.prepared import Prepared
@@ -40,7 +40,7 @@ def load(checkpoint: str | os.PathLike, model: nn.Module) -> nn.Module:
     from kiln.train import checkpoint as checkpoints
 
     if not isinstance(model, nn.Module):
-        raise KilnError(f"load: the model is a {type(model).__name__}; expected an nn.Module "
+        raise KilnError(f"load: the model is {a_type(model)}; expected an nn.Module "
                         "built as the trained one was.")  # fmt: skip
     checkpoints.load(checkpoint, model, None)
     return model
@@ -146,7 +146,7 @@ def export_module(module: nn.Module, example: Any, path: Path) -> None:
     from kiln.frontend.export import describe, eval_mode, export_failure, quiet, to_onnx
 
     if not isinstance(example, torch.Tensor):
-        raise KilnError(f"--export {path}: the model's input is a {type(example).__name__}; "
+        raise KilnError(f"--export {path}: the model's input is {a_type(example)}; "
                         "exporting needs a tensor input.")  # fmt: skip
     example = example.cpu()
     if example.shape[0] < 2:  # torch.export specialises a dim of size 1: trace on two

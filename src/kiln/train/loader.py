@@ -21,7 +21,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 from kiln.train.config import TrainConfig
 from kiln.train.parallel import Dist
 
@@ -79,7 +79,7 @@ def make_loader(dataset: Any, config: TrainConfig, dist: Dist, **overrides: Any)
     """See the module docstring; `overrides` go to the DataLoader (e.g. collate_fn)."""
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
         raise KilnError(
-            f"the dataset is a {type(dataset).__name__}; expected a map-style Dataset "
+            f"the dataset is {a_type(dataset)}; expected a map-style Dataset "
             "(__getitem__ and __len__) of (input, target) pairs."
         )
     settings = config.loader

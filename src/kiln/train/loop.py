@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 from kiln.train import memory, schedule
 from kiln.train.config import TrainConfig
 from kiln.train.export import check_outputs, write
@@ -500,11 +500,13 @@ def _check_loss(mean: float, step: int, start: int, prepared: Prepared) -> None:
     if math.isfinite(mean) or (math.isnan(mean) and prepared.pipeline is not None):
         return
     if step == start + 1 or prepared.config.precision != "fp16":
+        fp16 = prepared.config.precision == "fp16"
         raise KilnError(
             f"the loss is {mean} at step {step}{' (the first)' if step == start + 1 else ''}: "
-            "check the loss function, the learning rate and the data (NaN or inf inputs); "
-            "fp16 overflows here would need precision bf16 or a lower loss_scale.initial."
-        )
+            "check the loss function, the learning rate and the data (NaN or inf inputs)"
+            + ("; fp16 overflows here would need precision bf16 or a lower "
+               "loss_scale.initial." if fp16 else ".")
+        )  # fmt: skip
 
 
 def _tail_mean(losses: list[float]) -> float | None:
@@ -547,6 +549,7 @@ def _model(model: Any) -> nn.Module:
 def _datasets(data: Any) -> tuple[Any, Any]:
     from kiln.compress.loading import spec_of
 
+    named = f"{spec_of(data)}'s dataset" if callable(data) else "the dataset"
     if callable(data) and not hasattr(data, "__getitem__"):
         from kiln.compress.loading import call
 
@@ -559,8 +562,9 @@ def _datasets(data: Any) -> tuple[Any, Any]:
         return data["train"], data.get("val")
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
         raise KilnError(
-            f"the dataset {spec_of(data)} is a {type(data).__name__}; expected a map-style "
-            "Dataset (__getitem__, __len__) of (input, target) pairs, or {'train', 'val'}."
+            f"{named} is {a_type(data)}; expected a map-style Dataset (__getitem__, "
+            "__len__) of (input, target) pairs, or {'train', 'val'}: an IterableDataset "
+            "cannot be sharded across ranks, shuffled or resumed at a step."
         )
     return data, None
 
@@ -578,7 +582,7 @@ def _first_sample(dataset: Any) -> Any:
         )
     for part, what in zip(sample, ("input", "target"), strict=True):
         if not isinstance(part, torch.Tensor | int | float):
-            raise KilnError(f"the dataset's {what} is a {type(part).__name__}; expected a "
+            raise KilnError(f"the dataset's {what} is {a_type(part)}; expected a "
                             f"tensor or a number{where}.")  # fmt: skip
     return sample
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -76,10 +77,13 @@ def chosen_blocks(model: nn.Module, policy: Checkpointing) -> list[Block]:
         return _outermost(found)
     blocks = find_blocks(model)
     if not blocks:
+        kinds = sorted({type(m).__name__ for n, m in model.named_children()})
+        example = json.dumps({"checkpointing": {"policy": "selective", "modules": kinds[:1]}})
         raise KilnError(
             f"checkpointing.policy {policy.policy}: the model has no repeated blocks (an "
-            "nn.ModuleList or nn.Sequential of like modules) to checkpoint; use policy "
-            "selective with checkpointing.modules naming the module types to recompute."
+            "nn.ModuleList or nn.Sequential of like modules) to checkpoint; name the module "
+            f"types to recompute (its children: {', '.join(kinds)}) in the TrainConfig, "
+            f"e.g. kiln train … --config '{example}'."
         )
     if policy.policy == "every":
         return blocks[policy.every - 1 :: policy.every]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 from kiln.train.config import TrainConfig
 
 
@@ -80,7 +80,7 @@ def _theirs(optimizer: torch.optim.Optimizer, spec: str) -> LRScheduler:
         made = factory(optimizer)
     # ReduceLROnPlateau steps on a metric, not once per optimizer step.
     if not isinstance(made, LRScheduler) or isinstance(made, ReduceLROnPlateau):
-        raise KilnError(f"lr_schedule {spec} returned a {type(made).__name__}; expected a "
+        raise KilnError(f"lr_schedule {spec} returned {a_type(made)}; expected a "
                         "torch.optim.lr_scheduler scheduler stepped once per optimizer step "
                         "(e.g. LambdaLR, OneCycleLR, SequentialLR).")  # fmt: skip
     return made

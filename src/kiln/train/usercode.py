@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, a_type
 
 _KILN = os.path.join(str(Path(__file__).resolve().parents[1]), "")
 # Files under these are not the user's.
@@ -77,7 +77,7 @@ def checked_loss(loss_fn: Callable[[Any, Any], Any], *code: Any) -> Callable[[An
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return value
         got = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor)
-               else f"a {type(value).__name__}")  # fmt: skip
+               else a_type(value))  # fmt: skip
         where = defined_at(loss_fn)
         raise KilnError(
             f"the loss {name} returned {got}; expected a one-element tensor to run backward "

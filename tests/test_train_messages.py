@@ -1,0 +1,71 @@
+"""What `kiln train` says when the user's setup cannot go on: the words a user acts on."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from kiln.errors import KilnError, a_type  # noqa: E402
+from kiln.train.config import Checkpointing, TrainConfig  # noqa: E402
+from kiln.train.loop import _check_loss, _datasets  # noqa: E402
+from kiln.train.memory import chosen_blocks  # noqa: E402
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(4), 0
+
+
+def streaming() -> Stream:
+    return Stream()
+
+
+class Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_type_takes_its_article() -> None:
+    from collections import OrderedDict
+
+    assert a_type(OrderedDict()) == "an OrderedDict" and a_type([]) == "a list"
+
+
+def test_an_iterable_dataset_is_named_by_the_users_function() -> None:
+    with pytest.raises(KilnError, match=r"test_train_messages:streaming's dataset is a Stream"):
+        _datasets(streaming)
+
+
+def test_checkpointing_without_blocks_says_how_to_name_modules_on_the_command_line() -> None:
+    with pytest.raises(KilnError) as raised:
+        chosen_blocks(Flat(), Checkpointing(policy="full"))
+    config = re.search(r"--config '(.+)'", str(raised.value))
+    assert config, raised.value
+    # the example given is a config kiln train takes, naming a module type the model has
+    chosen = TrainConfig().replace(**json.loads(config.group(1)))
+    assert chosen_blocks(Flat(), chosen.checkpointing)
+
+
+class _Run:
+    pipeline = None
+
+    def __init__(self, precision: str) -> None:
+        self.config = TrainConfig(precision=precision)
+
+
+def test_a_diverged_fp32_loss_gives_no_fp16_advice() -> None:
+    with pytest.raises(KilnError) as fp32:
+        _check_loss(float("nan"), 3, 0, _Run("fp32"))
+    assert "fp16" not in str(fp32.value) and "learning rate" in str(fp32.value)
+    with pytest.raises(KilnError, match="loss_scale.initial"):
+        _check_loss(float("inf"), 1, 0, _Run("fp16"))
