@@ -36,7 +36,10 @@ def test_tails_are_per_window_not_one_runs_tail():
 @pytest.mark.parametrize(
     "flag, text, measure, bound",
     [("max_p50", "20ms", "p50_ms", 20.0), ("max_p99", "0.5s", "p99_ms", 500.0),
-     ("max_memory", "2GB", "memory_mib", 2048.0), ("min_throughput", "300", "throughput", 300.0),
+     ("max_memory", "2GiB", "memory_mib", 2048.0),
+     ("max_memory", "100MB", "memory_mib", 1e8 / 2**20),  # MB is decimal, MiB binary
+     ("max_memory", "2GB", "memory_mib", 2e9 / 2**20),
+     ("min_throughput", "300", "throughput", 300.0),
      ("max_jitter", "0.2", "jitter", 0.2)],
 )  # fmt: skip
 def test_constraints_read_their_units(flag, text, measure, bound):

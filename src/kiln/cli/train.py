@@ -166,8 +166,8 @@ def train(
     max_memory: Annotated[
         str | None,
         typer.Option(
-            help="With --tune: the peak memory a trial's processes may reach, "
-            "with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB; a trial past it is "
+            help="With --tune: the peak memory a trial's processes may reach, with its "
+            "unit (kB, MB, GB decimal; KiB, MiB, GiB binary), e.g. 2GiB; a trial past it is "
             "stopped."
         ),  # fmt: skip
     ] = None,

@@ -57,7 +57,7 @@ def tune(
         str | None,
         typer.Option(
             help="Constraint on the session's peak resident memory (measured in a process of "
-            "its own), with its unit (kb, MB/MiB, GB/GiB), e.g. 2GB."
+            "its own), with its unit (kB, MB, GB decimal; KiB, MiB, GiB binary), e.g. 2GiB."
         ),
     ] = None,
     min_throughput: Annotated[str | None, typer.Option(help="Constraint (samples/s).")] = None,

@@ -66,11 +66,13 @@ LIMITS = {
 }
 # Times and sizes need their unit: a bare "20" is 20 ms to one user and 20 s to the next.
 _TIME = {"us": 1e-3, "ms": 1.0, "s": 1e3}
-_SIZE = {"kb": 1 / 1024, "mb": 1.0, "mib": 1.0, "gb": 1024.0, "gib": 1024.0}
+# In MiB: kB/MB/GB are the decimal units (10^3, 10^6, 10^9 bytes), KiB/MiB/GiB the binary ones.
+_SIZE = {"kb": 1e3 / 2**20, "kib": 1 / 1024, "mb": 1e6 / 2**20, "mib": 1.0,
+         "gb": 1e9 / 2**20, "gib": 1024.0}  # fmt: skip
 
 
 def parse_constraint(flag: str, text: str) -> Constraint:
-    """`max_p50`, "20ms" → p50_ms ≤ 20; `max_memory`, "2GB" → memory_mib ≤ 2048. Latency and
+    """`max_p50`, "20ms" → p50_ms ≤ 20; `max_memory`, "2GiB" → memory_mib ≤ 2048. Latency and
     memory limits need a unit; jitter and throughput (samples/s) are bare numbers."""
     measure, at_most = LIMITS[flag]
     name = f"--{flag.replace('_', '-')}"
