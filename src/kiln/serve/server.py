@@ -81,24 +81,28 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class _HeadDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head is not complete
-    `timeout_keep_alive` seconds after the connection opened or the last answer was sent."""
+class _HeadDeadline:
+    """Closes a connection whose request head is not complete `timeout_keep_alive` seconds
+    after the connection opened or the last answer was sent; mixed into uvicorn's protocols,
+    each saying in `_waiting_for_head` whether no request has begun since."""
 
     _deadline: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop
+    transport: Any
+    timeout_keep_alive: float
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         if self._deadline is not None:
@@ -108,10 +112,50 @@ class _HeadDeadlineH11(H11Protocol):
     def _head_overdue(self) -> None:
         if self.transport.is_closing():
             return
-        if self.conn.their_state is h11.IDLE:  # no complete request head since armed
+        if self._waiting_for_head():  # no complete request head since armed
             self.transport.close()
         else:  # a request in progress; look again later (a finished answer re-arms anyway)
             self._arm()
+
+    def _waiting_for_head(self) -> bool:
+        raise NotImplementedError
+
+
+class _HeadDeadlineH11(_HeadDeadline, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the head deadline."""
+
+    def _waiting_for_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+
+def _protocol() -> type:
+    """uvicorn's httptools protocol with the head deadline where httptools is installed, else
+    its h11 one. httptools parses in C: a bare answer's round trip took 215 µs against h11's
+    340 µs on a 2-core EPYC (151 µs with uvloop, which uvicorn then picks by itself)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return _HeadDeadlineH11
+
+    class _HeadDeadlineHttpTools(_HeadDeadline, HttpToolsProtocol):
+        """uvicorn's httptools protocol with the head deadline: a head counts once parsed
+        whole (`on_headers_complete`), and a request runs until its answer is complete."""
+
+        _heads = _armed_at = 0
+
+        def on_headers_complete(self) -> None:
+            self._heads += 1
+            super().on_headers_complete()
+
+        def _arm(self) -> None:
+            self._armed_at = self._heads
+            super()._arm()
+
+        def _waiting_for_head(self) -> bool:
+            idle = self.cycle is None or self.cycle.response_complete
+            return idle and not self.pipeline and self._heads == self._armed_at
+
+    return _HeadDeadlineHttpTools
 
 
 class _Server(uvicorn.Server):
@@ -134,7 +178,7 @@ def http_server(
     with `.should_exit = True` (or SIGINT/SIGTERM, from the main thread)."""
     config = uvicorn.Config(
         app,
-        http=_HeadDeadlineH11,
+        http=_protocol(),
         timeout_keep_alive=timeout_keep_alive,
         log_level="warning",
         access_log=False,  # one line per request costs real time at high request rates
