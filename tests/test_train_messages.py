@@ -69,3 +69,17 @@ def test_a_diverged_fp32_loss_gives_no_fp16_advice() -> None:
     assert "fp16" not in str(fp32.value) and "learning rate" in str(fp32.value)
     with pytest.raises(KilnError, match="loss_scale.initial"):
         _check_loss(float("inf"), 1, 0, _Run("fp16"))
+
+
+def test_more_ranks_than_cores_is_said_before_training(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    command = [sys.executable, "-m", "kiln", "train", "kiln.train.examples:digits_cnn",
+               "--data", "kiln.train.examples:digits", "--batch", str(4 * (cores + 1)), "-o", ".",
+               "--nproc", str(cores + 1), "--strategy", "ddp"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert f"--nproc {cores + 1} on {cores} cores" in " ".join(done.stderr.split())
+    assert done.returncode == 2  # and the bad -o is still refused, before any rank starts

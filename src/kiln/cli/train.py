@@ -5,6 +5,7 @@ final table and a JSON training record."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -292,6 +293,7 @@ def train(
         "loss": load_callable(loss, "--loss") if loss else None,
         "optimizer": load_callable(optimizer, "--optimizer") if optimizer else None,
     }
+    _oversubscribed(nproc)
     if record is not None and record.is_dir():
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
     options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
@@ -315,6 +317,16 @@ def train(
         emit_json(result)
     else:
         _table(result, record)
+
+
+def _oversubscribed(nproc: int | None) -> None:
+    """A note where the ranks outnumber the cores: they take turns on them, and every
+    collective waits for a rank that is not running."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if nproc and cores and nproc > cores:
+        err.print(f"note: --nproc {nproc} on {cores} cores: the ranks take turns on the cores "
+                  "and each collective waits for one that is not running; steps will be "
+                  f"slower than with --nproc {cores}.", highlight=False, markup=False)  # fmt: skip
 
 
 def _stopped(exc: Stopped | KeyboardInterrupt, checkpoint: Path | None) -> Stopped:
