@@ -537,6 +537,15 @@ def workdir(given: str | None):
     return nullcontext(given)
 
 
+def _version(package: str) -> str | None:
+    """A package's version, None where it is not installed (kiln serve's HTTP parser and
+    event loop follow what is: httptools and uvloop where installed, else h11 and asyncio)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def cpu_line() -> str:
     """The CPU as `kiln doctor` names it, printed beside every ratio: rankings move with it."""
     cpu = cpu_info()
@@ -550,7 +559,8 @@ def header() -> dict:
         "machine": machine(),
         "versions": {"kiln": kiln.__version__, "onnxruntime": onnxruntime.__version__,
                      "tritonclient": metadata.version("tritonclient"),
-                     "grpcio": metadata.version("grpcio"), "python": platform.python_version()},
+                     "grpcio": metadata.version("grpcio"), "python": platform.python_version(),
+                     **{name: _version(name) for name in ("uvicorn", "httptools", "uvloop")}},
     }  # fmt: skip
     print(result["command"])
     print(f"{cpu.model}, {cpu.logical_cores} cores, {platform.platform()}")
