@@ -149,9 +149,9 @@ def serve(
     --model-repository DIR serves a Triton-layout repository (each model's highest version)
     with load and unload while serving. --grpc-port -1 serves HTTP only.
 
-    Once serving it prints where (with --json: one line on stdout, {"url", "host", "port",
-    "grpc_port", "model"}, or "models" with several; grpc_port is null without gRPC). Ctrl-C or
-    SIGTERM answers every queued request first.
+    Once serving it prints where. With --json that is one JSON line on stdout with the keys
+    url, host, port, grpc_port (null without gRPC) and model (models when several are
+    served). Ctrl-C or SIGTERM answers every queued request first.
     """
     import signal
 

@@ -130,6 +130,7 @@ def train(
     resume: Annotated[
         bool,
         typer.Option(
+            "--resume",
             help="Continue from the newest checkpoint in --checkpoint, under the config it "
             "was made with (its global batch, precision, loss scale, fp32 modules, gradient "
             "clipping, seed and shuffling; the strategy and ranks may change)."
