@@ -83,3 +83,13 @@ def test_more_ranks_than_cores_is_said_before_training(tmp_path) -> None:
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert f"--nproc {cores + 1} on {cores} cores" in " ".join(done.stderr.split())
     assert done.returncode == 2  # and the bad -o is still refused, before any rank starts
+
+
+def test_counts_take_their_plural() -> None:
+    from kiln.errors import counted
+
+    assert (counted(1, "thread"), counted(0, "step"), counted(2, "step")) == (
+        "1 thread",
+        "0 steps",
+        "2 steps",
+    )

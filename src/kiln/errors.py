@@ -1,4 +1,4 @@
-"""The one exception type the user sees."""
+"""The one exception type the user sees, and the small words of Kiln's messages."""
 
 
 class KilnError(Exception):
@@ -20,3 +20,8 @@ def a_type(value: object) -> str:
     """'a list', 'an OrderedDict': the value's type with its article, for messages."""
     name = type(value).__name__
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def counted(count: int, noun: str) -> str:
+    """'1 thread', '2 threads': a count with its noun, plural where it is not one."""
+    return f"{count} {noun}{'s' * (count != 1)}"

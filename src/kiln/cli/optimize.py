@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress, speed_advice
-from kiln.errors import KilnError
+from kiln.errors import KilnError, counted
 
 
 def optimize(
@@ -297,7 +297,8 @@ def _print_partition(summary: dict, out: Any) -> None:
     for part, times in (record.get("part_ms") or {}).items():
         shown = ", ".join(f"{engine} {ms:.2f} ms" for engine, ms in times.items())
         threads = (record.get("threads") or {}).get(part)
-        out.print(f"  part {part} ({threads} threads): {shown}", highlight=False, markup=False)
+        out.print(f"  part {part} ({counted(threads, 'thread')}): {shown}", highlight=False,
+                  markup=False)  # fmt: skip
 
 
 def _memory_budget(text: str | None, rounds: int) -> float | None:

@@ -16,7 +16,7 @@ import typer
 from kiln.cli.console import JsonOpt, PlainProgress, at_least, console, emit_json, err
 from kiln.cli.stopped import Stopped
 from kiln.cli.tune import parse_duration
-from kiln.errors import KilnError
+from kiln.errors import KilnError, counted
 
 
 def train(
@@ -133,7 +133,7 @@ def train(
             "--resume",
             help="Continue from the newest checkpoint in --checkpoint, under the config it "
             "was made with (its global batch, precision, loss scale, fp32 modules, gradient "
-            "clipping, seed and shuffling; the strategy and ranks may change)."
+            "clipping, seed and shuffling; the strategy and ranks may change).",
         ),  # fmt: skip
     ] = False,
     allow_config_change: Annotated[
@@ -525,9 +525,8 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
         rows.append((f"peak RSS (process), rank {rank}", f"{mib:.0f} MiB"))
     scale = result["scale"]
     if scale["final"] is not None:
-        skipped = scale["skipped"]
-        steps = f"{skipped} step{'s' * (skipped != 1)} skipped"
-        rows.append(("loss scale", f"{scale['final']:g} ({steps})"))
+        skipped = counted(scale["skipped"], "step")
+        rows.append(("loss scale", f"{scale['final']:g} ({skipped} skipped)"))
     if result.get("checkpoint"):
         rows.append(("checkpoint", result["checkpoint"]))
     written = result.get("written") or {}

@@ -20,6 +20,7 @@ import onnx_ir as ir
 from kiln.artifact.parts import PartSpec, stages
 from kiln.backends import get_backend
 from kiln.compiler.candidate import engine_options
+from kiln.errors import counted
 from kiln.timing import interleave, round_p50_ms
 
 Say = Callable[[str], None]
@@ -86,7 +87,7 @@ def measure_parts(
     runners: dict[str, Callable[[], object]] = {}
     for spec in specs:
         for engine in engines:
-            say(f"compiling part {spec.name} for {engine} ({spec.threads} threads)")
+            say(f"compiling part {spec.name} for {engine} ({counted(spec.threads, 'thread')})")
             options = engine_options(engine, spec.precision, option_overrides(engine, spec.threads))
             if compile_piece is None:
                 exe = get_backend(engine).compile(pieces[spec.name], options)
