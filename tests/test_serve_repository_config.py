@@ -294,3 +294,8 @@ def test_a_server_given_files_answers_the_repository_index(plain) -> None:
     assert (row["name"], row["state"]) == ("add", READY)
     with pytest.raises(Exception, match="--model-repository"):
         triton_http.InferenceServerClient(plain.url).load_model("add")
+    # a load with a config override is told the same, not that the parameter is not taken
+    with pytest.raises(Exception, match="--model-repository"):
+        triton_http.InferenceServerClient(plain.url).load_model("add", config="{}")
+    with pytest.raises(Exception, match="--model-repository"):
+        grpc.load_model("add", config="{}")

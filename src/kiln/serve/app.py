@@ -370,6 +370,7 @@ def _repository_routes(app: FastAPI, models: ModelSet) -> None:
     @app.post("/v2/repository/models/{model}/load")
     async def load(model: str, request: Request) -> JSONResponse:
         params = _repository_args(await request.body(), {"parameters": dict}, "load")
+        models.need_repository("load")  # no repository: what a parameter would change is moot
         check_load_parameters(list(params.get("parameters") or {}))
         await repository_change(models.load, model)
         return JSONResponse({})

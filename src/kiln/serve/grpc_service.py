@@ -367,6 +367,7 @@ class InferenceServicer:
 
     @_answers
     async def RepositoryModelLoad(self, request: Message, context: Any) -> Message:
+        self.models.need_repository("load")  # before the parameters, as over HTTP
         await _repository_change(request, check_load_parameters, self.models.load)
         return message("RepositoryModelLoadResponse")()
 
