@@ -111,6 +111,11 @@ class ServedModel:
         return self.batcher.accepting
 
     @property
+    def in_flight(self) -> int:
+        """Requests holding the model now: looked up, not yet answered (`enter`, `leave`)."""
+        return self._users
+
+    @property
     def max_batch_size(self) -> int:
         """Triton's max_batch_size as /config advertises it: the most samples one request may
         bring (and the batcher merges); 0 for a model without a batch axis on every tensor."""
