@@ -195,3 +195,23 @@ def test_a_full_disk_says_so_and_leaves_no_partial_checkpoint(tmpfs):
         fit(wide, noisy_data, config=TrainConfig(micro_batch=4), steps=2, checkpoint=directory,
             validate=False)  # fmt: skip
     assert list(directory.iterdir()) == []
+
+
+class _Stop(BaseException):
+    """A stop signal as the CLI raises it (a BaseException that is no Exception)."""
+
+
+def test_a_stop_inside_the_checkpoint_writer_is_a_stop_and_leaves_nothing_partial(
+    tmp_path, monkeypatch
+) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kiln.train import checkpoint
+
+    def interrupted(*args, **kwargs):  # DCP wraps what its writer raised, a stop included
+        raise CheckpointException("write failed", {0: (_Stop(), None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
+    with pytest.raises(_Stop):
+        checkpoint.save(tmp_path, 3, dropout_net(), None, {})
+    assert list(tmp_path.iterdir()) == []  # the half-written step is gone

@@ -77,7 +77,14 @@ def save(
     except (OSError, CheckpointException) as exc:  # CheckpointException: a rank's write failed
         if main:  # every rank gets DCP's failure; a half-written step must not stay behind
             shutil.rmtree(partial, ignore_errors=True)
+        stop = _stop_inside(exc)
+        if stop is not None:  # Ctrl-C in the middle of the write: a stop, not a disk's fault
+            raise stop from None
         raise KilnError(_write_failed(directory, step, exc)) from None
+    except BaseException:  # a stop signal outside DCP's writer: nothing partial either
+        if main:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     _barrier()  # every rank's shards are written: the checkpoint is whole
     if main:
         _publish(partial, final)
@@ -228,6 +235,17 @@ def _os_error(exc: BaseException) -> OSError | None:
         if isinstance(seen, OSError):
             return seen
         seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _stop_inside(exc: BaseException) -> BaseException | None:
+    """A stop (Ctrl-C or SIGTERM as the CLI raises it: a BaseException that is no Exception)
+    that DCP caught inside its writer and wrapped as a rank's failure; None for a real one."""
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+                return inner
     return None
 
 
