@@ -93,3 +93,11 @@ def test_counts_take_their_plural() -> None:
         "0 steps",
         "2 steps",
     )
+
+
+def test_omp_num_threads_is_the_user_s_thread_count(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert TrainConfig().threads(cores=8) == 1
+    assert TrainConfig(parallel={"threads_per_rank": 3}).threads(cores=8) == 3  # config first
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert TrainConfig(parallel={"strategy": "ddp", "ranks": 2}).threads(cores=8) == 4

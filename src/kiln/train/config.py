@@ -229,9 +229,14 @@ class TrainConfig:
         return self.micro_batch * self.accumulation * replicas
 
     def threads(self, cores: int | None = None) -> int:
-        """torch threads for each rank: the given number, else the cores shared out."""
+        """torch threads for each rank: the given number; else OMP_NUM_THREADS where the user
+        set it (PyTorch's own loop honours it: overriding it would run threads the user kept
+        for other work); else the cores shared out."""
         if self.parallel.threads_per_rank is not None:
             return self.parallel.threads_per_rank
+        asked = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if asked.isdigit() and int(asked) > 0:
+            return int(asked)
         cores = cores or os.cpu_count() or 1
         return max(1, cores // self.parallel.ranks)
 
