@@ -81,6 +81,17 @@ def test_default_model_filename_names_the_model_file(tmp_path, load) -> None:
     assert models.get("m").source == str(tmp_path / "m/1/add.onnx")
 
 
+def test_default_model_filename_may_name_a_kiln_artifact(tmp_path, load) -> None:
+    source = _write_model(tmp_path / "src" / "add.onnx")
+    (tmp_path / "m/1").mkdir(parents=True)
+    kiln.compile(str(source), tmp_path / "m/1/model.kiln")
+    (tmp_path / "m/config.pbtxt").write_text('default_model_filename: "model.kiln"\n')
+    shutil.rmtree(tmp_path / "src")
+    models, row = load()
+    assert row["state"] == READY, row
+    assert models.get("m").source == str(tmp_path / "m/1/model.kiln")
+
+
 def test_max_batch_size_0_serves_whole_shapes_and_batches_nothing(tmp_path, load) -> None:
     _model(tmp_path, "max_batch_size: 0\n")
     models, row = load()

@@ -85,8 +85,10 @@ class Version:
         """What a `kiln.Session` opens: the version folder as an artifact; else the artifact
         `kiln export --triton --runtime kiln` puts beside its model.py; else its model file,
         `default_model_filename` or model.onnx (what a native export, or any Triton ONNX
-        model, holds)."""
-        for artifact in (self.path, self.path / KILN_RUNTIME_ARTIFACT):
+        model, holds). `default_model_filename` may name an artifact too (model.kiln): a
+        Kiln artifact is a folder, not a file."""
+        filename = (self.config and self.config.model.default_model_filename) or DEFAULT_MODEL_FILE
+        for artifact in (self.path, self.path / KILN_RUNTIME_ARTIFACT, self.path / filename):
             if (artifact / "manifest.json").is_file():
                 return str(artifact)
         if self.config is not None and self.config.model.backend == "python":
@@ -95,7 +97,6 @@ class Version:
                 "beside its model.py; kiln serve cannot run a Python model: export one with "
                 "kiln export --triton --runtime kiln, or serve it with tritonserver"
             )
-        filename = (self.config and self.config.model.default_model_filename) or DEFAULT_MODEL_FILE
         if (self.path / filename).is_file():
             return str(self.path / filename)
         raise KilnError(
