@@ -62,6 +62,16 @@ def test_a_request_over_max_batch_size_is_refused_and_memory_stays_bounded(
     assert after <= 1.1 * before, (before, after)
 
 
+def test_a_request_of_batch_0_is_refused_and_runs_nothing(resnet: Server) -> None:
+    ran = _engine_runs(resnet, RESNET)
+    empty = {"inputs": [{"name": "input", "shape": [0, 3, 32, 32], "datatype": "FP32", "data": []}]}
+    answer = httpx.post(f"{resnet.base}/v2/models/{RESNET}/infer", json=empty)
+    assert answer.status_code == 400, answer.text
+    assert "input 'input' has batch size 0" in answer.text
+    assert f"takes 1 to {MAX_BATCH} per request" in answer.text
+    assert _engine_runs(resnet, RESNET) == ran
+
+
 def _batch_one_model(path: Path) -> Path:
     """x [1, 4] → relu → y [1, 4]: no batch axis (max_batch_size 0), each request its own
     execution however the batcher groups them."""

@@ -242,17 +242,19 @@ def check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]])
 def check_batch(feeds: dict[str, np.ndarray], served: ServedModel) -> None:
     """A request's batch (dim 0) within the max_batch_size /config advertises, as Triton
     refuses it: a larger one would run whole, its memory unbounded by anything the server
-    says. A model without a batch axis (max_batch_size 0) takes each request as it is."""
+    says. A batch of 0 is refused too: it holds no sample, yet would run the engine and be
+    counted as a batch. A model without a batch axis (max_batch_size 0) takes each request as
+    it is."""
     limit = served.max_batch_size
     if not limit:
         return
     for name, array in feeds.items():
-        if array.ndim and array.shape[0] > limit:
+        if array.ndim and not 1 <= array.shape[0] <= limit:
             raise Refused(
                 400,
                 f"input '{name}' has batch size {array.shape[0]} (dim 0); model "
                 f"'{served.name}' takes 1 to {limit} per request (its max_batch_size); "
-                f"send at most {limit} per request",
+                f"send 1 to {limit} per request",
             )
 
 
