@@ -215,3 +215,16 @@ def test_a_stop_inside_the_checkpoint_writer_is_a_stop_and_leaves_nothing_partia
     with pytest.raises(_Stop):
         checkpoint.save(tmp_path, 3, dropout_net(), None, {})
     assert list(tmp_path.iterdir()) == []  # the half-written step is gone
+
+
+def test_a_decaying_schedule_resumed_at_another_length_is_refused(tmp_path) -> None:
+    config = TrainConfig(micro_batch=8, lr_schedule="cosine", warmup=1)
+    fit(dropout_net, noisy_data, config=config, steps=4, checkpoint=tmp_path / "a",
+        checkpoint_every=2, validate=False)  # fmt: skip
+    shutil.copytree(tmp_path / "a" / "step-00000002", tmp_path / "b" / "step-00000002")
+    with pytest.raises(KilnError, match=r"cosine schedule's length \(--steps\) 4 → 6"):
+        fit(dropout_net, noisy_data, config=config, steps=6, checkpoint=tmp_path / "b",
+            resume=True, validate=False)  # fmt: skip
+    rest = fit(dropout_net, noisy_data, config=config, steps=4, checkpoint=tmp_path / "b",
+               resume=True, validate=False)  # fmt: skip
+    assert rest["steps_this_run"] == 2

@@ -52,6 +52,7 @@ def save(
     extra: dict[str, Any],
     config: dict[str, Any] | None = None,
     keep: int = KEEP,
+    schedule_steps: int | None = None,
 ) -> Path:
     """Write `directory/step-{step:08d}` from every rank; return its path. The newest
     `keep` complete checkpoints of `directory` stay.
@@ -72,7 +73,8 @@ def save(
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
         if main:
             _save_extra(extra, partial / EXTRA)
-            marker = {"step": step, "format": FORMAT, "config": config}
+            marker = {"step": step, "format": FORMAT, "config": config,
+                      "schedule_steps": schedule_steps}  # fmt: skip
             (partial / MARKER).write_text(json.dumps(marker))
     except (OSError, CheckpointException) as exc:  # CheckpointException: a rank's write failed
         if main:  # every rank gets DCP's failure; a half-written step must not stay behind
@@ -97,6 +99,13 @@ def latest(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint in `directory` (partial ones ignored), or None."""
     found = _complete(Path(directory))
     return found[-1][1] if found else None
+
+
+def schedule_steps(path: str | os.PathLike) -> int | None:
+    """The run length a decaying LR schedule spread over when the checkpoint was made (None:
+    a constant schedule, or a checkpoint saved without it): a resume of another length
+    would bend the decay mid-run."""
+    return _record(_resolve(Path(path))).get("schedule_steps")
 
 
 def made_under(path: str | os.PathLike) -> tuple[int, dict[str, Any] | None]:

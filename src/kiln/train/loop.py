@@ -679,6 +679,9 @@ def _check_resume(directory: str, config: TrainConfig, steps: int | None, allow:
         raise KilnError(f"--resume: {found} is at step {step}, already at --steps {steps}: "
                         f"nothing to train; give --steps above {step}.")  # fmt: skip
     changes = resume_changes(TrainConfig.from_json(saved, str(found)), config) if saved else []
+    length = checkpoint.schedule_steps(found)
+    if length is not None and steps is not None and steps != length:
+        changes.append(f"the {config.lr_schedule} schedule's length (--steps) {length} → {steps}")
     if changes and not allow:
         raise KilnError(f"--resume: {found} was made under another config ({'; '.join(changes)}"
                         "), so the run would not go on as it began; resume with its settings, "
@@ -719,7 +722,8 @@ def _save(run: Run, prepared: Prepared, step: int, samples: int,
     directory = Path(run.checkpoint) / BEST if best else run.checkpoint
     return checkpoint.save(directory, step, prepared.model, prepared.optimizer, extra,
                            config=prepared.config.to_json(),
-                           keep=1 if best else checkpoint.KEEP)  # fmt: skip
+                           keep=1 if best else checkpoint.KEEP,
+                           schedule_steps=prepared.schedule_steps)  # fmt: skip
 
 
 def _replicas(config: TrainConfig) -> int:

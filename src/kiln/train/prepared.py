@@ -72,6 +72,7 @@ class Prepared:
     skipped: int = 0  # optimizer steps skipped on overflow
     scale_events: list[ScaleEvent] = field(default_factory=list)
     scheduler: Any = None  # the LR scheduler step() steps (kiln.train.schedule), or None
+    schedule_steps: int | None = None  # the run length a decaying schedule spreads over
     lr: float | None = None  # the learning rate the last optimizer step took (first group's)
     _grad_norm: torch.Tensor | None = None  # of the last step's gradients, before clipping
     _micro: int = 0  # backward calls since the last optimizer step
@@ -153,6 +154,7 @@ class Prepared:
         """Build the LR scheduler of `config.lr_schedule` and `warmup` for a run of `steps`
         optimizer steps (a decaying schedule needs them; `prepare(..., steps=N)` does this)."""
         self.scheduler = schedule.scheduler(self.optimizer, self.config, steps)
+        self.schedule_steps = steps if schedule.needs_length(self.config) else None
 
     def reduce(self, value: float | torch.Tensor, op: str = "mean") -> Any:
         """A metric combined over the ranks (sum, mean, max or min), on every rank: a
