@@ -32,3 +32,10 @@ def test_help_prose_fills_an_80_column_terminal(verb: str) -> None:
     for paragraph in _prose(done.output)[1:]:  # after the usage line
         ragged = [line for line in paragraph[:-1] if len(line) < 60]
         assert not ragged, "\n".join(paragraph)
+
+
+def test_serve_max_batch_help_says_a_bigger_request_is_refused() -> None:
+    done = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    text = " ".join(done.output.replace("│", " ").split())
+    assert "a bigger request is refused (400)" in text, text
+    assert "runs alone" not in text

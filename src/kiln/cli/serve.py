@@ -81,8 +81,9 @@ def serve(
     max_batch: Annotated[
         int | None,
         typer.Option(
-            help="Most samples batched together (a bigger request runs alone). Default: what "
-            "kiln tune --clients picked for this artifact, else 16."
+            help="Most samples batched together, and the most one request may bring: a "
+            "bigger request is refused (400). A config.pbtxt's max_batch_size takes its place. "
+            "Default: what kiln tune --clients picked for this artifact, else 16."
         ),
     ] = None,
     max_delay_ms: Annotated[
