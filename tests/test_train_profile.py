@@ -330,6 +330,13 @@ def test_profile_on_two_ranks_keeps_the_training_and_sees_their_communication(
     profile = record["profile"]
     assert profile.get("error") is None and (tmp_path / "report.html").stat().st_size > 0
     assert profile["communication"]["collectives"], profile["communication"]
+    # the job's FLOPs, every rank's share summed: what one process counts for the global batch
+    assert profile["flops_per_step"] == pytest.approx(TINY_FLOPS, rel=0.03)
+
+
+# Linear(32, 64) and Linear(64, 4) on 16 samples: 2·B·in·out forward each; backward both
+# weights' gradients and the second layer's input gradient (the batch needs none).
+TINY_FLOPS = 3 * 2 * 16 * (32 * 64 + 64 * 4) - 2 * 16 * 32 * 64
 
 
 TINY = """

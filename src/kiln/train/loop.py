@@ -753,6 +753,7 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any,
                               samples_per_step=prepared.config.global_batch,
                               tokens_per_step=tokens_per_sample and tokens_per_sample
                               * prepared.config.global_batch)  # fmt: skip
+        found = _whole_job(found)
         # Every rank tries the same advice, in the same order: rank 0's findings.
         findings = _from_rank0(diagnose(found, prepared.config))
         findings = try_advice(findings, one_step, _advised(prepared, one_step), prepared.model)
@@ -767,6 +768,26 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any,
         **found.to_json(),
         "findings": [f.to_json() for f in findings],
     }
+
+
+def _whole_job(found: Any) -> Any:
+    """The profile with the job's FLOPs per step — each rank counts only its own share (its
+    micro-batch, its stage) — and the rate and MFU from them, against the machine's peak,
+    as the job's samples/s already are. One process: as it is."""
+    import dataclasses
+
+    import torch.distributed as torch_dist
+
+    if not torch_dist.is_initialized() or torch_dist.get_world_size() == 1:
+        return found
+    total = torch.tensor(float(found.flops_per_step or 0), dtype=torch.float64)
+    torch_dist.all_reduce(total)  # every rank, whatever its own count: the collective meets
+    if not found.flops_per_step:
+        return found
+    flops = int(total.item())
+    achieved = flops / found.step_ms / 1e6 if found.step_ms > 0 else None
+    mfu = achieved / found.peak_gflops if achieved and found.peak_gflops else None
+    return dataclasses.replace(found, flops_per_step=flops, achieved_gflops=achieved, mfu=mfu)
 
 
 def _from_rank0(items: list[Any]) -> list[Any]:
