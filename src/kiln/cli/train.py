@@ -133,7 +133,9 @@ def train(
             "--resume",
             help="Continue from the newest checkpoint in --checkpoint, under the config it "
             "was made with (its global batch, precision, loss scale, fp32 modules, gradient "
-            "clipping, seed and shuffling; the strategy and ranks may change).",
+            "clipping, schedule, seed and shuffling). The strategy may change; another "
+            "number of data-parallel ranks goes on from the same sample count, but shards "
+            "and draws differently from the run it continues.",
         ),  # fmt: skip
     ] = False,
     allow_config_change: Annotated[
@@ -509,7 +511,7 @@ def _table(result: dict[str, Any], record: Path | None) -> None:
     if result.get("tokens_per_s"):
         rows.append(("tokens/s", f"{result['tokens_per_s']:.0f}"))
     if result.get("final_loss") is not None:
-        rows.append(("final training loss", f"{result['final_loss']:.4f}"))
+        rows.append(("training loss, last 10 % of this run", f"{result['final_loss']:.4f}"))
     val = result.get("val") or {}
     if "loss" in val:
         rows.append(("validation loss", f"{val['loss']:.4f}"))
