@@ -101,3 +101,23 @@ def test_omp_num_threads_is_the_user_s_thread_count(monkeypatch) -> None:
     assert TrainConfig(parallel={"threads_per_rank": 3}).threads(cores=8) == 3  # config first
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert TrainConfig(parallel={"strategy": "ddp", "ranks": 2}).threads(cores=8) == 4
+
+
+def test_a_checkpoint_path_that_is_a_file_and_two_lengths_are_said_plainly(tmp_path) -> None:
+    from kiln.train import fit
+    from kiln.train.checkpoint import check_storage
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(KilnError, match="is a file; checkpoints go in a directory"):
+        check_storage(tmp_path / "afile")
+    with pytest.raises(KilnError, match=r"exactly one of .* \(given: --steps, --time\)"):
+        fit(Flat, streaming, steps=10, seconds=5.0)
+
+
+def test_a_loss_class_is_refused_naming_a_function_to_give() -> None:
+    from kiln.train.usercode import checked_loss
+
+    with pytest.raises(
+        KilnError, match="torch.nn.modules.loss:MSELoss is a class; give a function"
+    ):
+        checked_loss(nn.MSELoss)

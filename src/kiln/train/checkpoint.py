@@ -213,6 +213,9 @@ def check_storage(directory: str | os.PathLike) -> None:
     (read-only, no permission, a file in the way): found at the first save, it would cost
     the training done until then."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise KilnError(f"--checkpoint {directory} is a file; checkpoints go in a directory: "
+                        "give a directory's path (it is made if missing).")  # fmt: skip
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

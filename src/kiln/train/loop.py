@@ -127,7 +127,9 @@ def fit(
     bounds = (("--steps", steps), ("--epochs", epochs), ("--time", seconds))
     given = [(flag, value) for flag, value in bounds if value is not None]
     if len(given) != 1:
-        raise KilnError("say how long to train: one of --steps N, --epochs N or --time 10m.")
+        said = f" (given: {', '.join(flag for flag, _ in given)})" if given else ""
+        raise KilnError("say how long to train with exactly one of --steps N, --epochs N or "
+                        f"--time 10m{said}.")  # fmt: skip
     _check_counts(*given[0], checkpoint_every)
     run = Run(model, data, loss, optimizer, config.to_json(), steps, epochs, seconds,
               str(checkpoint) if checkpoint else None, resume, checkpoint_every,
@@ -595,7 +597,8 @@ def _collate_example(dataset: Any, micro_batch: int) -> tuple[Any, Any]:
     if count < micro_batch:
         raise KilnError(
             f"the training dataset has {len(dataset)} samples, fewer than one micro_batch "
-            f"({micro_batch}); lower micro_batch."
+            f"({micro_batch}: --batch over the data-parallel ranks and --accumulation); lower "
+            "--batch or raise --accumulation."
         )
     return default_collate([dataset[i] for i in range(count)])
 

@@ -70,6 +70,11 @@ def checked_loss(loss_fn: Callable[[Any, Any], Any], *code: Any) -> Callable[[An
     start from (a float, a tensor of more than one element). `code`: where their targets
     come from (the dataset), for a failure inside a loss that is not theirs."""
     name = _named(loss_fn)
+    if inspect.isclass(loss_fn):  # torch.nn:MSELoss would be built with (output, target)
+        raise KilnError(
+            f"the loss {name} is a class; give a function of (output, target), e.g. "
+            "torch.nn.functional:mse_loss, or one of your own that calls an instance of it."
+        )
 
     def loss(output: Any, target: Any) -> torch.Tensor:
         with theirs(f"the loss {name}", loss_fn, *code, always=True):
