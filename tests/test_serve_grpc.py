@@ -4,6 +4,7 @@ tritonclient.grpc, unchanged (its protos, not Kiln's)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -274,6 +275,23 @@ def test_bad_requests_carry_tritons_codes_and_name_what_is_wrong(served) -> None
         list(stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest(model_name=RESNET)])))
     assert streamed.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "send each request with ModelInfer" in streamed.value.details()
+
+
+def _failures(server: Server, model: str) -> tuple[float, float]:
+    """Triton's and Kiln's failure counters of `model` in /metrics (413s for Kiln's)."""
+    text = httpx.get(f"{server.base}/metrics").text
+    triton = re.search(rf'^nv_inference_request_failure{{model="{model}".*}} (\S+)$', text, re.M)
+    kiln_ = re.search(
+        rf'^kiln_request_failures_total{{code="413",model="{model}"}} (\S+)$', text, re.M
+    )
+    return (float(triton[1]) if triton else 0.0), (float(kiln_[1]) if kiln_ else 0.0)
+
+
+def test_a_message_over_the_limit_is_counted_for_its_model(served) -> None:
+    before = _failures(served, RESNET)
+    too_big = _refused(lambda: _client(served).infer(RESNET, _inputs({"input": _images(100, 0)})))
+    assert too_big.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert _failures(served, RESNET) == (before[0] + 1, before[1] + 1)
 
 
 # ---------------------------------------------------------------- the repository

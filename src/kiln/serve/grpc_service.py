@@ -14,9 +14,9 @@ limits, metrics and statistics.
 
 Errors carry Triton's codes for the failure HTTP answers with a status: 400 INVALID_ARGUMENT,
 404 NOT_FOUND, 503 UNAVAILABLE (queue full, model loading, server stopping), 500 INTERNAL;
-a message over --max-request-mb is RESOURCE_EXHAUSTED, said as HTTP's 413 says it (up to
-OVERSIZE_READ times the limit, which is read to be refused; past that gRPC refuses it unread,
-in its own words).
+a message over --max-request-mb is RESOURCE_EXHAUSTED, said and counted for the model it names
+as HTTP's 413 (up to OVERSIZE_READ times the limit, which is read to be refused; past that gRPC
+refuses it unread, in its own words, and uncounted).
 
 The server is gRPC's asyncio server on a thread and event loop of its own: neither protocol's
 loop waits on the other's, and a request awaits its batch as an HTTP request does, so the
@@ -312,7 +312,7 @@ class InferenceServicer:
     """GRPCInferenceService over a `ModelSet`: each method answers what the matching HTTP
     endpoint answers, from the same functions. Methods are named as the service's RPCs, which
     is how `handlers` finds them. A ModelInfer message over `max_request_bytes` is refused
-    unparsed."""
+    unparsed (only the model it names is read, to count the refusal)."""
 
     def __init__(self, models: ModelSet, max_request_bytes: int = 64 << 20) -> None:
         self.models = models
@@ -378,12 +378,15 @@ class InferenceServicer:
 
     @_answers
     async def ModelInfer(self, request: Message, context: Any) -> Message:
-        if isinstance(request, Oversized):  # unparsed: its model is unknown, so not counted
+        oversized = isinstance(request, Oversized)
+        if oversized and request.model_name is None:  # no model to count it for
             raise RequestTooLarge(self.max_request_bytes)
         # Held to the answer: an unload or a newer version waits for this request to finish.
         with self.models.lease(request.model_name, _version(request.model_version)) as served:
 
             async def read() -> Message:
+                if oversized:  # refused where HTTP refuses its 413: counted for the model
+                    raise RequestTooLarge(self.max_request_bytes)
                 return request  # gRPC has read and parsed the message already
 
             async def decode(received: Message) -> InferRequest:
@@ -411,7 +414,53 @@ def _raw_and_small(request: Message) -> bool:
 
 
 class Oversized:
-    """A ModelInfer message over the limit, read by gRPC but left unparsed."""
+    """A ModelInfer message over the limit, read by gRPC but left unparsed: only the model it
+    names is read (`model_name` None where it names none readably), so that its refusal is
+    counted for that model, as HTTP counts a 413."""
+
+    def __init__(self, data: bytes) -> None:
+        self.model_name: str | None = None
+        self.model_version = ""
+        try:
+            fields = _top_fields(data, wanted=(1, 2))  # ModelInferRequest's name and version
+            self.model_name = fields[1].decode() if 1 in fields else None
+            self.model_version = fields.get(2, b"").decode()
+        except (IndexError, UnicodeDecodeError):  # malformed: refused unnamed, not counted
+            self.model_name = None
+
+
+def _top_fields(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
+    """The length-delimited top-level fields `wanted` of a protobuf message, by walking its
+    wire format: every other field (each tensor's bytes) is skipped, not parsed nor copied.
+    IndexError for bytes that are not a message."""
+
+    def varint(at: int) -> tuple[int, int]:
+        value, shift = 0, 0
+        while True:
+            byte = data[at]
+            value, shift, at = value | (byte & 0x7F) << shift, shift + 7, at + 1
+            if byte < 0x80:
+                return value, at
+
+    found: dict[int, bytes] = {}
+    at = 0
+    while at < len(data):
+        key, at = varint(at)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            at = varint(at)[1]
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        elif wire == 2:
+            size, at = varint(at)
+            if number in wanted:
+                found[number] = data[at : at + size]
+            at += size
+        else:  # groups (deprecated) and invalid types: not a ModelInferRequest
+            raise IndexError(f"wire type {wire}")
+    if at > len(data):
+        raise IndexError("truncated field")
+    return found
 
 
 def _parser(name: str, limit: int | None) -> Callable[[bytes], Message | Oversized]:
@@ -419,7 +468,7 @@ def _parser(name: str, limit: int | None) -> Callable[[bytes], Message | Oversiz
     parse = message(name).FromString
     if limit is None:
         return parse
-    return lambda data: Oversized() if len(data) > limit else parse(data)
+    return lambda data: Oversized(data) if len(data) > limit else parse(data)
 
 
 def handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
