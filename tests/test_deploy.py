@@ -4,9 +4,11 @@ documented parameters. The real server runs the kiln-runtime form in test_triton
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -24,6 +26,7 @@ import kiln
 from kiln.deploy import export_triton, pbtxt
 from kiln.deploy.config import DEFAULT_MAX_BATCH
 from kiln.errors import KilnError
+from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
 
 BERT, RESNET = "bert-tiny", "resnet-tiny"
@@ -135,7 +138,32 @@ def test_native_defaults_leave_the_backend_defaults_and_no_delay(artifacts, tmp_
     assert config.HasField("dynamic_batching")
     assert config.dynamic_batching.max_queue_delay_microseconds == 0  # lone requests run at once
     assert not config.optimization.HasField("graph")  # ORT_ENABLE_ALL: the backend's default
-    assert _params(config)["intra_op_thread_count"] == "0" and not done.notes
+    # Threads left to ORT: the count the InferenceService's cpu asks for, not 0 (which in a
+    # pod is one thread per core of the node).
+    assert _params(config)["intra_op_thread_count"] == str(cpu_info().physical_cores)
+    assert not done.notes
+
+
+def test_openvino_threads_left_to_the_engine_are_named(artifacts, tmp_path):
+    artifact = shutil.copytree(artifacts["openvino"], tmp_path / "ov-default.kiln")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    del manifest["backend"]["options"]["inference_num_threads"]
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    config = _parsed(export_triton(artifact, tmp_path / "repo").path / "config.pbtxt")
+    assert _params(config)["INFERENCE_NUM_THREADS"] == str(cpu_info().physical_cores)
+
+
+def test_native_config_says_what_onnx_runtime_must_read(artifacts, tmp_path):
+    done = export_triton(artifacts["bert"], tmp_path / "repo")
+    model = onnx.load(artifacts["bert"] / "model.onnx", load_external_data=False)
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}"
+                       for o in sorted(model.opset_import, key=lambda o: o.domain))  # fmt: skip
+    ort = importlib.metadata.version("onnxruntime")
+    assert f"IR version {model.ir_version}, opsets {opsets}" in done.requires
+    assert f"onnxruntime {ort}" in done.requires
+    text = (done.path / "config.pbtxt").read_text()
+    assert f"# Requires: {done.requires}." in text
+    assert not export_triton(artifacts["bert"], tmp_path / "k", runtime="kiln").requires
 
 
 def test_native_openvino_config_names_its_documented_parameters(artifacts, tmp_path):

@@ -134,6 +134,9 @@ def test_native_inference_service_is_kserves_triton_sized_from_the_replica(artif
     # Threads left to ONNX Runtime: one per physical core, as Kiln counts them.
     _check_resources(model, cpu_info().physical_cores, done.replica.peak_mib)
     assert done.threads_from == "physical cores"
+    # config.pbtxt runs the threads the cpu limit pays for.
+    threads = done.triton.config["parameters"]["intra_op_thread_count"]["string_value"]
+    assert threads == model["resources"]["limits"]["cpu"]
     _check_autoscaling(predictor, DEFAULT_MAX_BATCH)  # no tuned batcher: Kiln's default
     annotations = isvc["metadata"]["annotations"]
     assert annotations["serving.kserve.io/deploymentMode"] == "Serverless"  # where Knative acts
@@ -145,6 +148,7 @@ def test_native_inference_service_is_kserves_triton_sized_from_the_replica(artif
     assert done.replica.in_process_rps > 0 and done.replica.requests > 0
     header = (tmp_path / "kserve" / "inferenceservice.yaml").read_text().split("\napiVersion")[0]
     assert "in-process" in header and "one replica served" not in header
+    assert f"# Requires: {done.triton.requires}." in header and done.triton.requires
     assert done.replica.peak_mib >= done.replica.run_peak_mib > 0
 
 
@@ -169,6 +173,7 @@ def test_a_model_without_a_batch_dim_takes_one_request_at_a_time(artifacts, tmp_
     _check_autoscaling(predictor, 1)
     # The figure is said for what it is: no server and no network were in it.
     assert "in-process" in done.stdout and "one replica served" not in done.stdout
+    assert "requires: model.onnx is ONNX IR version" in done.stderr  # what the engine must read
 
 
 def test_each_service_of_a_shared_repository_loads_only_its_own_model(artifacts, tmp_path):

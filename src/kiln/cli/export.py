@@ -125,6 +125,8 @@ def _print_triton(done: TritonExport, python_note: bool = True) -> None:
         f"Triton's {done.backend} backend, {batching}",
         highlight=False, markup=False, soft_wrap=True,
     )  # fmt: skip
+    if done.requires:  # Triton's image pins its engine: the model's needs are said here
+        err.print(f"requires: {done.requires}", highlight=False, markup=False, soft_wrap=True)
     for note in done.notes:
         err.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     if done.runtime == "kiln" and python_note:

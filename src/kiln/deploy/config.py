@@ -19,11 +19,14 @@ A setting those backends have no parameter for is not invented: it is named in t
 
 from __future__ import annotations
 
+import importlib.metadata as metadata
 from typing import Any
 
 import onnx_ir as ir
 
 from kiln.artifact import Artifact, Manifest
+from kiln.artifact.parts import PartsSection
+from kiln.hardware import cpu_info
 from kiln.runtime.metadata import graph_inputs, kserve_meta, node_arg
 from kiln.runtime.padding import batch_dims, input_layout
 from kiln.runtime.parts import interface_of
@@ -39,6 +42,13 @@ DEFAULT_MAX_BATCH = 16
 _TRITON_ENGINES = {"ort": ("onnxruntime_onnx", "onnxruntime"), "openvino": ("", "openvino")}
 # OrtOptions.optimization → onnxruntime_backend's graph level ("all" is its default).
 _ORT_LEVELS = {"basic": -1, "extended": 1, "disable": 2}
+# Kiln's engine → its option of a session's threads (0: the engine's default).
+_THREADS = {"ort": "intra_op_threads", "openvino": "inference_num_threads"}
+# Kiln's engine → the pip distribution that runs and verifies it here (CPU builds).
+ENGINE_DISTRIBUTIONS = {"ort": "onnxruntime", "openvino": "openvino"}
+# The newest ONNX IR version ONNX Runtime 1.15 reads (its error says so: "max supported IR
+# version: 9"): the runtime of tritonserver:23.05, KServe's kserve-tritonserver image.
+_TRITON_23_05_MAX_IR = 9
 WARMUP = "kiln_warmup"
 
 
@@ -47,9 +57,12 @@ def triton_backend(manifest: Manifest, runtime: str) -> str:
     return "python" if runtime == KILN else _TRITON_ENGINES[manifest.backend.name][1]
 
 
-def triton_config(artifact: Artifact, name: str, runtime: str) -> tuple[dict[str, Any], list[str]]:
-    """Triton's ModelConfig JSON for serving `artifact` as model `name`, and notes: what
-    Kiln decided that the config cannot say."""
+def triton_config(
+    artifact: Artifact, name: str, runtime: str
+) -> tuple[dict[str, Any], list[str], str]:
+    """Triton's ModelConfig JSON for serving `artifact` as model `name`, notes (what Kiln
+    decided that the config cannot say), and for a native backend what its engine must
+    read (`engine_requirement`; "" for Kiln's runtime, which runs the artifact's own)."""
     manifest = artifact.manifest
     model = interface(artifact)
     inputs = [kserve_meta(v) for v in graph_inputs(model)]
@@ -62,12 +75,45 @@ def triton_config(artifact: Artifact, name: str, runtime: str) -> tuple[dict[str
         max_batch_size=max_batch if has_batch_axis(model) else 0, max_delay_s=delay_ms / 1000,
     )  # fmt: skip
     notes: list[str] = []
+    requires = ""
     if runtime == NATIVE:
-        config.update(_ENGINE_SETTINGS[engine](manifest.backend.options, notes))
+        threads, _ = engine_threads(manifest)
+        config.update(_ENGINE_SETTINGS[engine](manifest.backend.options, threads, notes))
+        requires = engine_requirement(model, engine)
     warmup = warmup_of(model, manifest, config, notes)
     if warmup:
         config["model_warmup"] = [warmup]
-    return config, notes
+    return config, notes, requires
+
+
+def engine_threads(manifest: Manifest) -> tuple[int, str]:
+    """(threads, where the number comes from): the engine threads the artifact's settings
+    give one session, the CPUs one replica asks for. 0 leaves them to the engine, which
+    runs one per physical core: this machine's, as Kiln sees them. A native config names
+    the same number, so the engine in a pod runs the threads its cpu limit pays for, not
+    one per core of whatever node it lands on."""
+    if manifest.parts:  # the cores its parts were given: independent ones run at once
+        return sum(p.threads for p in PartsSection.from_json(manifest.parts).parts), "parts"
+    threads = int(manifest.backend.options.get(_THREADS.get(manifest.backend.name, ""), 0))
+    if threads > 0:
+        return threads, "artifact"
+    return cpu_info().physical_cores, "physical cores"
+
+
+def engine_requirement(model: ir.Model, engine: str) -> str:
+    """What the Triton backend's engine must read, in a sentence: model.onnx's IR version
+    and opsets, and the engine version that runs and verifies it here. An older ONNX
+    Runtime refuses a newer IR version or opset, and Triton's images pin their own."""
+    opsets = ", ".join(f"{domain or 'ai.onnx'} {version}"
+                       for domain, version in sorted(model.opset_imports.items()))  # fmt: skip
+    distribution = ENGINE_DISTRIBUTIONS[engine]
+    text = (f"model.onnx is ONNX IR version {model.ir_version}, opsets {opsets}; Kiln runs "
+            f"and verifies it with {distribution} {metadata.version(distribution)}: the "
+            f"backend's {distribution} must read that IR version and those opsets")  # fmt: skip
+    if engine == "ort" and (model.ir_version or 0) > _TRITON_23_05_MAX_IR:
+        text += (f" (ONNX Runtime 1.15, in tritonserver:23.05, reads IR version "
+                 f"{_TRITON_23_05_MAX_IR} at most)")  # fmt: skip
+    return text
 
 
 def interface(artifact: Artifact) -> ir.Model:
@@ -98,14 +144,15 @@ def has_batch_axis(model: ir.Model) -> bool:
 # ---------------------------------------------------------------- engine settings
 
 
-def _ort_settings(options: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _ort_settings(options: dict[str, Any], threads: int, notes: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {}
     level = _ORT_LEVELS.get(options.get("optimization", "all"))
     if level is not None:
         config["optimization"] = {"graph": {"level": level}}
     mode = 1 if options.get("execution_mode") == "parallel" else 0
     config["parameters"] = _parameters({
-        "intra_op_thread_count": int(options.get("intra_op_threads", 0)),
+        # engine_threads: never 0, which in a pod is one thread per core of the node.
+        "intra_op_thread_count": threads,
         "inter_op_thread_count": int(options.get("inter_op_threads", 0)),
         "execution_mode": mode,
         "enable_mem_arena": int(bool(options.get("memory_arena", True))),
@@ -125,12 +172,12 @@ def _ort_settings(options: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     return config
 
 
-def _openvino_settings(options: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+def _openvino_settings(options: dict[str, Any], threads: int, notes: list[str]) -> dict[str, Any]:
     parameters: dict[str, Any] = {"PERFORMANCE_HINT": options.get("performance_hint", "LATENCY")}
     if int(options.get("num_streams", 0)) > 0:
         parameters["NUM_STREAMS"] = int(options["num_streams"])
-    if int(options.get("inference_num_threads", 0)) > 0:
-        parameters["INFERENCE_NUM_THREADS"] = int(options["inference_num_threads"])
+    # engine_threads: never left to OpenVINO, which in a pod counts the node's cores.
+    parameters["INFERENCE_NUM_THREADS"] = threads
     precision = options.get("inference_precision")
     if precision == "bf16":
         parameters["HINT_BF16"] = "YES"

@@ -33,7 +33,8 @@ Field by field, what KServe's own files say (kserve/kserve):
 
 What Kiln fills in: args = load this model only; cpu = the artifact's engine threads (ONNX
 Runtime's intra-op threads, OpenVINO's INFERENCE_NUM_THREADS; 0 = the engine's default, this
-machine's physical cores); memory = the peak resident memory of one replica of this model
+machine's physical cores, which a native config.pbtxt then names too, so the engine runs the
+threads the limit pays for); memory = the peak resident memory of one replica of this model
 (the one it loads) measured in a process of its own (kiln.deploy.measure) × 1.5;
 containerConcurrency = the batch Triton gathers (`kiln tune --clients`' max batch, else 16;
 1 for a model without a batch dim); scaleTarget = 70 % of it; the requests/s Kiln's runtime
@@ -58,12 +59,18 @@ import yaml
 from kiln import __version__
 from kiln.artifact import Manifest
 from kiln.artifact.parts import PartsSection
-from kiln.deploy.config import KILN, NATIVE, RUNTIMES, tuned_batcher
+from kiln.deploy.config import (
+    ENGINE_DISTRIBUTIONS,
+    KILN,
+    NATIVE,
+    RUNTIMES,
+    engine_threads,
+    tuned_batcher,
+)
 from kiln.deploy.measure import Replica, measure_replica
 from kiln.deploy.triton import TritonExport, default_name, export_triton, read_source
 from kiln.deploy.wheel import RUNTIME_PACKAGES, WHEEL_GLOB, build_wheel, wheel_file
 from kiln.errors import KilnError
-from kiln.hardware import cpu_info
 from kiln.home import output_problem
 
 INFERENCE_SERVICE = "inferenceservice.yaml"
@@ -106,9 +113,6 @@ STORAGE_SCHEMES = ("gs", "s3", "pvc", "file", "https", "http", "hdfs", "webhdfs"
                    "oci+native", "oci+fetch", "hf")  # fmt: skip
 # pkg/apis/serving/v1beta1/inference_service_validation.go: IsvcNameFmt.
 _SERVICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-# Kiln's engine → the pip distribution the image installs (CPU builds: instance_group KIND_CPU).
-_ENGINE_DISTRIBUTIONS = {"ort": "onnxruntime", "openvino": "openvino"}
-_THREADS = {"ort": "intra_op_threads", "openvino": "inference_num_threads"}
 
 
 @dataclass
@@ -183,7 +187,7 @@ def export_kserve(
     service = service_name(name if name is not None else default_name(artifact))
     _check_directory(directory, force)
     source = read_source(artifact, runtime)
-    cpu, threads_from = replica_threads(source.manifest)
+    cpu, threads_from = engine_threads(source.manifest)  # config.pbtxt names the same count
     triton = export_triton(source.path, repository, name=name, version=version,
                            runtime=runtime, force=force)  # fmt: skip
     concurrency, delay_ms, batch_from = _concurrency(source.manifest, triton.config)
@@ -222,18 +226,6 @@ def export_kserve(
 
 
 # ---------------------------------------------------------------- the figures
-
-
-def replica_threads(manifest: Manifest) -> tuple[int, str]:
-    """(threads, where the number comes from): the engine threads the artifact's settings
-    give one session, the CPUs one replica asks for. 0 leaves them to the engine, which
-    runs one per physical core: this machine's, as Kiln sees them."""
-    if manifest.parts:  # the cores its parts were given: independent ones run at once
-        return sum(p.threads for p in PartsSection.from_json(manifest.parts).parts), "parts"
-    threads = int(manifest.backend.options.get(_THREADS.get(manifest.backend.name, ""), 0))
-    if threads > 0:
-        return threads, "artifact"
-    return cpu_info().physical_cores, "physical cores"
 
 
 def target_concurrency(container_concurrency: int) -> int:
@@ -341,7 +333,7 @@ def image_requirements(manifest: Manifest) -> list[str]:
     """What the image installs from the package index beside the wheel of Kiln: numpy 1.x,
     and at the versions that measured the artifact the packages Kiln's runtime imports and
     the engines the artifact runs on."""
-    engines = [_ENGINE_DISTRIBUTIONS[engine] for engine in engines_of(manifest)]
+    engines = [ENGINE_DISTRIBUTIONS[engine] for engine in engines_of(manifest)]
     packages = dict.fromkeys([*RUNTIME_PACKAGES, *engines])
     return [IMAGE_NUMPY, *(f"{name}=={metadata.version(name)}" for name in packages)]
 
@@ -404,6 +396,7 @@ def _header(done: KServeExport, source: Any) -> list[str]:
         f"{replica.in_process_rps:.1f}: the requests/s Kiln's runtime answered {clients} "
         f"in-process over {replica.seconds:g} s, with no server and no network between: an "
         "upper bound on what a served replica answers, not a measure of one.",
+        *([f"Requires: {done.triton.requires}."] if done.triton.requires else []),
     ]
 
 

@@ -62,6 +62,7 @@ class TritonExport:
     backend: str  # Triton's backend: onnxruntime, openvino, python
     config: dict[str, Any]  # the ModelConfig, as Triton's JSON
     notes: list[str] = field(default_factory=list)  # what Kiln decided that Triton cannot say
+    requires: str = ""  # native: the IR version and opsets the backend's engine must read
 
     @property
     def path(self) -> Path:
@@ -75,7 +76,7 @@ class TritonExport:
         return {
             "repository": str(self.repository), "model": self.name, "version": self.version,
             "runtime": self.runtime, "backend": self.backend, "path": str(self.path),
-            "config": self.config, "notes": self.notes,
+            "config": self.config, "notes": self.notes, "requires": self.requires,
         }  # fmt: skip
 
 
@@ -103,12 +104,12 @@ def export_triton(
     repository = Path(repository)
     backend = triton_backend(source.manifest, runtime)
     _check_destination(repository, name, version, force)
-    config, notes = triton_config(source, name, runtime)
-    text = config_text(config, header=_header(source, backend, runtime, notes))
+    config, notes, requires = triton_config(source, name, runtime)
+    text = config_text(config, header=_header(source, backend, runtime, notes, requires))
     if not _config_to_write(repository / name, version, text, force):
         text = None  # the config serving the other versions serves this one as it is
     _install(repository, name, version, lambda into: _fill(into, source, runtime), text)
-    return TritonExport(repository, name, version, runtime, backend, config, notes)
+    return TritonExport(repository, name, version, runtime, backend, config, notes, requires)
 
 
 def read_source(artifact: str | Path, runtime: str) -> Artifact:
@@ -223,9 +224,13 @@ def _top_fields(text: str) -> dict[str, str]:
     return {name: " ".join(lines) for name, lines in fields.items()}
 
 
-def _header(source: Artifact, backend: str, runtime: str, notes: list[str]) -> list[str]:
+def _header(
+    source: Artifact, backend: str, runtime: str, notes: list[str], requires: str
+) -> list[str]:
     how = f"Triton's {backend} backend" + (", running Kiln's runtime" if runtime == KILN else "")
     lines = [f"Written by kiln export (kiln {__version__}) from {source.path.resolve()}: {how}."]
+    # Triton's image pins its engine, and nothing in the config says what the model needs.
+    lines += [f"Requires: {requires}."] if requires else []
     return lines + [f"Note: {note}." for note in notes]
 
 
