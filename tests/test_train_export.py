@@ -1,6 +1,7 @@
 """The trained model out of `kiln train` / `kiln.train`: plain weights from a prepared (wrapped)
 model, a checkpoint loaded into a plain module, `--save` and `--export`, and the road onward —
-train → export → `kiln optimize` → `kiln.Session` — answering as the trained module does."""
+train → export → `kiln optimize` → `kiln.Session` and `kiln serve` — answering as the trained
+module does."""
 
 from __future__ import annotations
 
@@ -118,10 +119,27 @@ def test_train_export_optimize_run_answers_as_the_trained_module(monkeypatch, ca
     assert code == 0, err
     session = kiln.Session("model.kiln")
     x = probe()
-    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    name = session.get_inputs()[0].name
+    (got,) = session.run(None, {name: x.numpy()})
     with torch.no_grad():
         expected = trained.eval()(x).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_array_equal(_served(session, name, x.numpy()), got)  # kiln serve's answer
+
+
+def _served(session, name: str, x: np.ndarray) -> np.ndarray:
+    """The artifact's answer through kiln serve's HTTP app (KServe v2 JSON)."""
+    from fastapi.testclient import TestClient
+
+    from kiln.serve.app import create_app
+
+    body = {"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
+                        "data": x.ravel().tolist()}]}  # fmt: skip
+    with TestClient(create_app(session, "trained")) as client:
+        answer = client.post("/v2/models/trained/infer", json=body)
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    return np.array(output["data"], dtype=np.float32).reshape(output["shape"])
 
 
 def test_an_unwritable_export_is_refused_before_training(monkeypatch, capsys, tmp_path):
