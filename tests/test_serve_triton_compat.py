@@ -24,8 +24,10 @@ from tritonclient.utils import InferenceServerException
 
 from kiln import zoo
 from kiln.runtime import Session
-from kiln.serve.app import create_app
+from kiln.serve.app import create_app, create_models_app
 from kiln.serve.metrics import TritonMetrics
+from kiln.serve.models import ModelSet
+from kiln.serve.repository import Repository
 
 MAX_BATCH = 4  # --max-batch of the servers here
 
@@ -154,6 +156,26 @@ def test_triton_metric_names_read_by_a_prometheus_parser(tmp_path) -> None:
         own = family.name.startswith("process_") or family.name.endswith("_created")
         names = [f"`{family.name}`", f"`{family.name}_total`"]  # the parser drops _total
         assert own or any(n in documented for n in names), f"{family.name} is not documented"
+
+
+def test_stats_describe_the_loaded_model_and_metrics_the_servers_life(tmp_path) -> None:
+    (tmp_path / "relu/1").mkdir(parents=True)
+    _batch_one_model(tmp_path / "relu/1/model.onnx")
+    models = ModelSet(repository=Repository(tmp_path))
+    models.load_repository()
+    x = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    with TestClient(create_models_app(models)) as client:
+        for _ in range(2):  # answered, then unloaded and loaded again
+            assert client.post("/v2/models/relu/infer", json=x).status_code == 200
+            assert client.post("/v2/repository/models/relu/unload").status_code == 200
+            assert client.post("/v2/repository/models/relu/load").status_code == 200
+        (stats,) = client.get("/v2/models/relu/stats").json()["model_stats"]
+        metrics = client.get("/metrics").text
+    assert stats["inference_stats"]["success"]["count"] == 0  # this load answered none
+    assert 'nv_inference_request_success{model="relu",version="1"} 2' in metrics
+    documented = (Path(__file__).parents[1] / "docs/reference/metrics.md").read_text()
+    assert "always agree" not in documented
+    assert "the statistics extension starts again at 0" in " ".join(documented.split())
 
 
 def test_a_model_that_fails_to_load_is_reported_once_at_start_up(tmp_path) -> None:

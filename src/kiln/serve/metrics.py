@@ -1,9 +1,11 @@
 """What one server counts, in three views: Kiln's Prometheus metrics (one registry per server,
 every family labelled by model), Triton's Prometheus counters (`nv_inference_*`, labelled by
 model and version, with Triton's meaning) and Triton's statistics JSON (the `statistics`
-extension, per model version). All are fed by the same two recording points, so they agree:
-`answered` once per inference request, and the `executions` wrapper around the session's
-`run_batch` once per batch, counting the engine executions the session records for it. The
+extension, per model version). All are fed by the same two recording points: `answered`
+once per inference request, and the `executions` wrapper around the session's `run_batch` once
+per batch, counting the engine executions the session records for it. So they agree while a
+model stays loaded; on a load they part: the statistics describe the model as loaded now and
+start again at 0, while the Prometheus counters never go down in a server's life. The
 sessions' runtime figures (bucket hits and misses, padding waste, recompiles, swaps) are read
 from `session.stats()` at scrape time, so they are never stale and never double-counted.
 
@@ -342,10 +344,11 @@ class Observed(Protocol):
 class TritonMetrics:
     """Triton's per-model counters under Triton's names, labels (`model`, `version`) and
     meaning, so that dashboards and alerts written for Triton read a Kiln server unchanged.
-    Read at scrape time from the models' statistics (one source: /metrics and /stats agree).
-    A version loaded again adds to its counters rather than restarting them; an unloaded
-    model's counters stay, as a counter that vanished and came back at 0 would read as a
-    reset. Written as text of its own (`exposition`): prometheus_client would name every
+    Read at scrape time from the models' statistics (one source: /metrics and /stats agree
+    while a model stays loaded). A version loaded again adds to its counters rather than
+    restarting them as its /stats do (a counter never goes down in a server's life); an
+    unloaded model's counters stay, as a counter that vanished and came back at 0 would read
+    as a reset. Written as text of its own (`exposition`): prometheus_client would name every
     counter "..._total", which Triton's are not."""
 
     NAMES = {
