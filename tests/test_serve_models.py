@@ -258,6 +258,8 @@ def test_unload_under_load_leaves_the_other_model_serving_and_reload_serves_agai
         assert client.is_server_ready()  # an unloaded model does not hold readiness down
         response = httpx.get(f"{served.base}/v2/models/{RESNET}")
         assert response.status_code == 404 and "not loaded (unloaded)" in response.json()["error"]
+        # how to load it, over either protocol; an unloaded model has nothing to mend
+        assert "gRPC RepositoryModelLoad) loads it;" in response.json()["error"]
         client.load_model(RESNET)
         resnet.wait_for(5)
         bert.wait_for(5)

@@ -273,10 +273,12 @@ class ModelSet:
         if entry is None and not (self.repository and self.repository.has(name)):
             return ModelError(404, f"unknown model {clip(name)}; {served}")
         why = entry.reason if entry is not None else "in the repository, never loaded"
+        failed = entry is not None and "failed to load" in entry.reason
         return ModelError(
             404,
-            f"model '{name}' is not loaded ({why}); POST /v2/repository/models/{name}/load "
-            f"loads it; {served}",
+            f"model '{name}' is not loaded ({why}); a repository load (HTTP POST "
+            f"/v2/repository/models/{name}/load, gRPC RepositoryModelLoad) loads it"
+            f"{' once that is mended' if failed else ''}; {served}",
         )
 
     def _served_text(self) -> str:
