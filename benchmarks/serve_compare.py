@@ -1,4 +1,4 @@
-"""Issue 23: `kiln serve` over HTTP and gRPC against Triton serving the same artifacts
+"""`kiln serve` over HTTP and gRPC against Triton serving the same artifacts
 through Kiln's runtime, and what `kiln serve` adds to a lone request.
 
     python benchmarks/serve_compare.py --work /tmp/sc     # resnet50, bert-base, all defaults
