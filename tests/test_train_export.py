@@ -5,34 +5,18 @@ module does."""
 
 from __future__ import annotations
 
-import signal
-import sys
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from cli_helpers import kiln_cli  # noqa: E402
+
 import kiln  # noqa: E402
-from kiln.cli import main  # noqa: E402
 from kiln.train import TrainConfig, fit, load, prepare  # noqa: E402
 
 MODEL, DATA = "train_tune_helpers:wide_net", "train_tune_helpers:blobs"
 TASK = ["train", MODEL, "--data", DATA, "--batch", "16", "--steps", "3"]
-
-
-def kiln_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`kiln ARGS` in this process: exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "argv", ["kiln", *args])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main()
-    finally:
-        for signum, handler in handlers.items():  # main() installs its own
-            signal.signal(signum, handler)
-    captured = capsys.readouterr()
-    return exited.value.code, captured.out, captured.err
 
 
 def probe() -> torch.Tensor:

@@ -22,8 +22,9 @@ import pytest
 torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 
+from cli_helpers import kiln_cli as kiln  # noqa: E402
+
 import kiln.train.tune as train_tune  # noqa: E402
-from kiln.cli import main  # noqa: E402
 from kiln.train import TrainConfig, fit, read_config  # noqa: E402
 from kiln.train.tune import (  # noqa: E402
     LOSS_TOLERANCE,
@@ -48,20 +49,6 @@ STEPS = 6  # 2 warm-up + 4 measured
 def run_tune(base: TrainConfig, space: dict, trials: int, **kwargs) -> dict:
     return tune(MODEL, DATA, optimizer=OPTIMIZER, base=base, global_batch=BATCH, trials=trials,
                 probe_steps=STEPS, space={**ONLY_BASE, **space}, seed=0, **kwargs)  # fmt: skip
-
-
-def kiln(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """`kiln ARGS` in this process: exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "argv", ["kiln", *args])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main()
-    finally:
-        for signum, handler in handlers.items():  # main() installs its own
-            signal.signal(signum, handler)
-    captured = capsys.readouterr()
-    return exited.value.code, captured.out, captured.err
 
 
 def no_children() -> bool:
