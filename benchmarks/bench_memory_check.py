@@ -1,4 +1,4 @@
-"""Issue 22: `kiln bench`'s peak_rss_mib against an independent measurement.
+"""`kiln bench`'s peak_rss_mib against an independent measurement.
 
     python benchmarks/bench_memory_check.py /tmp/sc/bert-base.kiln --against ort,openvino
 

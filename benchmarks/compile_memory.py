@@ -1,4 +1,4 @@
-"""Issue 22: the peak memory of compiling a large external-data model, against its weights.
+"""The peak memory of compiling a large external-data model, against its weights.
 
     python benchmarks/compile_memory.py                       # 2.5 GiB: 40 x 4096² fp32 MatMuls
     python benchmarks/compile_memory.py --layers 4 --width 2048   # 64 MiB, a quick check

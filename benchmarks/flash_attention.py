@@ -1,4 +1,4 @@
-"""Issue 22, long sequences: what ONNX Runtime's flash path gives one Kiln artifact.
+"""Long sequences: what ONNX Runtime's flash path gives one Kiln artifact.
 
     python benchmarks/flash_attention.py ART.kiln --seq 4096 [--rounds 6] [--json F]
 

@@ -1,4 +1,4 @@
-"""Issue 22, jitter: how much of an engine's tail is the host's, at each thread count?
+"""Jitter: how much of an engine's tail is the host's, at each thread count?
 
     python benchmarks/jitter_threads.py [--model zoo:resnet50] [--rounds 10] [--runs 100] \
         [--no-openvino] [--json results/jitter_threads.json]

@@ -1,4 +1,4 @@
-"""Issue 22, item 4: long sequences — Kiln's artifacts against ONNX Runtime and OpenVINO as-is.
+"""Long sequences — Kiln's artifacts against ONNX Runtime and OpenVINO as-is.
 
     python benchmarks/long_seq.py --work /tmp/ls          # the full run: bert-base-4k at 512,
                                                           # 1,024, 2,048, 4,096; gpt2 at 512, 1,024

@@ -1,4 +1,4 @@
-"""Issue 22, "memory near its floor": OpenVINO artifacts' resident memory against their floor.
+"""Memory near its floor: OpenVINO artifacts' resident memory against their floor.
 
     python benchmarks/openvino_memory.py /tmp/ovfp32.kiln /tmp/ovint8.kiln \
         [--runs 20] [--rounds 5] [--out results/openvino_memory.json]

@@ -1,4 +1,4 @@
-"""Issue 24: a two-tower model partitioned across engines against the best single-engine build.
+"""A two-tower model partitioned across engines against the best single-engine build.
 
     python benchmarks/partition.py [--model zoo:two-tower] [--rounds 7] [--runs 10]
                                    [--out results/partition.json]

@@ -17,7 +17,7 @@ opens it as-is; the ratio is the original's P50 over the variant's, with the per
 * full-no-value-info         that artifact with its value_info removed
 
 Written when Kiln's default bert-base artifact timed 0.95× ORT as-is on an Intel Xeon with
-AVX-512 VNNI + AVX512_BF16 (README, "Issue 22 on a fifth CPU kind").
+AVX-512 VNNI + AVX512_BF16 (README, "A fifth CPU kind").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24 (item 3): `kiln split` between an edge device and a server — the cuts chosen at two
+"""`kiln split` between an edge device and a server — the cuts chosen at two
 link bandwidths, predicted against measured end-to-end time on loopback, bytes on the wire with
 and without the codec, and the outputs against the whole model.
 

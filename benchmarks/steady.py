@@ -1,4 +1,4 @@
-"""Issue 22 item 5: what each part of Kiln's steady runtime profile does to the tail.
+"""What each part of Kiln's steady runtime profile does to the tail.
 
     python benchmarks/steady.py [--models zoo:resnet50,zoo:bert-base] [--engines ort,openvino]
         [--runs 1000] [--windows 10] [--out results/steady.json]

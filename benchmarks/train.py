@@ -1,4 +1,4 @@
-"""Issue 21: what each `kiln.train` feature buys over a tutorial-style PyTorch loop.
+"""What each `kiln.train` feature buys over a tutorial-style PyTorch loop.
 
     python benchmarks/train.py [--tasks lm,cnn] [--samples-lm 320] [--samples-cnn 6400]
         [--rows plain,bf16,...] [--json results/train.json]

@@ -15,7 +15,7 @@ recipe it is (`recipes`): for a transformer such as bert-base, `openvino-int8` i
 `quantize_dynamic` defaults (ort-dynamic); for a CNN, NNCF's defaults and ORT's
 `quantize_static` defaults (QDQ, MinMax). The best *in-budget* peer is the fastest whose worst
 cosine to the fp32 outputs is ≥ 0.99 (the budget Kiln holds itself to). Each row: Kiln ÷ the
-best in-budget hand recipe, the ratio of their P50s (issue 22's target ≥ 1.00; issue 11's
+best in-budget hand recipe, the ratio of their P50s (the target ≥ 1.00; the tuner's
 ≥ 1.1), and jitter (P99−P50)/P50 against every peer's (target: lower than all). Where Kiln
 misses, the profile's roofline fraction says what limits it: `kiln profile ARTIFACT`.
 Then (`--head-to-head N`, default 4) Kiln against that best hand recipe alone, in N fresh
@@ -66,7 +66,7 @@ MIN_COSINE = 0.99
 PEER_BATCH = 32  # the issue's throughput bound: batch ≤ 32
 WINDOW_S = 3.0
 TRANSFORMERS = {"bert-base", "minilm", "gpt2", "vit-b16"}
-TARGET_VS_HAND = 1.00  # issue 22: never behind a hand recipe
+TARGET_VS_HAND = 1.00  # never behind a hand recipe
 
 
 def peers(name: str, model: ir.Model | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Issue 22: two artifacts in one process — does one session slow the other?
+"""Two artifacts in one process — does one session slow the other?
 
     python benchmarks/two_sessions.py A.kiln B.kiln [--rounds 5 --runs 20]
 

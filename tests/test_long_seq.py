@@ -1,4 +1,4 @@
-"""Long sequences (issue 22): the zoo's long-context encoder, attention fused at long lengths with
+"""Long sequences: the zoo's long-context encoder, attention fused at long lengths with
 no B·H·S² tensor left in the memory plan, and the benchmark that times it (benchmarks/long_seq.py).
 """
 

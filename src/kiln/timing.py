@@ -157,7 +157,7 @@ def flatten(rounds: list[list[float]]) -> list[float]:
     return [x for r in rounds for x in r]
 
 
-# MLPerf's figure, as issue 22 cites it: fewer runs than this cannot back a P99 at 99 %
+# MLPerf's figure: fewer runs than this cannot back a P99 at 99 %
 # confidence, so a P99 from fewer is reported as such (`p99_backed`), not hidden.
 MIN_RUNS_FOR_P99 = 662
 BOOTSTRAP_RESAMPLES = 1000
