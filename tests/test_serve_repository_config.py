@@ -101,6 +101,25 @@ def test_max_batch_size_0_serves_whole_shapes_and_batches_nothing(tmp_path, load
     assert "dynamic_batching" not in config and not models.get("m").batcher.combine
 
 
+def test_max_batch_size_0_counts_each_execution_as_batch_size_1(tmp_path) -> None:
+    # Triton's statistics for a model without a batch axis: each execution is one inference
+    # of batch size 1, whatever the leading dim of the request's tensors.
+    repository = _model(tmp_path / "repo", "max_batch_size: 0\n")
+    server = _start(tmp_path, f"--model-repository={repository}")
+    try:
+        client = triton_http.InferenceServerClient(server.url)
+        for rows in (3, 5):
+            tensor = triton_http.InferInput("x", [rows, WIDTH], "FP32")
+            tensor.set_data_from_numpy(np.zeros((rows, WIDTH), np.float32))
+            client.infer("m", [tensor])
+        (stats,) = client.get_inference_statistics("m")["model_stats"]
+    finally:
+        _stop(server)
+    assert stats["execution_count"] == 2 and stats["inference_count"] == 2
+    (batch,) = stats["batch_stats"]
+    assert batch["batch_size"] == 1 and batch["compute_infer"]["count"] == 2
+
+
 def test_max_batch_size_sets_the_batch_limit(tmp_path, load) -> None:
     _model(tmp_path, "max_batch_size: 4\ndynamic_batching { }\n")
     models, _ = load()

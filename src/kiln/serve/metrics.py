@@ -296,6 +296,8 @@ class ServeMetrics:
             # Without the engine's own record, the call was one execution. (With it, a call
             # may find none: a batch run beside it took them, and counted them.)
             runs = engine_runs() if engine_runs is not None else [(samples, seconds)]
+            if not batched:  # Triton: without a batch axis every execution is of size 1
+                runs = [(1, run_s) for _, run_s in runs]
             timed = [feeds for feeds in requests if isinstance(feeds, TimedFeeds)]
             # Before the batcher answers: a client holding its answer finds it counted.
             size = self.statistics.executed(samples, runs, sum(f.decode_s for f in timed))
