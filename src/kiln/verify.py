@@ -66,7 +66,7 @@ class Verification:
     threshold: float | None = None
     note: str | None = None  # how the budget was read, where that is not the obvious way
     # A PyTorch source: the artifact and the exported graph against PyTorch's own outputs
-    # (kiln.compiler.framework).
+    # (kiln.compiler.torch_check).
     torch: dict | None = None
 
     def to_json(self) -> dict:

@@ -25,7 +25,7 @@ from kiln.artifact import (
 )
 from kiln.backends.release import collect_garbage
 from kiln.compiler.candidate import CompileResult, compile_candidate, config_label
-from kiln.compiler.framework import EXAMPLE, check_against_framework
+from kiln.compiler.torch_check import EXAMPLE, check_against_framework
 from kiln.compiler.select import candidates, fastest, time_candidates
 from kiln.config import NO_PARTITION, CompileConfig
 from kiln.errors import KilnError

@@ -24,7 +24,7 @@ from kiln.compiler.reference import (
     reference_feeds,
     run_reference,
 )
-from kiln.compiler.unused import unused_options
+from kiln.compiler.unused_options import unused_options
 from kiln.config import HAND, CompileConfig
 from kiln.errors import KilnError
 from kiln.ir import stamp_origins

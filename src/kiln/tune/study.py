@@ -20,7 +20,7 @@ from typing import Any
 
 from kiln.backends import available_backends
 from kiln.compiler.api import load_source, save_result
-from kiln.compiler.framework import EXAMPLE
+from kiln.compiler.torch_check import EXAMPLE
 from kiln.config import ENGINES, PRECISIONS, CompileConfig, read_config
 from kiln.errors import KilnError
 from kiln.ir.inputs import read_inputs
