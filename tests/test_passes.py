@@ -21,10 +21,10 @@ from kiln.backends.ort import OrtOptions
 from kiln.ir import stamp_origins
 from kiln.passes import KilnPass, default_pipeline, run_pipeline
 from kiln.passes.canonical_mask import CanonicalMaskPass
+from kiln.passes.fusions import FUSIONS, FusionPass
 from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.prune_rows import PruneRowsPass
 from kiln.passes.refine_shapes import RefineShapesPass
-from kiln.passes.rules import FUSIONS, FusionPass
 from kiln.passes.shape_reads import ShapeReadsPass
 from kiln.passes.simplify import SimplifyPass
 

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 import kiln
 from kiln.debug.session import DebugSession
-from kiln.passes.unfused import unfused_notes
+from kiln.passes.unfused_blocks import unfused_notes
 
 
 def _model(nodes, shape, inits=()) -> ir.Model:

@@ -20,7 +20,7 @@ from kiln.compiler.reference import Feeds, copy_model
 from kiln.errors import KilnError
 from kiln.ir.weights import weight_bytes
 from kiln.passes import PassCrashed, PassReport, PassSpec, default_pipeline, run_pipeline
-from kiln.passes.unfused import unfused_notes
+from kiln.passes.unfused_blocks import unfused_notes
 from kiln.verify import Budget, Verification, compare
 
 Say = Callable[[str], None]

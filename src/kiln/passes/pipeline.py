@@ -18,10 +18,10 @@ from kiln.ir.provenance import PassTracker
 from kiln.passes.base import KilnPass
 from kiln.passes.canonical_mask import CanonicalMaskPass
 from kiln.passes.flash_attention import FlashAttentionPass
+from kiln.passes.fusions import FUSIONS, FusionPass
 from kiln.passes.noop_reshapes import NoopReshapesPass
 from kiln.passes.prune_rows import PruneRowsPass
 from kiln.passes.refine_shapes import RefineShapesPass
-from kiln.passes.rules import FUSIONS, FusionPass
 from kiln.passes.scopes import stray_outputs
 from kiln.passes.shape_reads import ShapeReadsPass
 from kiln.passes.simplify import CleanupPass, SimplifyPass, count_nodes

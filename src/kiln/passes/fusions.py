@@ -1,7 +1,7 @@
 """Fusion passes built from onnxscript rewrite rules: each entry is data, a name and a guarantee.
 
 Where onnxscript's `ort_fusions` have the rule we use it; Kiln's own rules live in
-`kiln.passes.kiln_rules` in the same rule style.
+`kiln.passes.rewrite_rules` in the same rule style.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from onnxscript.rewriter.ort_fusions import (
 )
 
 from kiln.ir import onnxscript_internals as internals
-from kiln.passes import kiln_rules
+from kiln.passes import rewrite_rules
 from kiln.passes.base import KilnPass
 from kiln.passes.fused_op_pays import skip_layernorm_slower
 from kiln.passes.gemm_as_matmul import gemm_as_matmul_rules
@@ -76,7 +76,7 @@ _EARLY: list[FusionSpec] = [
         "fuse-conv-activation",
         "Conv + Relu/Clip/Sigmoid/Tanh/LeakyRelu/HardSigmoid become com.microsoft FusedConv "
         "(Kiln rule).",
-        _rules(kiln_rules.conv_activation_rules),
+        _rules(rewrite_rules.conv_activation_rules),
     ),
     FusionSpec(
         "gemm-as-matmul",
@@ -110,7 +110,7 @@ _EARLY: list[FusionSpec] = [
         "fuse-causal-attention",
         "GPT-2 style causal attention (packed QKV, Split, Where over a triangular buffer, "
         "padding mask) becomes one com.microsoft Attention, unidirectional (Kiln rule).",
-        _rules(kiln_rules.causal_attention_rules),
+        _rules(rewrite_rules.causal_attention_rules),
         infer_shapes=True,
     ),
     FusionSpec(
@@ -145,14 +145,14 @@ FUSIONS: list[FusionSpec] = [
         "fuse-padding-mask",
         "A BERT-style extended mask feeding attention becomes the 2-D padding mask itself "
         "(Kiln rule).",
-        _rules(kiln_rules.padding_mask_rules),
+        _rules(rewrite_rules.padding_mask_rules),
         infer_shapes=True,
     ),
     FusionSpec(
         "fuse-masked-attention",
         "Q/K/V projections + attention with a padding mask become one com.microsoft "
         "Attention with packed weights (Kiln rule).",
-        _rules(kiln_rules.packed_attention_rules),
+        _rules(rewrite_rules.packed_attention_rules),
         infer_shapes=True,
     ),
     FusionSpec(
