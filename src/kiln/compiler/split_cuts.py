@@ -9,39 +9,29 @@ its outputs (all on the edge: nothing is sent). Several tensors can be named wit
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
+from kiln import units
 from kiln.compiler.split_codec import Codec
 from kiln.errors import KilnError
 from kiln.ir.subgraph import extract
 
 ALL_SERVER, ALL_EDGE, INNER = "all on server", "all on edge", "cut"
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_BANDWIDTH = re.compile(
-    r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kKmMgGtT]?)(bit|b|B|bps)(/s)?\s*$"
-)
 
 
 def parse_bandwidth(text: str | float) -> float:
     """'20Mbit/s', '200Mbit/s', '1Gbit/s', '5MB/s', '100kbps' (or bits/s as a number) → bits
-    per second; decimal units, as links are sold."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        bits = float(text)
-    else:
-        match = _BANDWIDTH.match(str(text))
-        if not match:
-            raise KilnError(
-                f"--bandwidth {text}: not a bandwidth; write it as 20Mbit/s, 1Gbit/s or 5MB/s."
-            )
-        number, prefix, unit = float(match[1]), match[2].lower(), match[3]
-        bits = number * _UNITS[prefix] * (8.0 if unit == "B" else 1.0)
-    if not bits > 0 or bits == float("inf"):
-        raise KilnError(f"--bandwidth {text}: the link must carry something; give a rate > 0.")
-    return bits
+    per second; decimal units, as links are sold (kiln.units reads it)."""
+    try:
+        return units.parse_bandwidth(text)
+    except ValueError:
+        raise KilnError(
+            f"--bandwidth {text}: not a bandwidth above zero; write it as 20Mbit/s, 1Gbit/s or "
+            "5MB/s."
+        ) from None
 
 
 @dataclass(frozen=True)

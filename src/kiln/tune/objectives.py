@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
+from kiln.units import parse_duration, parse_size
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Constraint:
         return value - self.bound if self.at_most else self.bound - value
 
 
-# flag → (measure, at most?, unit of the number, what units it accepts)
+# flag → (measure, at most?)
 LIMITS = {
     "max_p50": ("p50_ms", True),
     "max_p99": ("p99_ms", True),
@@ -64,25 +65,37 @@ LIMITS = {
     "max_memory": ("memory_mib", True),
     "min_throughput": ("throughput", False),
 }
-# Times and sizes need their unit: a bare "20" is 20 ms to one user and 20 s to the next.
-_TIME = {"us": 1e-3, "ms": 1.0, "s": 1e3}
-# In MiB: kB/MB/GB are the decimal units (10^3, 10^6, 10^9 bytes), KiB/MiB/GiB the binary ones.
-_SIZE = {"kb": 1e3 / 2**20, "kib": 1 / 1024, "mb": 1e6 / 2**20, "mib": 1.0,
-         "gb": 1e9 / 2**20, "gib": 1024.0}  # fmt: skip
+_EXAMPLES = {"p50_ms": "20ms", "p99_ms": "50ms", "memory_mib": "2GB"}
+_TIME_UNITS = " with a unit (us, ms, s)"
+_UNITS = {"p50_ms": _TIME_UNITS, "p99_ms": _TIME_UNITS,
+          "memory_mib": " with a unit (kB, MB, GB decimal; KiB, MiB, GiB binary)"}  # fmt: skip
 
 
 def parse_constraint(flag: str, text: str) -> Constraint:
     """`max_p50`, "20ms" → p50_ms ≤ 20; `max_memory`, "2GiB" → memory_mib ≤ 2048. Latency and
-    memory limits need a unit; jitter and throughput (samples/s) are bare numbers."""
+    memory limits need a unit (a bare "20" is 20 ms to one user and 20 s to the next; sizes
+    read as kiln.units does: kB/MB/GB decimal, KiB/MiB/GiB binary); jitter and throughput
+    (samples/s) are bare numbers."""
     measure, at_most = LIMITS[flag]
     name = f"--{flag.replace('_', '-')}"
+    try:
+        if measure.endswith("_ms"):
+            bound = parse_duration(text, bare_unit=None) * 1e3
+        elif measure == "memory_mib":
+            bound = parse_size(text, bare_unit=None) / 2**20
+        else:
+            bound = _bare_number(text, per_second=measure == "throughput")
+    except ValueError:
+        unit = _UNITS.get(measure, "")
+        example = _EXAMPLES.get(measure, "0.2")
+        raise KilnError(f"{name} {text}: expected a number{unit}, e.g. {name} {example}.") from None
+    return Constraint(measure, bound, at_most, f"{name} {text}")
+
+
+def _bare_number(text: str, per_second: bool) -> float:
+    """A unitless limit; a throughput may say its unit ("300/s", "300 samples/s")."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*([a-zA-Z/]*)\s*", text)
-    units = _TIME if measure.endswith("_ms") else _SIZE if measure == "memory_mib" else {"": 1.0}
-    unit = match.group(2).lower() if match else None
-    if measure == "throughput" and unit in ("/s", "samples/s"):
-        unit = ""
-    if not match or unit not in units:
-        example = {"p50_ms": "20ms", "p99_ms": "50ms", "memory_mib": "2GB"}.get(measure, "0.2")
-        unit_text = "" if "" in units else f" with a unit ({', '.join(units)})"
-        raise KilnError(f"{name} {text}: expected a number{unit_text}, e.g. {name} {example}.")
-    return Constraint(measure, float(match.group(1)) * units[unit], at_most, f"{name} {text}")
+    units = ("", "/s", "samples/s") if per_second else ("",)
+    if not match or match.group(2).lower() not in units:
+        raise ValueError(f"{text!r}: expected a number")
+    return float(match.group(1))
