@@ -12,7 +12,7 @@ The request path costs next to nothing over the engine's own run: the checks of 
 (names, dtypes, shapes, each dim within the model's limit, see limits.py) run once per
 signature (every input's name, dtype and shape) and their verdict is kept; the load monitor
 takes one append (monitor.py). ONNX Runtime's own arguments (providers, sess_options,
-run_options) are read by compat.py.
+run_options) are read by ort_args.py.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from kiln.runtime import buckets as bk
 from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind
 from kiln.runtime.arguments import checked_feeds, output_list
 from kiln.runtime.bucketset import BucketSet, Runner, executable_cap
-from kiln.runtime.compat import backend_of, check_run_options, session_overrides
 from kiln.runtime.limits import check_limits, dim_limits, max_shape
 from kiln.runtime.metadata import (
     ModelMetadata,
@@ -55,6 +54,7 @@ from kiln.runtime.metadata import (
     providers_of,
 )
 from kiln.runtime.monitor import LoadMonitor, Observation
+from kiln.runtime.ort_args import backend_of, check_run_options, session_overrides
 from kiln.runtime.padding import (
     Verdict,
     batch_dims,
@@ -312,7 +312,7 @@ class Session:
         self, output_names: list[str] | None, feeds: Feeds, run_options: Any = None
     ) -> list[np.ndarray]:
         """As onnxruntime.InferenceSession.run: the outputs named (None: all), in order;
-        `run_options`, an onnxruntime.RunOptions, is accepted (see compat.py)."""
+        `run_options`, an onnxruntime.RunOptions, is accepted (see ort_args.py)."""
         names = self._all_outputs if output_names is None else self._outputs(output_names)
         if run_options is not None:
             check_run_options(run_options, self._where)

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
-from kiln.serve.models import BatchSettings, ModelError, ModelSet, ServedModel
+from kiln.serve.models import BatchSettings, ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import (
     InferRequest,
     ProtocolError,
@@ -149,8 +149,8 @@ def _errors(app: FastAPI, models: ModelSet) -> None:
     async def refused(request: Request, exc: Refused) -> JSONResponse:
         return _refusal(exc)
 
-    @app.exception_handler(ModelError)
-    async def model_error(request: Request, exc: ModelError) -> JSONResponse:
+    @app.exception_handler(ModelUnavailable)
+    async def model_error(request: Request, exc: ModelUnavailable) -> JSONResponse:
         return _refusal(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -167,7 +167,7 @@ def _errors(app: FastAPI, models: ModelSet) -> None:
         return JSONResponse({"error": message}, status_code=exc.status_code, headers=exc.headers)
 
 
-def _refusal(exc: Refused | ModelError) -> JSONResponse:
+def _refusal(exc: Refused | ModelUnavailable) -> JSONResponse:
     """A refused request's answer: KServe's error form, the connection closed after a 408."""
     headers = {"Connection": "close"} if exc.status == BODY_TIMEOUT else None
     return _answer({"error": str(exc)}, exc.status, headers)
@@ -263,7 +263,7 @@ class InferFirst:
             # Held to the answer: an unload or a newer version waits for this request.
             with self.models.lease(model, version) as served:
                 response = await _infer(served, request, self.limit, self.timeout)
-        except (Refused, ModelError) as exc:
+        except (Refused, ModelUnavailable) as exc:
             response = _refusal(exc)
         await response(scope, receive, send)
 

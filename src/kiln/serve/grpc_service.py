@@ -41,7 +41,7 @@ from google.protobuf.message import Message
 
 from kiln.errors import KilnError
 from kiln.serve._proto import SERVICE_NAME, message, service
-from kiln.serve.models import ModelError, ModelSet, ServedModel
+from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import (
     BYTES,
     DATATYPES,
@@ -331,7 +331,7 @@ class InferenceServicer:
         # Triton answers ready=false, not an error, for a model it does not serve.
         try:
             ready = self.models.get(request.name, _version(request.version)).accepting
-        except ModelError:
+        except ModelUnavailable:
             ready = False
         return message("ModelReadyResponse")(ready=ready)
 

@@ -38,7 +38,7 @@ READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 FILE_VERSION = "1"
 
 
-class ModelError(Exception):
+class ModelUnavailable(Exception):
     """What a request about a model cannot have; `status` is the HTTP answer (404: no such
     model or version, 400: a load that failed or a repository call without a repository,
     503: the model is still loading)."""
@@ -221,7 +221,7 @@ class ModelSet:
             return [e.model for _, e in sorted(self._entries.items()) if e.model is not None]
 
     def get(self, name: str, version: str | None = None) -> ServedModel:
-        """The model served as `name` (at `version`, if given); ModelError if none."""
+        """The model served as `name` (at `version`, if given); ModelUnavailable if none."""
         with self._lock:
             return self._find(name, version)
 
@@ -254,27 +254,27 @@ class ModelSet:
             raise self._not_served(name, entry)
         model = entry.model
         if version is not None and version != model.version:
-            raise ModelError(
+            raise ModelUnavailable(
                 404,
                 f"model '{name}' has no version {clip(version)}; it serves version "
                 f"'{model.version}'",
             )
         return model
 
-    def _not_served(self, name: str, entry: _Entry | None) -> ModelError:
+    def _not_served(self, name: str, entry: _Entry | None) -> ModelUnavailable:
         """Under the lock. Triton answers NOT_FOUND (HTTP 404) for a model it does not serve,
         unloaded or never loaded; one still on its first load is UNAVAILABLE (503)."""
         if entry is not None and entry.state == LOADING:
-            return ModelError(
+            return ModelUnavailable(
                 503,
                 f"model '{name}' is loading; retry once GET /v2/models/{name}/ready answers 200",
             )
         served = self._served_text()
         if entry is None and not (self.repository and self.repository.has(name)):
-            return ModelError(404, f"unknown model {clip(name)}; {served}")
+            return ModelUnavailable(404, f"unknown model {clip(name)}; {served}")
         why = entry.reason if entry is not None else "in the repository, never loaded"
         failed = entry is not None and "failed to load" in entry.reason
-        return ModelError(
+        return ModelUnavailable(
             404,
             f"model '{name}' is not loaded ({why}); a repository load (HTTP POST "
             f"/v2/repository/models/{name}/load, gRPC RepositoryModelLoad) loads it"
@@ -318,7 +318,7 @@ class ModelSet:
         return self.index()
 
     def _try_load(self, name: str) -> None:
-        with suppress(ModelError):  # its entry says why
+        with suppress(ModelUnavailable):  # its entry says why
             self.load(name)
 
     # ------------------------------------------------------------ the model_repository calls
@@ -340,7 +340,7 @@ class ModelSet:
         repository = self.need_repository("load")
         if not repository.has(name):
             listed = ", ".join(f"'{n}'" for n in repository.names()) or "none"
-            raise ModelError(
+            raise ModelUnavailable(
                 404, f"unknown model {clip(name)}: no such folder in the repository "
                 f"{repository.root} (its models: {listed})",
             )  # fmt: skip
@@ -387,9 +387,9 @@ class ModelSet:
                 model.retire()
 
     def need_repository(self, call: str) -> Repository:
-        """The repository; ModelError (400) saying a `call` of the extension needs one."""
+        """The repository; ModelUnavailable (400) saying a `call` of the extension needs one."""
         if self.repository is None:
-            raise ModelError(
+            raise ModelUnavailable(
                 400,
                 f"the model_repository extension ({call}) needs a repository; start kiln "
                 "serve with --model-repository DIR to load and unload models while serving",
@@ -407,7 +407,7 @@ class ModelSet:
             if entry.model is None:
                 entry.state, entry.reason = LOADING, ""
 
-    def _failed(self, name: str, version: str | None, reason: str) -> ModelError:
+    def _failed(self, name: str, version: str | None, reason: str) -> ModelUnavailable:
         """Record a failed load; the 400 to answer, saying whether an older version serves."""
         what = f"'{name}'" + (f" version {version}" if version else "")
         reason = reason.rstrip(".")  # a sentence of its own no longer: more follows
@@ -422,7 +422,7 @@ class ModelSet:
                 keeps = ""
         if not self._quiet:
             log.warning("failed to load %s: %s%s", what, reason, keeps)
-        return ModelError(400, f"failed to load {what}: {reason}{keeps}")
+        return ModelUnavailable(400, f"failed to load {what}: {reason}{keeps}")
 
     def _swap_in(self, name: str, model: ServedModel) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from kiln import __version__
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.metrics import TimedFeeds
-from kiln.serve.models import ModelError, ModelSet, ServedModel
+from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import (
     InferRequest,
     ProtocolError,
@@ -278,7 +278,7 @@ def check_ids(feeds: dict[str, np.ndarray], vocabularies: dict[str, int]) -> Non
 
 def status_of(exc: Exception) -> tuple[int, str]:
     """The HTTP status and message a failure is answered with."""
-    if isinstance(exc, Refused | ModelError):
+    if isinstance(exc, Refused | ModelUnavailable):
         return exc.status, str(exc)
     if isinstance(exc, ProtocolError | KilnError):
         return 400, str(exc)

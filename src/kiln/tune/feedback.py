@@ -229,13 +229,13 @@ class FeedbackLoop:
             refused_at = self._refused.get(strategy.name)
             if refused_at is not None and time.time() - refused_at < self.cooldown_s:
                 continue
-            outcome = self.try_strategy(strategy, window)
+            outcome = self.try_strategy(strategy)
             outcomes.append(outcome)
             if outcome.adopted:
                 break  # the next window judges the new configuration
         return outcomes
 
-    def try_strategy(self, strategy: Strategy, window: Window | None = None) -> Outcome:
+    def try_strategy(self, strategy: Strategy) -> Outcome:
         """Build, check and A/B-measure `strategy` on replayed traffic; adopt it only when
         the objective improves by `min_gain` beyond noise."""
         self.say(f"feedback: trying {strategy.name} ({strategy.why})")
