@@ -10,7 +10,8 @@ import pytest
 import kiln
 from kiln import zoo
 from kiln.config import CompileConfig
-from kiln.tune.measure import bootstrap, tails
+from kiln.timing import bootstrap
+from kiln.tune.measure import tails
 from kiln.tune.objectives import parse_constraint, parse_objectives
 from kiln.tune.space import Space, project
 

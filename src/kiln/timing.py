@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -45,13 +45,33 @@ def stats(seconds: list[float], batch: int = 1) -> LatencyStats:
     )
 
 
-def _time(run: Callable[[], object], count: int) -> list[float]:
-    out = []
-    for _ in range(count):
+def time_runs(
+    run: Callable[[], object],
+    count: int,
+    *,
+    warmup: int = 0,
+    seconds: float | None = None,
+    at_least: int = 0,
+) -> list[float]:
+    """Seconds of each of `count` runs of `run`, each timed on its own, after `warmup`
+    untimed ones. With `seconds`, the runs stop once that much time has passed since the
+    first timed one began, but never before `at_least` of them are timed."""
+    for _ in range(warmup):
+        run()
+    out: list[float] = []
+    began = time.perf_counter()
+    while len(out) < count:
+        if seconds is not None and len(out) >= at_least and time.perf_counter() - began >= seconds:
+            break
         start = time.perf_counter()
         run()
         out.append(time.perf_counter() - start)
     return out
+
+
+def median_ms(run: Callable[[], object], runs: int, warmup: int = 1) -> float:
+    """The median of `runs` timed runs (at least one) after `warmup` untimed ones, in ms."""
+    return statistics.median(time_runs(run, max(runs, 1), warmup=warmup)) * 1e3
 
 
 def interleave(
@@ -71,13 +91,12 @@ def interleave(
     sessions cost each other is measured apart (benchmarks/steady.py)."""
     names = list(runners)
     for name in names:
-        _time(runners[name], warmup)
+        time_runs(runners[name], 0, warmup=warmup)
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            _time(runners[name], settle)
-            samples[name].append(_time(runners[name], runs))
+            samples[name].append(time_runs(runners[name], runs, warmup=settle))
         if on_round is not None:
             on_round(round_index + 1)
     return samples
@@ -141,9 +160,32 @@ def round_ratios(baseline: list[list[float]], engine: list[list[float]]) -> list
     ]
 
 
-def verdict_of(low: float, high: float) -> str:
-    """Faster when every round's ratio says so, slower when every one does, else neither."""
-    return FASTER if low > 1 else SLOWER if high < 1 else SAME
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a verdict calls an interval wholly above its mark, one that holds it, and one
+    wholly below."""
+
+    above: str
+    within: str
+    below: str
+
+
+SPEED = Vocabulary(FASTER, SAME, SLOWER)  # a speedup: P50(baseline) / P50(engine)
+GAIN = Vocabulary("better", "no better", "worse")  # a tuned pick against what it replaces
+
+
+def verdict_of(
+    low: float, high: float, words: Vocabulary = SPEED, *, mark: float = 1.0, margin: float = 0.0
+) -> str:
+    """The one judgement of "beyond noise": `words.above` when the whole interval [low, high]
+    lies above `mark` + `margin`, `words.below` when it lies below `mark` − `margin`, else
+    `words.within`. For a speedup's per-round ratios: faster when every round says so, slower
+    when every one does, else no different within noise."""
+    if low > mark + margin:
+        return words.above
+    if high < mark - margin:
+        return words.below
+    return words.within
 
 
 def speedups(samples: dict[str, list[list[float]]], baseline: str) -> dict[str, Speedup]:
@@ -257,18 +299,73 @@ def _jitters(p50: np.ndarray, p99: np.ndarray) -> np.ndarray:
 def _bootstrap(
     windows: list[np.ndarray], count: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`count` resamples' (P50 as the median of window medians, P99 over every run), drawn
-    in chunks so that no chunk holds more than `_BOOTSTRAP_CHUNK` runs."""
-    total = sum(len(w) for w in windows)
-    step = max(_BOOTSTRAP_CHUNK // total, 1)
-    p50s, p99s = [], []
+    """`count` resamples' (P50 as the median of window medians, P99 over every run)."""
+
+    def p50_p99(drawn: list[np.ndarray]) -> np.ndarray:
+        medians = np.stack([np.median(d, axis=1) for d in drawn], axis=1)
+        p99 = np.percentile(np.concatenate(drawn, axis=1), 99, axis=1)
+        return np.stack([np.median(medians, axis=1), p99], axis=1)
+
+    both = _resampled(windows, count, rng, p50_p99)
+    return both[:, 0], both[:, 1]
+
+
+def _resampled(
+    groups: list[np.ndarray],
+    count: int,
+    rng: np.random.Generator,
+    stat: Callable[[list[np.ndarray]], np.ndarray],
+) -> np.ndarray:
+    """The one bootstrap draw: `stat` of `count` resamples, each redrawing every group's rows
+    from that group alone, with replacement. `stat` maps the groups' draws, each shaped
+    (resamples, rows, ...), to one figure (or row of figures) per resample. Drawn in chunks
+    so that no chunk holds more than `_BOOTSTRAP_CHUNK` rows."""
+    step = max(_BOOTSTRAP_CHUNK // sum(len(g) for g in groups), 1)
+    chunks = []
     for start in range(0, count, step):
         size = min(step, count - start)
-        drawn = [w[rng.integers(0, len(w), (size, len(w)))] for w in windows]
-        medians = np.stack([np.median(d, axis=1) for d in drawn], axis=1)
-        p50s.append(np.median(medians, axis=1))
-        p99s.append(np.percentile(np.concatenate(drawn, axis=1), 99, axis=1))
-    return np.concatenate(p50s), np.concatenate(p99s)
+        chunks.append(stat([g[rng.integers(0, len(g), (size, len(g)))] for g in groups]))
+    return np.concatenate(chunks)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A figure and its bootstrap interval."""
+
+    value: float
+    low: float
+    high: float
+
+    @property
+    def halfwidth(self) -> float:
+        """Relative half-width of the interval."""
+        return (self.high - self.low) / 2 / abs(self.value) if self.value else float("inf")
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "low": self.low, "high": self.high}
+
+
+def median_of(drawn: np.ndarray) -> np.ndarray:
+    """Each resample's median: `bootstrap`'s default statistic."""
+    return np.median(drawn, axis=1)
+
+
+def bootstrap(
+    values: Sequence[float] | np.ndarray,
+    stat: Callable[[np.ndarray], np.ndarray] = median_of,
+    seed: int = 0,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+) -> Interval:
+    """`stat` of `values` and its 95 % bootstrap interval (percentile method), seeded. The
+    values may be rows (a round's two sides, redrawn together); `stat` maps draws shaped
+    (resamples, len(values), ...) to one figure per resample."""
+    data = np.asarray(values, dtype=np.float64)
+    if len(data) < 2:
+        value = float(stat(data[None])[0]) if len(data) else float("nan")
+        return Interval(value, value, value)
+    figures = _resampled([data], resamples, np.random.default_rng(seed), lambda d: stat(d[0]))
+    low, high = np.percentile(figures, [2.5, 97.5])
+    return Interval(float(stat(data[None])[0]), float(low), float(high))
 
 
 def _holding(bounds: np.ndarray, estimate: float) -> tuple[float, float]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ from kiln.errors import KilnError
 from kiln.ir import stamp_origins
 from kiln.ir.inputs import check_feeds
 from kiln.ir.subgraph import extract
+from kiln.timing import median_ms
 from kiln.verify import Budget, Verification, compare
 
 Feeds = dict[str, np.ndarray]
@@ -506,22 +505,12 @@ def _verify_parts(
     got = [_chain(edge.run, edge, server_run, server, feed) for feed in plan.feeds]
     verification = _compare(plan, got, result.chosen.codec)
     feed = plan.feeds[0]
-    times = {"edge_ms": _median_ms(lambda: edge.run(feed))}
+    times = {"edge_ms": median_ms(lambda: edge.run(feed), 10)}
     if server is not None:
         wire = dict(zip(edge.output_names, edge.run(feed), strict=True))
         wire = {n: wire[n] for n in server.input_names}
-        times["server_ms"] = _median_ms(lambda: server.run(wire))
+        times["server_ms"] = median_ms(lambda: server.run(wire), 10)
     return verification, times
-
-
-def _median_ms(call: Callable[[], Any], runs: int = 10) -> float:
-    call()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def _record(

@@ -16,9 +16,7 @@ import json
 import socket
 import statistics
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ import onnx_ir as ir
 from kiln.backends import KernelRecord, get_backend
 from kiln.errors import KilnError
 from kiln.ir.provenance import ORIGIN_KEY, split_origins
+from kiln.timing import median_ms
 
 Feeds = dict[str, np.ndarray]
 _MIN_NAME = 3  # shorter names match kernel names by accident
@@ -41,7 +40,7 @@ def node_times(
     latency (ms) they sum to."""
     # The median of three blocks' medians: one block on a shared host can sit in a slow
     # second (resnet50 on 2 cores: blocks of 20 runs read 52–68 ms in a row).
-    latency = statistics.median(_median_ms(lambda: executable.run(feeds), runs) for _ in range(3))
+    latency = statistics.median(median_ms(lambda: executable.run(feeds), runs) for _ in range(3))
     profile = executable.profile(feeds, max(3, runs // 2))
     raw = kernel_times(profile.records, compiled)
     return _scaled(raw, latency), latency
@@ -135,16 +134,6 @@ def _scaled(times: dict[str, float], total_ms: float) -> dict[str, float]:
     return {name: ms * total_ms / measured for name, ms in times.items()}
 
 
-def _median_ms(call: Callable[[], Any], runs: int) -> float:
-    call()  # warm-up
-    samples = []
-    for _ in range(max(runs, 1)):
-        start = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def whole_model_times(
     compiled: ir.Model, engine: str, options: Any, feeds: Feeds, runs: int
 ) -> tuple[dict[str, float], float]:
@@ -168,7 +157,7 @@ def loopback_overhead_ms(requests: int = 30) -> float:
         connection = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=5)
         connection.connect()
         connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _OVERHEAD.append(_median_ms(lambda: _post(connection), requests))
+        _OVERHEAD.append(median_ms(lambda: _post(connection), requests))
         connection.close()
     finally:
         server.shutdown()

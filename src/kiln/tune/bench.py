@@ -27,7 +27,8 @@ from kiln.ir.inputs import feed_dims, named_dims, synthesize
 from kiln.ir.load import LoadedModel
 from kiln.runtime.buckets import propose
 from kiln.runtime.footprint import peak_memory
-from kiln.tune.measure import Interval, bootstrap, duel, tails
+from kiln.timing import Interval, bootstrap, time_runs
+from kiln.tune.measure import duel, tails
 from kiln.tune.objectives import Constraint, Objective
 from kiln.tune.serving import Served, merged_runner, serve
 from kiln.tune.space import Choice
@@ -216,7 +217,9 @@ class Workbench:
         """The first choice, measured on its own: the base every later ratio is taken from."""
         measures, evidence = self._memory(built), {}
         if self.needs_latency:
-            seconds = _time(built.runners[0], max(200, 3 * 50), self.seconds * 2)
+            seconds = time_runs(
+                built.runners[0], max(200, 3 * 50), seconds=self.seconds * 2, at_least=20
+            )
             alone = tails(seconds)
             measures |= {
                 "p50_ms": alone.p50_ms.value,
@@ -260,15 +263,6 @@ def footprint(built: Built) -> float:
             path = save_result(built.result, Path(where) / "trial.kiln").path
             built.memory_mib = peak_memory(path, built.feeds, runs=5)["peak_mib"]
     return built.memory_mib
-
-
-def _time(run: Callable[[], object], count: int, seconds: float) -> list[float]:
-    out, start = [], time.perf_counter()
-    while len(out) < count and (len(out) < 20 or time.perf_counter() - start < seconds):
-        begin = time.perf_counter()
-        run()
-        out.append(time.perf_counter() - begin)
-    return out
 
 
 def _window(built: Built) -> float:

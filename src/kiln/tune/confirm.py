@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.timing import GAIN, verdict_of
 from kiln.tune.bench import Built, footprint, rate_duel
 from kiln.tune.measure import duel, round_p50s, speedup_interval, tails
 from kiln.tune.objectives import Objective
@@ -49,15 +50,14 @@ def verdict(objective: Objective, gains: dict[str, Any]) -> str:
     """ "better" only where the confirmation says so beyond its interval; else "no better"
     (within noise) or "worse"."""
     if objective.measure == "throughput" and "throughput_ratio" in gains:
-        low, high = gains["throughput_ratio"]["low"], gains["throughput_ratio"]["high"]
-    elif objective.measure == "p50_ms":
-        low, high = gains["speedup"]["low"], gains["speedup"]["high"]
-    elif objective.measure in ("p99_ms", "jitter"):
+        ratio = gains["throughput_ratio"]
+        return verdict_of(ratio["low"], ratio["high"], GAIN)
+    if objective.measure == "p50_ms":
+        return verdict_of(gains["speedup"]["low"], gains["speedup"]["high"], GAIN)
+    if objective.measure in ("p99_ms", "jitter"):  # lower is better: theirs − mine above 0
         mine, theirs = gains["tuned"][objective.measure], gains["defaults"][objective.measure]
-        if mine["high"] < theirs["low"]:
-            return "better"
-        return "worse" if mine["low"] > theirs["high"] else "no better"
-    else:  # memory: one measurement each; 5 % either way is noise
-        ratio = gains["defaults"]["memory_mib"] / max(gains["tuned"]["memory_mib"], 1.0)
-        return "better" if ratio > 1.05 else "worse" if ratio < 0.95 else "no better"
-    return "better" if low > 1 else "worse" if high < 1 else "no better"
+        return verdict_of(theirs["low"] - mine["high"], theirs["high"] - mine["low"], GAIN,
+                          mark=0.0)  # fmt: skip
+    # memory: one measurement each; 5 % either way is noise
+    ratio = gains["defaults"]["memory_mib"] / max(gains["tuned"]["memory_mib"], 1.0)
+    return verdict_of(ratio, ratio, GAIN, margin=0.05)

@@ -12,38 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.timing import flatten, interleave, speedup
+from kiln.timing import Interval, bootstrap, flatten, interleave, speedup
 
 WINDOW = 50  # runs per tail window: P99 of 50 runs is their worst but one (the 49.5th)
-RESAMPLES = 1000
-
-
-@dataclass(frozen=True)
-class Interval:
-    value: float
-    low: float
-    high: float
-
-    @property
-    def halfwidth(self) -> float:
-        """Relative half-width of the interval."""
-        return (self.high - self.low) / 2 / abs(self.value) if self.value else float("inf")
-
-    def to_json(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high}
-
-
-def bootstrap(values: list[float], stat: Callable = np.median, seed: int = 0) -> Interval:
-    """`stat` of `values` and its 95 % bootstrap interval."""
-    data = np.asarray(values, dtype=np.float64)
-    if len(data) < 2:
-        value = float(stat(data)) if len(data) else float("nan")
-        return Interval(value, value, value)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(data), size=(RESAMPLES, len(data)))
-    stats = np.apply_along_axis(stat, 1, data[picks])
-    low, high = np.percentile(stats, [2.5, 97.5])
-    return Interval(float(stat(data)), float(low), float(high))
 
 
 @dataclass(frozen=True)
@@ -88,14 +59,17 @@ def speedup_interval(baseline: list[list[float]], engine: list[list[float]],
     so the P50s printed beside it always agree with it — and the interval its 95 % bootstrap
     interval, resampling rounds in pairs (the two sides of a round shared the machine)."""
     value = speedup(baseline, engine).value
-    base = np.asarray([statistics.median(r) for r in baseline])
-    mine = np.asarray([statistics.median(r) for r in engine])
-    if len(mine) < 2:
+    if len(engine) < 2:
         return Interval(value, value, value)
-    picks = np.random.default_rng(seed).integers(0, len(mine), size=(RESAMPLES, len(mine)))
-    ratios = np.median(base[picks], axis=1) / np.median(mine[picks], axis=1)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return Interval(value, min(float(low), value), max(float(high), value))
+    rows = [(statistics.median(b), statistics.median(e))
+            for b, e in zip(baseline, engine, strict=True)]  # fmt: skip
+    drawn = bootstrap(rows, _ratio_of_medians, seed=seed)
+    return Interval(value, min(drawn.low, value), max(drawn.high, value))
+
+
+def _ratio_of_medians(drawn: np.ndarray) -> np.ndarray:
+    """Per resample of (baseline, engine) rows: median(baseline) / median(engine)."""
+    return np.median(drawn[..., 0], axis=1) / np.median(drawn[..., 1], axis=1)
 
 
 @dataclass(frozen=True)
