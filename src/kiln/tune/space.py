@@ -104,7 +104,7 @@ def suggest(trial: Any, space: Space, model: ir.Model, base: CompileConfig) -> C
     calib_method = base.calib_method
     if recipe is None and is_static(model, precision, engine) and engine == "ort":
         calib_method = trial.suggest_categorical("ort.calib_method", list(CALIBRATION_METHODS))
-    options = _ort(trial, space) if engine == "ort" else _openvino(trial, space, precision)
+    options = _ort(trial, space) if engine == "ort" else _openvino(trial, space)
     config = base.replace(
         engine=engine,
         precision=precision,
@@ -176,7 +176,7 @@ def _ort(trial: Any, space: Space) -> dict[str, Any]:
     return options
 
 
-def _openvino(trial: Any, space: Space, precision: str) -> dict[str, Any]:
+def _openvino(trial: Any, space: Space) -> dict[str, Any]:
     hint = trial.suggest_categorical("openvino.hint", ["LATENCY", "THROUGHPUT"])
     extra: dict[str, str] = {}
     group = trial.suggest_categorical("openvino.dynamic_quantization_group", [0, 32, 64, 128])

@@ -48,17 +48,17 @@ def connect(url: str) -> sa.Engine:
             connection.execute(sa.text("SELECT 1"))
         return engine
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
-        raise KilnError(f"--storage {_safe(url)}: not a database URL Kiln can use ({exc}).") from (
-            None
-        )
+        raise KilnError(
+            f"--storage {safe_url(url)}: not a database URL Kiln can use ({exc})."
+        ) from (None)
     except ModuleNotFoundError as exc:
         raise KilnError(
-            f"--storage {_safe(url)}: its driver is not installed ({exc.name}); for PostgreSQL "
+            f"--storage {safe_url(url)}: its driver is not installed ({exc.name}); for PostgreSQL "
             "pip install 'psycopg[binary]' and use postgresql+psycopg://..."
         ) from None
     except sa.exc.SQLAlchemyError as exc:
         reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        raise KilnError(f"--storage {_safe(url)}: cannot connect ({reason}).") from None
+        raise KilnError(f"--storage {safe_url(url)}: cannot connect ({reason}).") from None
 
 
 def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> Any:
@@ -78,7 +78,41 @@ def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRAC
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
         ))  # fmt: skip
     except Exception as exc:  # optuna wraps the database's errors in its own and others
-        raise KilnError(f"--storage {_safe(url)}: cannot open the study storage ({exc}).") from None
+        raise KilnError(
+            f"--storage {safe_url(url)}: cannot open the study storage ({exc})."
+        ) from None
+
+
+def create_study(
+    storage: Any,
+    name: str,
+    directions: list[str],
+    *,
+    trials: int,
+    seed: int | None,
+    clash: str,
+    constraints: Callable[[Any], list[float]] | None = None,
+    group: bool = False,
+) -> Any:
+    """The study `name` on `storage` (an `optuna_storage`), created or resumed, with the
+    sampler both tuners search with: multivariate TPE that starts from a quarter of `trials`
+    random ones (2 to 8: a short study must still learn). `constraints` gives a trial's
+    violations (≤ 0: met); `group` splits a space whose knobs exist only for some values of
+    others. A stored study of other `directions` is refused with `clash`."""
+    import optuna
+
+    sampler = optuna.samplers.TPESampler(
+        seed=seed, constraints_func=constraints, n_startup_trials=min(8, max(2, trials // 4)),
+        multivariate=True, group=group,
+    )  # fmt: skip
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, directions=directions,
+                                    sampler=sampler, load_if_exists=True)  # fmt: skip
+    except ValueError as exc:
+        raise KilnError(f"study '{name}': {exc}") from None
+    if [d.name.lower() for d in study.directions] != directions:
+        raise KilnError(clash)
+    return study
 
 
 def fail_dead_trials(study: Any) -> None:
@@ -199,7 +233,7 @@ def quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
-def _safe(url: str) -> str:
+def safe_url(url: str) -> str:
     """The URL without its password."""
     try:
         return sa.engine.make_url(url).render_as_string(hide_password=True)

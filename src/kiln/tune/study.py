@@ -43,10 +43,12 @@ from kiln.tune.storage import (
     GRACE_S,
     HEARTBEAT_S,
     claim,
+    create_study,
     default_url,
     fail_dead_trials,
     fail_silent_trials,
     optuna_storage,
+    safe_url,
 )
 from kiln.tune.traffic import Shape, check_traffic, load_traffic
 
@@ -166,26 +168,11 @@ def _traffic(plan: Plan, loaded: LoadedModel) -> list[Shape] | None:
 
 
 def _study(plan: Plan, storage: Any) -> Any:
-    import optuna
-
-    directions = [o.direction for o in plan.objectives]
-    sampler = optuna.samplers.TPESampler(
-        seed=plan.seed, constraints_func=_violations if plan.constraints else None,
-        n_startup_trials=min(8, max(2, plan.trials // 4)), multivariate=True,
-    )  # fmt: skip
-    try:
-        study = optuna.create_study(
-            study_name=plan.study, storage=storage, directions=directions,
-            sampler=sampler, load_if_exists=True,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise KilnError(f"study '{plan.study}': {exc}") from None
-    if [d.name.lower() for d in study.directions] != directions:
-        raise KilnError(
-            f"study '{plan.study}' exists with other objectives; choose another --study name "
-            "or the same --objective."
-        )
-    return study
+    clash = (f"study '{plan.study}' exists with other objectives; choose another --study name "
+             "or the same --objective.")  # fmt: skip
+    return create_study(storage, plan.study, [o.direction for o in plan.objectives],
+                        trials=plan.trials, seed=plan.seed, clash=clash,
+                        constraints=_violations if plan.constraints else None)  # fmt: skip
 
 
 def _violations(trial: Any) -> list[float]:
@@ -488,7 +475,7 @@ def _finish(plan, loaded, space, bench, study, pick, pareto, output, library, si
     )  # fmt: skip
     record_id = library.add(record)
     return TuneResult(
-        study=plan.study, storage=_safe_url(plan.url), trials=_states(study),
+        study=plan.study, storage=safe_url(plan.url), trials=_states(study),
         pick={
             "trial": pick.number if pick else None, "params": params,
             "values": list(pick.values) if pick else None,
@@ -536,12 +523,6 @@ def _states(study: Any) -> dict[str, int]:
     for t in study.get_trials(deepcopy=False):
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
     return counts
-
-
-def _safe_url(url: str) -> str:
-    from kiln.tune.storage import _safe
-
-    return _safe(url)
 
 
 def resolve_source(source: str) -> str:
