@@ -105,15 +105,24 @@ def peak_rss_mib() -> float:
     """This process's peak RSS: Linux's VmHWM, the high-water mark of its own address space.
     Not `ru_maxrss`, which Linux carries across exec from the process that spawned this one
     (a tuner holding 160 MiB would make every child's peak at least that)."""
+    peak = vmhwm_mib()
+    if peak is not None:
+        return peak
+    scale = 2**20 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def vmhwm_mib(pid: int | str = "self") -> float | None:
+    """Linux's VmHWM of process `pid` (this one by default), in MiB: the high-water mark of
+    its own resident set. None where there is no /proc or the process is gone."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024  # kB
     except OSError:
         pass
-    scale = 2**20 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+    return None
 
 
 def reset_peak() -> bool:
