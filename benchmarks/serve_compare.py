@@ -5,8 +5,10 @@ through Kiln's runtime, and what `kiln serve` adds to a lone request.
     python benchmarks/serve_compare.py --artifacts /tmp/sc/resnet50.kiln,/tmp/sc/bert-base.kiln
     python benchmarks/serve_compare.py --models resnet-tiny,bert-tiny --seconds 1 --rounds 2
 
-The full run is 72 blocks (2 models × 3 client counts × 4 servers × 3 rounds) of at least
-3 s each, the lone-request rounds, and the two builds (skipped with `--artifacts`).
+The default run is 72 blocks (2 models × 3 client counts × 4 servers × 3 rounds) of at least
+3 s each (3.6 minutes), then the lone-request rounds, after the two builds of full-size models
+(skipped with `--artifacts`); `--models resnet-tiny,bert-tiny --seconds 1 --rounds 2` takes
+about a minute and a half.
 
 Setup: the artifacts are built with kiln.compile (zoo:NAME, Kiln's defaults) unless
 `--artifacts` gives them. One `kiln serve` (`--port 0 --json`: HTTP and gRPC on free ports)
@@ -37,8 +39,9 @@ round trip), and Triton over HTTP and gRPC on the same model where it runs (kiln
 P50 over Triton's, and the median and range of the per-round ratios). The protocol's cost is
 null-over-protocol P50 − null-in-process P50; the check is `serve P50 / (Session.run P50 +
 that cost)` within 5 % (0.95–1.05), with the range of the per-round ratios. Prints the
-command, CPU, versions and every figure; writes JSON to `--json`, by default
-benchmarks/results/serve_compare/<date>-<cpu class>-<commit>.json.
+command, CPU, versions and every figure; writes the result file (benchmarks/_results.py) to
+benchmarks/results/serve_compare/<date>-<cpu class>-<commit>.json, and the raw figures to
+`--json` when given.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ import onnxruntime
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments
+from _serve_report import print_cells, print_lone, rows_of
 from onnx import helper, numpy_helper
 from tritonclient.utils import np_to_triton_dtype
 
@@ -74,14 +79,12 @@ from kiln.ir.inputs import synthesize
 from kiln.timing import interleave, round_p50_ms, round_ratios
 
 Feeds = dict[str, np.ndarray]
-SERVERS = ("kiln-http", "kiln-grpc", "triton-http", "triton-grpc")
 MIN_ANSWERS = 2  # per client and block, after the warm-up
 TIMEOUT_S = 300  # a single request; a hung server fails the block instead of hanging it
 WITHIN = 0.05
 # Triton's Python environment, where tests/test_triton_server.py keeps it (pytest's cache, as
 # it names it) under the same key: whichever runs first builds it for both.
 TRITON_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "d" / "kiln-triton"
-RESULTS = Path(__file__).resolve().parent / "results" / "serve_compare"
 
 
 # ---------------------------------------------------------------- clients
@@ -429,53 +432,6 @@ def _median(seconds: list[float]) -> float:
     return statistics.median(seconds)
 
 
-# ---------------------------------------------------------------- report
-
-
-def print_cells(table: list[dict], ratios: list[dict]) -> None:
-    def fig(value: dict | None, digits: int) -> str:
-        if value is None:
-            return f"{'—':>26}"
-        return (f"{value['median']:9.{digits}f} ({value['min']:.{digits}f}–"
-                f"{value['max']:.{digits}f})").ljust(26)  # fmt: skip
-
-    print(f"\n{'model':12} {'clients':>7}  {'server':12} {'req/s (rounds)':26} "
-          f"{'P50 ms (rounds)':26} {'P99 ms (rounds)':26} errors")  # fmt: skip
-    for cell in sorted(table, key=lambda c: (c["model"], c["clients"], SERVERS.index(c["server"]))):
-        print(f"{cell['model']:12} {cell['clients']:>7}  {cell['server']:12} "
-              f"{fig(cell['rps'], 1)} {fig(cell['p50_ms'], 2)} {fig(cell['p99_ms'], 2)} "
-              f"{cell['errors']}")  # fmt: skip
-    for row in ratios:
-        r = row["throughput_ratio"]
-        print(
-            f"kiln/triton throughput, {row['model']}, {row['clients']} clients, "
-            f"{row['protocol']}: {r['median']:.2f}× ({r['min']:.2f}–{r['max']:.2f})  [{cpu_line()}]"
-        )
-
-
-def print_lone(name: str, figures: dict) -> None:
-    p50 = figures["p50_ms"]
-    print(f"\n{name}, lone requests (P50, ms): Session.run {p50['session']:.3f}, "
-          f"null twin in-process {p50['null_session']:.3f}, GET health/ready "
-          f"{p50['health_http']:.3f}")  # fmt: skip
-    for protocol in ("http", "grpc"):
-        f = figures[protocol]
-        low, high = f["ratio_rounds"]
-        verdict = "within" if f["within_5pct"] else "NOT within"
-        print(
-            f"  kiln serve {protocol}: {p50[f'serve_{protocol}']:.3f} "
-            f"(+{f['serve_minus_session_ms']:.3f} over Session.run); {protocol} cost "
-            f"{f['cost_ms']:.3f} (null twin {p50[f'null_{protocol}']:.3f}); serve / (Session.run "
-            f"+ cost) = {f['ratio']:.3f} (rounds {low:.3f}–{high:.3f}): {verdict} 5 %"
-        )
-        if "over_triton" in f:
-            t = f["over_triton"]
-            rounds = t["rounds"]
-            print(f"  kiln serve {protocol} / Triton {protocol} (lone P50): {t['ratio']:.2f}× "
-                  f"(rounds {rounds['median']:.2f}, {rounds['min']:.2f}–{rounds['max']:.2f}); "
-                  f"Triton {p50[f'triton_{protocol}']:.3f} ms  [{cpu_line()}]")  # fmt: skip
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -499,35 +455,11 @@ def parse() -> argparse.Namespace:
         help="keep the artifacts built, null twins, "
         "Triton repository and logs here (default: a temporary directory)",
     )
-    parser.add_argument(
-        "--json", default=None, help=f"where to write (default: {RESULTS}/DATE-CPU-COMMIT.json)"
-    )
+    parser.add_argument("--json", default=None, help="also write the raw figures here")
+    add_arguments(parser)
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     return args
-
-
-def results_path() -> Path:
-    """The suite's file name: RESULTS/<date>-<cpu class>-<commit>.json."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=RESULTS.parent.parent,
-    ).stdout.strip()
-    return RESULTS / f"{time.strftime('%Y-%m-%d')}-{cpu_class()}-{commit or 'nocommit'}.json"
-
-
-def cpu_class() -> str:
-    """The CPU's vendor line and widest ISA, e.g. amd-epyc-avx512bf16: the engines' ranking
-    moves with it, so results are filed under it."""
-    cpu = cpu_info()
-    words = [w for w in cpu.model.lower().replace("(r)", "").split() if w.isalpha()][:2]
-    isa = next((f for f in ISA_CLASSES if f in cpu.features), cpu.machine)
-    return "-".join([*words, isa.replace("_", "")])
-
-
-ISA_CLASSES = ("amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
 def workdir(given: str | None):
@@ -544,12 +476,6 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def cpu_line() -> str:
-    """The CPU as `kiln doctor` names it, printed beside every ratio: rankings move with it."""
-    cpu = cpu_info()
-    return f"{cpu.model}, {cpu.logical_cores} cores"
 
 
 def header() -> dict:
@@ -570,6 +496,7 @@ def header() -> dict:
 
 def main() -> None:
     args = parse()
+    recorder = Recorder("serve_compare")
     result = header()
     with workdir(args.work) as where, ExitStack() as stack:
         work = Path(where)
@@ -606,7 +533,7 @@ def main() -> None:
         )
         blocks = {} if args.lone_only else throughput(targets, models, args)
         result.update({
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "settings": settings(args, models),
             "artifacts": {m.name: str(m.artifact) for m in models},
             "inputs": {m.name: {k: list(v.shape) for k, v in m.feeds.items()} for m in models},
             "batchers": {t.name: {m.name: batcher(t, m.name) for m in models}
@@ -624,10 +551,18 @@ def main() -> None:
         for model in models:
             model.session.close()
             model.null_session.close()
-    out = Path(args.json) if args.json else results_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    print(f"wrote {recorder.write(rows_of(result), result, args.results)}")
+
+
+def settings(args: argparse.Namespace, models: list[Model]) -> dict:
+    """The options as run, `models` naming what was really served (--artifacts or built)."""
+    kept = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if k not in ("json", "results")}  # fmt: skip
+    return kept | {"models": ",".join(m.name for m in models)}
 
 
 if __name__ == "__main__":
