@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from kiln.profile.finding import Finding
+
 _KERNEL_FIELDS = (
     "key", "op_type", "kernel", "precision", "median_ms", "share", "graph_nodes", "original",
     "passes", "bound", "efficiency", "achieved_gflops", "roof_gflops", "intensity", "flops",
@@ -63,13 +65,13 @@ def _share(kernels: list[dict[str, Any]], field: str) -> dict[str, float]:
     return dict(out)
 
 
-def _finding(finding: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _finding(data: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A finding with the compiled and original nodes of the kernels it names."""
+    finding = Finding.from_json(data)
     graph_nodes: list[str] = []
     original: list[str] = []
-    for name in finding.get("nodes", []):
+    for name in finding.nodes:
         kernel = by_name.get(name, {})
         graph_nodes += [n for n in kernel.get("graph_nodes", []) if n not in graph_nodes]
         original += [n for n in kernel.get("original", []) if n not in original]
-    return {**finding, "kernels": finding.get("nodes", []), "graph_nodes": graph_nodes,
-            "original": original}  # fmt: skip
+    return {**data, "kernels": finding.nodes, "graph_nodes": graph_nodes, "original": original}

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import onnx_ir as ir
 
 from kiln.cost import peak_compute
+from kiln.profile.finding import Finding
 from kiln.profile.mapping import core_op
 from kiln.profile.roofline import mixed_peak
 
@@ -44,20 +45,6 @@ _PROB_PATH = {"Cast", "Dropout", "Identity"}  # between Softmax and ·V
 
 
 @dataclass
-class Finding:
-    kind: str
-    title: str
-    share: float  # of the per-run kernel time
-    time_ms: float  # per run
-    evidence: str
-    action: str
-    nodes: list[str] = field(default_factory=list)  # the slowest kernels concerned
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
 class Context:
     nodes: list[dict[str, Any]]  # per-kernel entries, slowest first
     model: ir.Model  # the graph the engine was given
@@ -77,14 +64,16 @@ class Context:
         return sum(n["median_ms"] for n in self.nodes)
 
 
-def _finding(ctx: Context, kind: str, title: str, chosen: list[dict], evidence: str, action: str):
+def _finding(
+    ctx: Context, kind: str, title: str, chosen: list[dict], evidence: str, action: str
+) -> Finding | None:
     if not chosen:
         return None
     ctx.claimed.update(n["node"] for n in chosen)
     time_ms = sum(n["median_ms"] for n in chosen)
     share = time_ms / ctx.total_ms if ctx.total_ms > 0 else 0.0
     top = [n["node"] for n in sorted(chosen, key=lambda n: n["median_ms"], reverse=True)[:5]]
-    return Finding(kind, title, share, time_ms, evidence, action, top)
+    return Finding(kind, title, share, time_ms, evidence, action, nodes=top)
 
 
 def _optimize(ctx: Context, flags: str = "") -> str:
