@@ -6,7 +6,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
+# One look for every report's figures.
+LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
 
 
 def roofline_figure(result: dict[str, Any]) -> go.Figure:
@@ -63,7 +64,7 @@ def roofline_figure(result: dict[str, Any]) -> go.Figure:
         xaxis={"type": "log", "title": "arithmetic intensity (FLOP/byte)"},
         yaxis={"type": "log", "title": "achieved GFLOP/s"},
         height=520,
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure
 
@@ -96,7 +97,7 @@ def timeline_figure(result: dict[str, Any]) -> go.Figure:
         title="timeline of one run (ms)",
         xaxis={"title": "ms from the start of the run"},
         height=max(240, 60 + 22 * rows),
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure
 
@@ -119,7 +120,7 @@ def memory_figure(result: dict[str, Any]) -> go.Figure:
         yaxis={"title": "MiB"},
         height=340,
         showlegend=False,
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure
 
@@ -172,6 +173,6 @@ def memory_plan_figure(result: dict[str, Any]) -> go.Figure:
         yaxis={"title": "MiB alive", "rangemode": "tozero"},
         height=340,
         showlegend=False,
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure

@@ -4,22 +4,19 @@ self-contained HTML page (the error per layer along the graph, every row in a ta
 
 from __future__ import annotations
 
-import html
 import math
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
-import plotly.offline
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.home import atomic_write_text
+from kiln.report.charts import LAYOUT
+from kiln.report.html import div, render, write_page
 from kiln.report.terminal import module_and_source
 
-_CONFIG = {"displaylogo": False, "responsive": True}
-_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
 MAX_TABLE_ROWS = 40  # a bigger model shows the rows around the first divergence and the worst
 CONTEXT = 5
 
@@ -147,7 +144,7 @@ def _error_figure(result: dict[str, Any]) -> go.Figure:
         xaxis_title="layer",
         yaxis={"title": "max abs", "type": "log"},
         yaxis2={"title": "cosine", "overlaying": "y", "side": "right"},
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure
 
@@ -159,39 +156,17 @@ def _first_index(result: dict[str, Any]) -> int | None:
 
 def compare_html(result: dict[str, Any]) -> str:
     first = _first_index(result)
-    rows = "".join(
-        f'<tr class="{"first" if r["index"] == first else "" if r["ok"] else "over"}">'
-        f"<td>{r['index']}</td><td>{html.escape(r['node'])}</td>"
-        f"<td>{html.escape(r['op_type'])}</td><td>{html.escape(module_and_source(r))}</td>"
-        f"<td>{_number(r['max_abs'])}</td>"
-        f"<td>{_number(r['max_rel'])}</td><td>{_cosine(r['cosine'])}</td>"
-        f"<td>{html.escape(_side(r['a']))}</td><td>{html.escape(_side(r['b']))}</td></tr>"
+    rows = [
+        {"mark": "first" if r["index"] == first else "" if r["ok"] else "over",
+         "cells": [r["index"], r["node"], r["op_type"], module_and_source(r),
+                   _number(r["max_abs"]), _number(r["max_rel"]), _cosine(r["cosine"]),
+                   _side(r["a"]), _side(r["b"])]}
         for r in result["layers"]
-    )
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in result["notes"])
-    figure = _error_figure(result).to_html(full_html=False, include_plotlyjs=False, config=_CONFIG)
-    a, b = result["a"], result["b"]
-    return f"""<!doctype html><html><head><meta charset="utf-8">
-<title>kiln compare {html.escape(a["spec"])} → {html.escape(b["spec"])}</title>
-<script>{plotly.offline.get_plotlyjs()}</script>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px}}
-tr.over{{background:#ffccbc}}tr.first{{background:#ef9a9a;font-weight:bold}}</style>
-</head><body>
-<h1>kiln compare</h1>
-<p>A: {html.escape(a["spec"])} ({a["engine"]} {a["precision"]})<br>
-B: {html.escape(b["spec"])} ({b["engine"]} {b["precision"]})<br>
-inputs: {html.escape(result["inputs"])}; budget: {html.escape(result["budget"]["text"])};
-{result["shared_tensors"]} shared intermediate tensors</p>
-<p><b>{html.escape(headline(result))}</b></p>
-<ul>{notes}</ul>
-{figure}
-<table><tr><th>#</th><th>node (original)</th><th>op</th><th>module · source</th><th>max abs</th>
-<th>max rel</th>
-<th>cosine</th><th>A: precision, passes</th><th>B: precision, passes</th></tr>{rows}</table>
-</body></html>"""
+    ]  # fmt: skip
+    return render("compare.html.j2", r=result, a=result["a"], b=result["b"],
+                  headline=headline(result), figure=div(_error_figure(result)),
+                  rows=rows)  # fmt: skip
 
 
 def write_compare_html(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    atomic_write_text(path, compare_html(result))
-    return path
+    return write_page(compare_html(result), path)

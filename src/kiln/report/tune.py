@@ -4,18 +4,16 @@ parameter importances). Takes `TuneResult.to_json()`: plain data, no tuner impor
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
-import plotly.offline
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-_CONFIG = {"displaylogo": False, "responsive": True}
-_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "template": "plotly_white"}
+from kiln.report.charts import LAYOUT
+from kiln.report.html import div, render, write_page
 
 
 def _interval(value: dict[str, float], unit: str = "", digits: int = 3) -> str:
@@ -57,8 +55,7 @@ def print_tune(result: dict[str, Any], console: Console) -> None:
         else f"the defaults: the best trial was {gains['verdict']} beyond noise"
     )  # fmt: skip
     table.add_row("verdict", "", f"{gains['verdict']}; written: {kept}")
-    changed = measured.get("changed") or {k: list(v) for k, v in result["changed"].items()}
-    for knob, (before, after) in sorted(changed.items()):
+    for knob, (before, after) in sorted(_changed(result).items()):
         table.add_row(f"  {escape(knob)}", escape(str(before)), escape(str(after)))
     console.print(table)
     console.print(
@@ -86,6 +83,12 @@ def trial_states(counts: dict[str, int]) -> str:
     """`{"COMPLETE": 1, "WAITING": 3}` → "1 complete (measured), 3 waiting (queued ...)"."""
     return ", ".join(f"{n} {s.lower()}" + (f" ({_STATES[s]})" if s in _STATES else "")
                      for s, n in sorted(counts.items()))  # fmt: skip
+
+
+def _changed(result: dict[str, Any]) -> dict[str, list[Any]]:
+    """Knob → [default, tuned] of the configuration measured against the defaults."""
+    measured = result["gains"].get("measured") or {}
+    return measured.get("changed") or {k: list(v) for k, v in result["changed"].items()}
 
 
 def _configuration(params: dict[str, Any]) -> str:
@@ -153,7 +156,7 @@ def _trials_figure(result: dict[str, Any], objectives: list[str]) -> go.Figure:
     figure.add_trace(go.Scatter(x=list(best), y=list(best.values()), mode="lines",
                                 line={"shape": "hv"}, name="best so far"))  # fmt: skip
     figure.update_layout(title="trials", xaxis_title="trial number",
-                         yaxis_title=_axis(result, 0, objectives[0]), **_LAYOUT)  # fmt: skip
+                         yaxis_title=_axis(result, 0, objectives[0]), **LAYOUT)  # fmt: skip
     return figure
 
 
@@ -168,7 +171,7 @@ def _pareto_figure(result: dict[str, Any], objectives: list[str]) -> go.Figure:
                                 y=[f["values"][1] for f in front], mode="markers",
                                 name="Pareto front", marker={"size": 12}))  # fmt: skip
     figure.update_layout(title="Pareto front", xaxis_title=_axis(result, 0, objectives[0]),
-                         yaxis_title=_axis(result, 1, objectives[1]), **_LAYOUT)  # fmt: skip
+                         yaxis_title=_axis(result, 1, objectives[1]), **LAYOUT)  # fmt: skip
     return figure
 
 
@@ -178,7 +181,7 @@ def _importance_figure(importances: dict[str, float]) -> go.Figure:
     figure.update_layout(
         title="parameter importance (fANOVA)",
         xaxis_title="share of the first objective's variance",
-        **_LAYOUT,
+        **LAYOUT,
     )
     return figure
 
@@ -197,8 +200,8 @@ def _outcome(h: dict[str, Any], front: set[int], pick: int | None) -> str:
     return ", ".join(tags) or "measured"
 
 
-def _trials_table(result: dict[str, Any], objectives: list[str]) -> str:
-    esc = html.escape
+def _trial_rows(result: dict[str, Any], objectives: list[str]) -> tuple[list, list]:
+    """The every-trial table: its heads, and one row of cells per trial."""
     front = {f["trial"] for f in result["pareto"]}
     pick = result["pick"].get("trial")
     best = _best_so_far(result)
@@ -213,14 +216,12 @@ def _trials_table(result: dict[str, Any], objectives: list[str]) -> str:
     rows = []
     for h in sorted(result["history"], key=lambda h: h["trial"]):
         values = h["values"] or [None] * len(objectives)
-        cells = [str(h["trial"]), h["state"].lower(),
-                 *("" if v is None else f"{v:.4g}" for v in values[: len(objectives)]),
-                 f"{best[h['trial']]:.4g}" if h["trial"] in best else "",
-                 _outcome(h, front, pick),
-                 ", ".join(f"{k}={v}" for k, v in sorted(h["params"].items()))]  # fmt: skip
-        rows.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
-    head = "".join(f"<th>{esc(h)}</th>" for h in heads)
-    return f"<table class=trials><tr>{head}</tr>{''.join(rows)}</table>"
+        rows.append([str(h["trial"]), h["state"].lower(),
+                     *("" if v is None else f"{v:.4g}" for v in values[: len(objectives)]),
+                     f"{best[h['trial']]:.4g}" if h["trial"] in best else "",
+                     _outcome(h, front, pick),
+                     ", ".join(f"{k}={v}" for k, v in sorted(h["params"].items()))])  # fmt: skip
+    return heads, rows
 
 
 def tune_html(result: dict[str, Any], objectives: list[str]) -> str:
@@ -229,45 +230,15 @@ def tune_html(result: dict[str, Any], objectives: list[str]) -> str:
         figures.append(_pareto_figure(result, objectives))
     if result.get("importances"):
         figures.append(_importance_figure(result["importances"]))
-    divs = "\n".join(
-        f.to_html(full_html=False, include_plotlyjs=False, config=_CONFIG) for f in figures
-    )
     gains = result["gains"]
-    changed = (gains.get("measured") or {}).get("changed") or {
-        k: list(v) for k, v in result["changed"].items()
-    }
-    rows = (
-        "".join(
-            f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(a))}</td>"
-            f"<td>{html.escape(str(b))}</td></tr>"
-            for k, (a, b) in sorted(changed.items())
-        )
-        or "<tr><td colspan=3>none: the trial confirmed is the defaults</td></tr>"
-    )
-    speed = gains["speedup"]
-    trial = (gains.get("measured") or {}).get("trial")
-    return f"""<!doctype html><html><head><meta charset="utf-8">
-<title>kiln tune {html.escape(result["study"])}</title>
-<script>{plotly.offline.get_plotlyjs()}</script>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px;text-align:left}}
-table.trials td{{border-top:1px solid #ddd;font-size:90%}}</style></head><body>
-<h1>kiln tune — {html.escape(result["study"])}</h1>
-<p>verdict: <b>{html.escape(gains["verdict"])}</b>; trial {trial} against the defaults:
-speedup {speed["value"]:.2f}× (95 % interval {speed["low"]:.2f}–{speed["high"]:.2f}) over
-{speed["runs"]} interleaved runs each; P50 {gains["defaults"]["p50_ms"]["value"]:.4g} ms →
-{gains["tuned"]["p50_ms"]["value"]:.4g} ms.</p>
-<p>{html.escape(trial_states(result["trials"]))}. The study lives in
-<code>{html.escape(result["storage"])}</code>:
-<code>optuna-dashboard {html.escape(result["storage"])}</code> browses it live.</p>
-<h2>knobs of trial {trial} that differ from the defaults</h2>
-<table><tr><th>knob</th><th>default</th><th>trial {trial}</th></tr>{rows}</table>
-{divs}
-<h2>every trial</h2>
-{_trials_table(result, objectives)}
-</body></html>"""
+    heads, rows = _trial_rows(result, objectives)
+    return render(
+        "tune.html.j2", r=result, gains=gains, speed=gains["speedup"],
+        trial=(gains.get("measured") or {}).get("trial"), changed=sorted(_changed(result).items()),
+        states=trial_states(result["trials"]), figures=[div(f) for f in figures], heads=heads,
+        rows=rows,
+    )  # fmt: skip
 
 
 def write_tune_html(result: dict[str, Any], objectives: list[str], path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(tune_html(result, objectives), encoding="utf-8")
-    return path
+    return write_page(tune_html(result, objectives), path)
