@@ -105,3 +105,15 @@ def test_the_loop_keeps_seeing_traffic_once_the_monitors_window_is_full():
     monitor.record(Observation({"batch": 16}, "dynamic", 2e-3, 16, 16), 1)
     fresh, cursor = monitor.since(cursor)
     assert [o.dims for o in fresh] == [{"batch": 16}] and cursor == 31
+
+
+def test_kiln_session_with_feedback_attaches_a_loop_that_close_stops():
+    before = set(threading.enumerate())
+    session = kiln.Session("zoo:resnet-tiny", feedback=True, feedback_options={"interval_s": 600})
+    loop = session.feedback
+    assert isinstance(loop, FeedbackLoop) and loop.session is session
+    assert session.keep_requests == 256  # replayed by the loop's A/B rounds
+    started = [t for t in threading.enumerate() if t not in before and t.name == "kiln-feedback"]
+    assert len(started) == 1
+    session.close()
+    assert not started[0].is_alive()

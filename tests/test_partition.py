@@ -28,7 +28,7 @@ from kiln.compiler.partition_measure import cores
 from kiln.errors import KilnError
 from kiln.ir import load_model, stamp_origins
 from kiln.ir.inputs import synthesize
-from kiln.runtime.parts import PartitionedSession
+from kiln.runtime import PartitionedSession, SessionLike
 from kiln.verify import FP32_TOLERANCE, check_output
 
 MODEL = "zoo:two-tower-tiny"
@@ -65,7 +65,7 @@ def test_partitioned_outputs_match_the_unpartitioned_model(built, original) -> N
     assert verification.ok and verification.precision == "fp32"
     noise = {o.name: o.engine_noise for o in verification.outputs}
     with kiln.Session(built.path) as session:
-        assert isinstance(session, PartitionedSession)
+        assert isinstance(session, PartitionedSession) and isinstance(session, SessionLike)
         for seed, batch in ((1, 1), (2, 3)):  # inputs other than the reference ones
             feeds = synthesize(session.interface, dims={"batch": batch}, seed=seed)
             got = session.run(None, feeds)
@@ -129,6 +129,8 @@ def test_one_graph_verbs_name_the_parts_to_use(built, tmp_path) -> None:
     assert part.manifest.source.path == str((built.path / "parts" / "image.onnx").absolute())
     with pytest.raises(KilnError, match="does not offer shape buckets"):
         kiln.Session(built.path, buckets="batch=1,4")
+    with pytest.raises(KilnError, match="does not offer the feedback loop"):
+        kiln.Session(built.path, feedback=True)
 
 
 # ----------------------------------------------------------------------------- the CLI

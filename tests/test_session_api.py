@@ -256,7 +256,7 @@ def test_openvino_provider_picks_openvino(bert_file):
 def test_the_signature_shows_the_real_parameters():
     import inspect
 
-    from kiln.runtime import Session
+    from kiln.runtime import LocalSession, Session
 
     parameters = inspect.signature(Session).parameters
     assert list(parameters)[:4] == [
@@ -265,5 +265,18 @@ def test_the_signature_shows_the_real_parameters():
         "providers",
         "provider_options",
     ]
-    assert {"backend", "buckets", "options", "keep_requests"} <= set(parameters)
-    assert "run_options" in inspect.signature(Session.run).parameters
+    assert {"backend", "buckets", "options", "keep_requests", "remote"} <= set(parameters)
+    assert "run_options" in inspect.signature(LocalSession.run).parameters
+    # kiln.Session: the runtime's parameters, the same defaults, and the feedback loop's
+    top = inspect.signature(kiln.Session).parameters
+    assert list(top) == [*parameters, "feedback", "feedback_options"]
+    for name, parameter in parameters.items():
+        assert (top[name].kind, top[name].default) == (parameter.kind, parameter.default), name
+
+
+def test_a_model_run_here_is_a_local_session(pair):
+    from kiln.runtime import LocalSession, SessionLike
+
+    session, _ = pair
+    assert isinstance(session, LocalSession) and isinstance(session, SessionLike)
+    assert session.feedback is None

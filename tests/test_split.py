@@ -19,6 +19,7 @@ import kiln
 from kiln.artifact import read_artifact
 from kiln.compiler.split_cuts import ALL_EDGE, ALL_SERVER, parse_bandwidth
 from kiln.errors import KilnError
+from kiln.runtime import RemoteSession, SessionLike
 from kiln.verify import cosine
 
 MODEL = "zoo:resnet-tiny"
@@ -184,6 +185,7 @@ def test_cli_writes_both_artifacts_and_json(tmp_path, monkeypatch, capsys) -> No
 
 def test_edge_session_and_kiln_serve_answer_like_the_whole_model(parts, server, whole) -> None:
     with kiln.Session(parts.edge_path, remote=server.base, timeout=30) as remote:
+        assert isinstance(remote, RemoteSession) and isinstance(remote, SessionLike)
         assert remote.output_names == whole.output_names
         for seed in range(REQUESTS):
             feeds = _image(seed, batch=1 + seed % 3)
@@ -253,3 +255,19 @@ def test_a_session_without_remote_refuses_remote_settings(parts) -> None:
         kiln.Session(parts.edge_path, timeout=3)
     with pytest.raises(KilnError, match="not one"):
         kiln.Session(MODEL, remote="http://127.0.0.1:1")
+
+
+def test_feedback_on_a_remote_session_is_refused_clearly(parts) -> None:
+    # The loop tunes a model run here; the server part is tuned where it is served.
+    with pytest.raises(KilnError, match="kiln serve --feedback"):
+        kiln.Session(parts.edge_path, remote="http://127.0.0.1:1", feedback=True)
+
+
+def test_run_options_reach_the_edge_part(parts) -> None:
+    import onnxruntime as ort
+
+    stop = ort.RunOptions()
+    stop.terminate = True  # refused before the edge part runs, so before the server is asked
+    remote = kiln.Session(parts.edge_path, remote="http://127.0.0.1:1")
+    with remote, pytest.raises(KilnError, match="terminate is set"):
+        remote.run(None, _image(0), stop)

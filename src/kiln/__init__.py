@@ -3,7 +3,12 @@
 `import kiln` is light: the compiler, the runtime and the engines load on first use.
 """
 
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __version__ = "0.1.0"
 
@@ -11,18 +16,68 @@ _LAZY = {
     "compile": ("kiln.compiler", "compile"),
     "CompileConfig": ("kiln.config", "CompileConfig"),
     "KilnError": ("kiln.errors", "KilnError"),
-    "Session": ("kiln.tune.feedback", "Session"),  # the runtime Session, + feedback=True
     "split": ("kiln.compiler.split", "split"),  # an edge part and a server part (kiln split)
 }
+
+
+def Session(  # noqa: N802 (named as the class it stands for, as in onnxruntime)
+    path_or_model: str | Path,
+    sess_options: Any = None,
+    providers: list[Any] | None = None,
+    provider_options: list[dict[str, Any]] | None = None,
+    *,
+    backend: str | None = None,
+    buckets: dict[str, list[int]] | str | None = None,
+    warmup: bool = False,
+    adaptive: bool = False,
+    share_weights: bool = True,
+    options: dict[str, Any] | None = None,
+    keep_requests: int = 0,
+    steady: bool = True,
+    remote: str | None = None,
+    model_name: str | None = None,
+    timeout: float | None = None,
+    link_bandwidth: float | None = None,
+    feedback: bool = False,
+    feedback_options: dict[str, Any] | None = None,
+) -> Any:  # kiln.runtime's LocalSession | PartitionedSession | RemoteSession
+    """`kiln.runtime.Session`: a model opened to run as onnxruntime.InferenceSession runs (a
+    LocalSession, or a PartitionedSession or RemoteSession where the model asks for one, see
+    there). With `feedback=True`, a kiln.tune FeedbackLoop tunes it from its live traffic
+    (`feedback_options`: the loop's keyword arguments; `.feedback` is the loop, stopped by
+    `close`); the session then keeps its last 256 requests for replay unless `keep_requests`
+    says otherwise."""
+    if feedback:
+        _load("kiln.tune.feedback", "check_tunable")(path_or_model, remote)
+        keep_requests = keep_requests or _load("kiln.tune.feedback", "KEEP_REQUESTS")
+    session = _load("kiln.runtime", "Session")(
+        path_or_model, sess_options, providers, provider_options, backend=backend,
+        buckets=buckets, warmup=warmup, adaptive=adaptive, share_weights=share_weights,
+        options=options, keep_requests=keep_requests, steady=steady, remote=remote,
+        model_name=model_name, timeout=timeout, link_bandwidth=link_bandwidth,
+    )  # fmt: skip
+    if feedback:
+        loop = _load("kiln.tune.feedback", "FeedbackLoop")
+        try:
+            session.feedback = loop(session, **(feedback_options or {})).start()
+        except BaseException:
+            session.close()  # a loop that cannot start leaves nothing open
+            raise
+    return session
+
+
+def _load(module: str, name: str) -> Any:
+    """`module.name`, imported on first use, and by name: the packages that import `kiln` for
+    its __version__ must not count as importing what it loads (the import-linter layers)."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'kiln' has no attribute '{name}'")
-    import importlib
-
-    module, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(module), attribute)
+    value = _load(*_LAZY[name])
     globals()[name] = value
     return value
 

@@ -40,7 +40,7 @@ from kiln.runtime.padding import batch_dims, input_layout
 Feeds = dict[str, np.ndarray]
 # Runs whose times `stats` keeps, per part and for the whole: its percentiles are recent ones.
 RECENT_RUNS = 1000
-# What a partitioned session does not do yet, by Session keyword.
+# What a partitioned session does not do yet, by LocalSession keyword (and kiln.Session's).
 _NOT_YET = {
     "buckets": "shape buckets",
     "warmup": "bucket warm-up",
@@ -56,7 +56,8 @@ _NOT_YET = {
 
 
 class PartitionedSession:
-    """Runs a partitioned artifact: `run(output_names, feeds)` as `kiln.Session.run`.
+    """Runs a partitioned artifact: `run(output_names, feeds)` as `LocalSession.run`; the
+    settings only a LocalSession takes are refused, one clear message each.
 
     `on_event(what, part)` is called on the thread running a part as it starts ("start") and
     ends ("end"); `events` holds the last run's (what, part, perf_counter seconds, thread id).
@@ -65,12 +66,12 @@ class PartitionedSession:
     def __init__(
         self,
         path: str | Path,
-        *args: Any,
+        *,
         on_event: Callable[[str, str], None] | None = None,
-        **kwargs: Any,
+        **settings: Any,
     ) -> None:
         self._where = str(path)
-        _refuse(self._where, args, kwargs)
+        _refuse(self._where, settings)
         whole, self.section, parts = read_partitioned(path)
         self.artifact = whole
         self.interface = interface_of(whole.manifest)
@@ -144,7 +145,7 @@ class PartitionedSession:
     def run(
         self, output_names: list[str] | None, feeds: Feeds, run_options: Any = None
     ) -> list[np.ndarray]:
-        """As kiln.Session.run: the outputs named (None: all), in order."""
+        """As LocalSession.run: the outputs named (None: all), in order."""
         names = output_list(output_names, self._outputs, self._where)
         if run_options is not None:
             raise KilnError(f"{self._where}: run_options are not taken by a partitioned artifact.")
@@ -256,13 +257,11 @@ def _percentiles(times: deque[float]) -> dict[str, float | int]:
             "p99_ms": percentile_ms(recent, 99)}  # fmt: skip
 
 
-def _refuse(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Session arguments a partitioned artifact does not take yet: one clear error each."""
-    given = {k: v for k, v in kwargs.items() if v not in (None, False, 0, {}, [], "")}
+def _refuse(where: str, settings: dict[str, Any]) -> None:
+    """LocalSession settings a partitioned artifact does not take yet: one clear error each."""
+    given = {k: v for k, v in settings.items() if v not in (None, False, 0, {}, [], "")}
     given.pop("share_weights", None)  # a memory choice of ORT buckets: nothing to share here
     given.pop("steady", None)
-    if args and any(a is not None for a in args):
-        given.setdefault("sess_options", args[0])
     for key in given:
         what = _NOT_YET.get(key, f"'{key}'")
         raise KilnError(

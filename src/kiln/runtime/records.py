@@ -5,10 +5,12 @@ last bucket set swapped in (an adaptive session starts from it)."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kiln.home import kiln_home, read_cache_json, write_cache_json
+from kiln.runtime.padding import Verdict
 
 
 def record_path(model_path: str, backend: str) -> Path:
@@ -28,3 +30,20 @@ def load_record(path: Path) -> dict[str, Any]:
 def save_record(path: Path, data: dict[str, Any]) -> None:
     """Written atomically; a record that cannot be written is skipped: it is only a cache."""
     write_cache_json(path, data)
+
+
+def verdicts_json(verdicts: dict[str, Verdict]) -> dict[str, Any]:
+    """The padding verdicts as a record keeps them, by dim."""
+    out = {d: asdict(v) for d, v in verdicts.items()}
+    for v in out.values():
+        del v["dim"]
+    return out
+
+
+def recorded_verdicts(record: dict[str, Any]) -> dict[str, Verdict] | None:
+    """The padding verdicts an earlier session recorded; None if the record is from another
+    Kiln version (then it is ignored and everything is checked again)."""
+    try:
+        return {d: Verdict(d, **v) for d, v in record.get("padding", {}).items()}
+    except (TypeError, AttributeError):
+        return None

@@ -26,16 +26,15 @@ import time
 import urllib.parse
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kiln.errors import KilnError
 from kiln.runtime.metadata import NodeArg
 from kiln.runtime.monitor import LATENCY_SAMPLES, percentile_ms
-
-if TYPE_CHECKING:
-    from kiln.runtime.session import Session
+from kiln.runtime.parts import PartitionedSession
+from kiln.runtime.session import LocalSession
 
 Feeds = dict[str, np.ndarray]
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -51,14 +50,14 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 
 class RemoteSession:
-    """The edge part here (`local`, a runtime Session of edge.kiln), the server part at
-    `remote` as model `model_name` (default: the name the split wrote); the same
-    `run(output_names, feeds)`, `run_batch` and `stats` as kiln.Session, returning the
-    server's outputs (the whole model's)."""
+    """The edge part here (`local`, the session of edge.kiln), the server part at `remote` as
+    model `model_name` (default: the name the split wrote); the same `run(output_names,
+    feeds)`, `run_batch` and `stats` as a LocalSession, returning the server's outputs (the
+    whole model's)."""
 
     def __init__(
         self,
-        local: Session,
+        local: LocalSession | PartitionedSession,
         remote: str,
         *,
         model_name: str | None = None,
@@ -116,7 +115,8 @@ class RemoteSession:
         self, output_names: list[str] | None, feeds: Feeds, run_options: Any = None
     ) -> list[np.ndarray]:
         """The edge part on `feeds` here, its encoded boundary posted to the server, the
-        server's outputs back (those named; None: all)."""
+        server's outputs back (those named; None: all). `run_options` goes to the edge part's
+        run, as LocalSession.run takes it (its `terminate` refuses the run)."""
         started = time.perf_counter()
         names = self.output_names if output_names is None else list(output_names)
         unknown = [n for n in names if n not in self.output_names]
@@ -124,7 +124,8 @@ class RemoteSession:
             raise KilnError(
                 f"{self.url}: no output '{unknown[0]}'; the outputs are {self.output_names}."
             )
-        wire = dict(zip(self.local.output_names, self.local.run(None, feeds), strict=True))
+        edge = self.local.run(None, feeds, run_options)
+        wire = dict(zip(self.local.output_names, edge, strict=True))
         self.check_server()
         body, header_length = encode_request([(s["name"], wire[s["name"]]) for s in self.boundary])
         status, headers, answer = self._request(
@@ -146,12 +147,12 @@ class RemoteSession:
     def run_batch(
         self, requests: list[Feeds], output_names: list[str] | None = None
     ) -> list[list[np.ndarray]]:
-        """Each request's outputs, in order, as kiln.Session.run_batch: one after another
+        """Each request's outputs, in order, as LocalSession.run_batch: one after another
         (each is one round trip; the server batches what several clients send at once)."""
         return [self.run(output_names, feeds) for feeds in requests]
 
     def stats(self) -> dict[str, Any]:
-        """As kiln.Session.stats: requests answered and the end-to-end P50/P99 (ms) of recent
+        """As LocalSession.stats: requests answered and the end-to-end P50/P99 (ms) of recent
         ones; the edge part's own session figures (`edge`); the server and the bytes sent to
         and received from it (`remote`). No buckets, rebuilds or swaps here: the edge
         session's are under `edge`."""
@@ -281,7 +282,7 @@ class RemoteSession:
         self.close()
 
 
-def _split_section(local: Session, where: str) -> dict[str, Any]:
+def _split_section(local: LocalSession | PartitionedSession, where: str) -> dict[str, Any]:
     """The edge artifact's `split` section, checked to be an edge part with a server."""
     path = Path(local.artifact.path) / "manifest.json" if local.artifact is not None else None
     section = None

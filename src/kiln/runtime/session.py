@@ -1,5 +1,5 @@
-"""`kiln.Session(path).run(output_names, feeds)`, like an ONNX Runtime InferenceSession, with
-shape buckets, a load monitor, background recompilation and hot swap.
+"""A model run here: `kiln.Session(path).run(output_names, feeds)`, like an ONNX Runtime
+InferenceSession, with shape buckets, a load monitor, background recompilation and hot swap.
 
 A request's shape is routed to the smallest bucket holding it, padded up (where padding was
 checked safe, see padding.py), run on a shape-specialised executable and its outputs sliced
@@ -17,28 +17,20 @@ run_options) are read by ort_args.py.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from kiln.artifact.parts import is_partitioned
-from kiln.backends import (
-    Executable,
-    get_backend,
-    join_company,
-    leave_company,
-    options_from_json,
-)
+from kiln.backends import Executable, get_backend, join_company, leave_company, options_from_json
 from kiln.errors import KilnError
 from kiln.ir.inputs import input_bytes, synthesize
-from kiln.runtime import batching
+from kiln.runtime import batching, records
 from kiln.runtime import buckets as bk
 from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind
 from kiln.runtime.arguments import checked_feeds, output_list
@@ -67,7 +59,6 @@ from kiln.runtime.padding import (
     symbolic_dims,
 )
 from kiln.runtime.rebuild import Hooks, Rebuilder
-from kiln.runtime.records import load_record, record_path, save_record
 from kiln.runtime.source import engine_options, open_source, run_precision
 from kiln.runtime.steady import freeze_gc, release_gc, warm_up
 
@@ -85,20 +76,7 @@ class _Checked:
     elements: int  # input elements the request brings
 
 
-class _InitSignature:
-    """`inspect.signature(cls)` reads `__init__`'s parameters, not those of the `__new__`
-    (*args, **kwargs) that hands `remote=` sessions over to kiln.runtime.remote."""
-
-    def __get__(self, instance: object, owner: type) -> inspect.Signature:
-        signature = inspect.signature(owner.__init__)
-        return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-# What `Session(..., remote=URL)` passes on to the remote session.
-REMOTE_SETTINGS = ("model_name", "timeout", "link_bandwidth")
-
-
-class Session:
+class LocalSession:
     """Runs an artifact (NAME.kiln, with the backend settings in its manifest), a plain .onnx
     file or zoo:NAME (as-is, on ONNX Runtime unless `backend="openvino"` is given); see the
     module docstring for buckets.
@@ -121,28 +99,6 @@ class Session:
     `close` (see steady.py).
     """
 
-    __signature__ = _InitSignature()
-
-    def __new__(cls, *args: Any, remote: str | None = None, **kwargs: Any) -> Any:
-        """With `remote="http://host:port"` (and optionally `model_name=`, the name the server
-        serves the split's server part under, `timeout=` seconds and `link_bandwidth=`
-        bits/s): the edge part of a `kiln split` here and the server part there, a
-        kiln.runtime.remote.RemoteSession with the same `run`, `run_batch` and `stats`."""
-        if remote is None:
-            for name in REMOTE_SETTINGS:
-                if name in kwargs:
-                    raise KilnError(f"{name}= is for a remote session; give remote= too.")
-            if args and isinstance(args[0], str | Path) and is_partitioned(args[0]):
-                # several parts, each its own engine: run at once where they can (parts.py)
-                from kiln.runtime.parts import PartitionedSession
-
-                return PartitionedSession(*args, **kwargs)
-            return super().__new__(cls)
-        from kiln.runtime.remote import RemoteSession
-
-        settings = {k: kwargs.pop(k) for k in REMOTE_SETTINGS if k in kwargs}
-        return RemoteSession(Session(*args, **kwargs), remote, **settings)
-
     def __init__(
         self,
         path_or_model: str | Path,
@@ -158,7 +114,6 @@ class Session:
         options: dict[str, Any] | None = None,
         keep_requests: int = 0,
         steady: bool = True,
-        remote: None = None,  # taken by __new__: a remote session is another class
     ) -> None:
         where = str(path_or_model)
         if provider_options and any(provider_options):
@@ -194,9 +149,9 @@ class Session:
         self.keep_requests = keep_requests
         self._recent: deque[Feeds] | None = deque(maxlen=keep_requests) if keep_requests else None
         # What earlier sessions of this very file learnt: padding verdicts, last bucket set.
-        self._record = record_path(source.model_path, source.backend)
-        record = load_record(self._record)
-        verdicts = _recorded_verdicts(record)
+        self._record = records.record_path(source.model_path, source.backend)
+        record = records.load_record(self._record)
+        verdicts = records.recorded_verdicts(record)
         if verdicts is None:  # a record from another Kiln version: start afresh
             record, verdicts = {}, {}
         self._verdicts = verdicts
@@ -215,6 +170,8 @@ class Session:
         if warmup:
             self._build(self._state)
         self._frozen = steady and self._steady()
+        # A loop tuning this session, attached by kiln.Session(feedback=True); close stops it.
+        self.feedback: Any = None
         if adaptive:
             self._rebuilder.start()
 
@@ -549,12 +506,12 @@ class Session:
 
     def twin(
         self, options: dict[str, Any] | None = None, buckets: bk.Buckets | None = None
-    ) -> Session:
+    ) -> LocalSession:
         """A new session on the same model with these engine options on top of the current
         ones, and these buckets (default: the current ones): to measure a configuration off
         the request path."""
         path, backend, share = self._opened
-        return Session(
+        return LocalSession(
             path,
             backend=backend,
             buckets=buckets or self.buckets or None,
@@ -599,10 +556,8 @@ class Session:
         self.monitor.swapped()
 
     def _save_record(self) -> None:
-        verdicts = {d: asdict(v) for d, v in self._verdicts.items()}
-        for v in verdicts.values():
-            del v["dim"]
-        save_record(self._record, {"buckets": self.buckets, "padding": verdicts})
+        padding = records.verdicts_json(self._verdicts)
+        records.save_record(self._record, {"buckets": self.buckets, "padding": padding})
 
     def stats(self) -> dict[str, Any]:
         """Per-bucket counts, padding waste and latency; hits, misses, recompiles, swaps, and
@@ -620,6 +575,8 @@ class Session:
         """Stop the background worker (a build in progress finishes first); give back the GC
         freeze a steady session holds; its executables are no one's company any more (see
         kiln.backends.company)."""
+        if self.feedback is not None:
+            self.feedback.stop()
         self._rebuilder.close()
         state = self._state
         with state.lock:
@@ -630,17 +587,8 @@ class Session:
             self._frozen = False
             release_gc()
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> LocalSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _recorded_verdicts(record: dict[str, Any]) -> dict[str, Verdict] | None:
-    """The padding verdicts an earlier session recorded; None if the record is from another
-    Kiln version (then it is ignored and everything is checked again)."""
-    try:
-        return {d: Verdict(d, **v) for d, v in record.get("padding", {}).items()}
-    except (TypeError, AttributeError):
-        return None

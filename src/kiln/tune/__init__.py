@@ -2,7 +2,8 @@
 incumbent; the strategy library that remembers across models; the feedback loop that tunes
 a running model from its live traffic (see DESIGN.md).
 
-Names load on first use: `kiln.Session` comes from here and must not pull in Optuna.
+Names load on first use: `kiln.Session(..., feedback=True)` loads kiln.tune.feedback, which
+must not pull in Optuna.
 """
 
 from typing import Any
@@ -17,7 +18,6 @@ _LAZY = {
     "tune": "kiln.tune.study",
     "FeedbackLoop": "kiln.tune.feedback",
     "Strategy": "kiln.tune.feedback",
-    "Session": "kiln.tune.feedback",
 }
 
 

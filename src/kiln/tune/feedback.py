@@ -1,12 +1,13 @@
 """The feedback loop: production traffic tunes the running model.
 
-A `FeedbackLoop` on a live `kiln.Session` (or `kiln serve --feedback`) cuts the traffic into
+A `FeedbackLoop` on a live session (`kiln.Session(..., feedback=True)`, or `kiln serve
+--feedback`) cuts the traffic into
 windows (latency percentiles, batch and shape histograms, padding waste, queue depth, CPU use)
 and stores them; each cycle diagnoses the window's bottleneck and proposes named strategies
 with their evidence (overhead-bound → fewer threads, no spinning; bursts of large batches →
 the throughput configuration; jitter → pinned threads or one stream). Each is built off the
 request path on a twin session, checked against the live outputs, A/B-measured interleaved
-on the recent requests replayed, and hot-swapped in (`Session.reconfigure`) only when it
+on the recent requests replayed, and hot-swapped in (`LocalSession.reconfigure`) only when it
 improves the objective by `min_gain` beyond noise. Adopted and refused strategies, with their
 evidence and measurements, go to the strategy library (`kiln strategies list`).
 """
@@ -20,17 +21,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
 
+from kiln.artifact.parts import is_partitioned
 from kiln.errors import KilnError
-from kiln.runtime import Session as RuntimeSession
+from kiln.runtime import LocalSession
 from kiln.tune.measure import duel
 
 Say = Callable[[str], None]
 MIN_REQUESTS = 20  # a window with fewer says nothing about the traffic
 REPLAY = 32  # recent requests replayed per A/B round
+KEEP_REQUESTS = 256  # recent requests a session with feedback keeps, unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Window:
         return asdict(self)
 
 
-def window_of(session: RuntimeSession, since: int, start: float, cpu: float,
+def window_of(session: LocalSession, since: int, start: float, cpu: float,
               queue_depth: int | None) -> tuple[Window | None, int]:  # fmt: skip
     """The observations the session's monitor made after the cursor `since`: a Window (None
     when too few, which then count towards the next) and the new cursor."""
@@ -180,7 +184,7 @@ class FeedbackLoop:
     (0.10 = 10 %); `library_url`: where windows and outcomes are stored (None: not stored)."""
 
     def __init__(
-        self, session: RuntimeSession, *, objective: str = "latency", min_gain: float = 0.10,
+        self, session: LocalSession, *, objective: str = "latency", min_gain: float = 0.10,
         interval_s: float = 30.0, seconds: float = 3.0, cooldown_s: float = 300.0,
         library_url: str | None = None, queue_depth: Callable[[], int] | None = None,
         model: str | None = None, say: Say = lambda _m: None,
@@ -330,14 +334,29 @@ class FeedbackLoop:
             self._thread.join(timeout=60)
 
 
-def _model_name(session: RuntimeSession) -> str:
+def check_tunable(path_or_model: Any, remote: str | None) -> None:
+    """KilnError, before anything is opened, unless `path_or_model` opens as a model run here:
+    the loop reconfigures and swaps a LocalSession's engine and buckets."""
+    if remote is not None:
+        raise KilnError(
+            "feedback=True tunes a model run here; the server part of a split is tuned where "
+            "it is served (kiln serve --feedback there). Open the edge part without feedback."
+        )
+    if isinstance(path_or_model, str | Path) and is_partitioned(path_or_model):
+        raise KilnError(
+            f"{path_or_model} is a partitioned artifact: kiln.Session does not offer the "
+            "feedback loop on one yet. Open it without, or build it with --partition none."
+        )
+
+
+def _model_name(session: LocalSession) -> str:
     """The name records are kept under: the artifact's source model, else the graph's."""
     if session.artifact is not None:
         return session.artifact.manifest.source.name
     return session.interface.graph.name or "model"
 
 
-def _replayer(session: RuntimeSession, replay: list[dict]) -> Callable[[], None]:
+def _replayer(session: LocalSession, replay: list[dict]) -> Callable[[], None]:
     def run() -> None:
         for feeds in replay:
             session.run(None, feeds)
@@ -345,25 +364,4 @@ def _replayer(session: RuntimeSession, replay: list[dict]) -> Callable[[], None]
     return run
 
 
-class Session(RuntimeSession):
-    """`kiln.Session`: the runtime Session, and with `feedback=True` a FeedbackLoop on it
-    (`feedback_options`: FeedbackLoop's keyword arguments; `.feedback` is the loop)."""
-
-    def __init__(
-        self, *args: Any, feedback: bool = False,
-        feedback_options: dict[str, Any] | None = None, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        if feedback:
-            kwargs.setdefault("keep_requests", 256)
-        super().__init__(*args, **kwargs)
-        self.feedback: FeedbackLoop | None = None
-        if feedback:
-            self.feedback = FeedbackLoop(self, **(feedback_options or {})).start()
-
-    def close(self) -> None:
-        if self.feedback is not None:
-            self.feedback.stop()
-        super().close()
-
-
-__all__ = ["FeedbackLoop", "Outcome", "Session", "Strategy", "Window", "diagnose"]
+__all__ = ["FeedbackLoop", "Outcome", "Strategy", "Window", "check_tunable", "diagnose"]
