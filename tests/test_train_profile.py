@@ -1,4 +1,4 @@
-"""The step profiler (kiln.train.profile): a tiny Linear stack trained by a minimal loop that
+"""The step profiler (kiln.train.profiling): a tiny Linear stack trained by a minimal loop that
 marks its phases as Kiln's loop does, profiled with and without a planted slow dataset."""
 
 from __future__ import annotations
@@ -18,19 +18,17 @@ from torch import nn  # noqa: E402
 from kiln.hardware import Peaks  # noqa: E402
 from kiln.train.config import TrainConfig  # noqa: E402
 from kiln.train.phases import PHASES, phase  # noqa: E402
-from kiln.train.profile import (  # noqa: E402
+from kiln.train.profiling import (  # noqa: E402
     PARTS,
     UNTRIED,
     Finding,
-    _communication,
-    _Event,
-    _windows,
     diagnose,
     print_profile,
     profile_steps,
     try_advice,
     write_report,
 )
+from kiln.train.profiling.trace import _communication, _Event, _windows  # noqa: E402
 
 # Peaks given, not measured: measuring takes ~15 s; the MFU arithmetic is what is tested.
 PEAKS = Peaks(100.0, 300.0, 400.0, 20.0, 2, "2026-01-01T00:00:00+00:00")
@@ -252,7 +250,7 @@ def test_activation_checkpointing_is_advised_only_where_memory_is_the_constraint
 
 
 def _finding(kind: str, settings: dict) -> Finding:
-    return Finding(kind, kind, 0.5, 10.0, "evidence", "fix: kiln train …", settings)
+    return Finding(kind, kind, 0.5, 10.0, "evidence", "fix: kiln train …", settings=settings)
 
 
 def _sleeping(seconds: float) -> Callable[[], None]:
@@ -268,7 +266,7 @@ def test_speed_advice_is_measured_and_withdrawn_where_it_is_not_faster() -> None
         _finding("untestable", {"loader.workers": 2}),
     ]
     memory = Finding(
-        "memory", "memory", 0.9, None, "evidence", "fix", {"checkpointing.policy": "full"}
+        "memory", "memory", 0.9, None, "evidence", "fix", settings={"checkpointing.policy": "full"}
     )
 
     tried = try_advice([*findings, memory], now, lambda c: steps.get(c.get("precision")),

@@ -33,11 +33,7 @@ class Finding:
     def changes(self) -> dict[str, Any]:
         """`settings` nested by section, {"loader": {"workers": 1}, "precision": "bf16"}: the
         form TrainConfig.replace(**...) and a train.json take."""
-        out: dict[str, Any] = {}
-        for key, value in self.settings.items():
-            section, _, name = key.rpartition(".")
-            (out.setdefault(section, {}) if section else out)[name] = value
-        return out
+        return nested(self.settings)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "changes": self.changes()}
@@ -47,3 +43,12 @@ class Finding:
         """The record `to_json` wrote (keys it does not know, such as "changes", ignored)."""
         known = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def nested(settings: dict[str, Any]) -> dict[str, Any]:
+    """Dotted settings nested by section: {"loader.workers": 1} → {"loader": {"workers": 1}}."""
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        section, _, name = key.rpartition(".")
+        (out.setdefault(section, {}) if section else out)[name] = value
+    return out

@@ -740,7 +740,7 @@ def _profile(run: Run, prepared: Prepared, loader: Any, loss_fn: Any,
     meet; exposed communication exists only then), each speed finding's advice timed against
     the settings in use, rank 0's written as the HTML report; None on the other ranks. A
     profile that fails is reported in the record, and the training's record is kept."""
-    from kiln.train.profile import diagnose, profile_steps, try_advice, write_report
+    from kiln.train.profiling import diagnose, profile_steps, try_advice, write_report
 
     stream = batches(loader)
 

@@ -1,4 +1,4 @@
-"""The phases of a training step, marked for the step profiler (kiln.train.profile).
+"""The phases of a training step, marked for the step profiler (kiln.train.profiling).
 
 The loop wraps each part of a step in `phase(name)`: a `torch.profiler.record_function`
 labelled `kiln.NAME`, which costs next to nothing when no profiler runs. While the step
