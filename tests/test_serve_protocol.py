@@ -27,10 +27,10 @@ from test_serve import BERT, RESNET, Server, _post, _start, _stop
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from kiln import zoo
-from kiln.cli.serve import batcher_settings
 from kiln.runtime import Session
 from kiln.serve.app import create_app
 from kiln.serve.protocol import model_config
+from kiln.serve.serving import batcher_settings
 
 SERVED = {"binary_tensor_data", "model_configuration", "statistics"}
 

@@ -111,7 +111,7 @@ def test_a_budget_no_configuration_meets_is_one_line_and_the_study_stays(tmp_pat
 
 
 def test_a_served_study_hands_its_batcher_settings_to_kiln_serve(tmp_path):
-    from kiln.cli.serve import batcher_settings
+    from kiln.serve.serving import batcher_settings
     from kiln.tune.serving import DELAYS_MS
     from kiln.tune.space import BATCHES
 

@@ -36,50 +36,65 @@ RECIPES = {
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """How an artifact is made.
-
-    engine          ort | openvino | auto (every installed engine, the fastest verified kept)
-    engine_options  overrides of the engine's settings for this precision (OrtOptions /
-                    OpenVinoOptions fields, e.g. {"intra_op_threads": 2}), memory included:
-                    ORT prepacking, memory_arena, arena_extend, memory_pattern; OpenVINO mmap
-    precision       fp32 | bf16 | int8 | int4 | auto
-    pipeline        pass names in order; None: the engine's default pipeline
-    metric, max_drop  the accuracy budget below fp32 (see kiln.verify.Budget)
-    calib, calib_method, block_size  calibration samples and method; int4 block size
-    inputs          reference inputs (.npz) for verification; None: synthesized
-    shapes          input name → shape, for dynamic dims Kiln cannot guess
-    verify          False only when the user says --no-verify
-    recipe          None: Kiln's own; or a hand recipe (RECIPES, or "hand": the model's) on
-                    the original graph (pipeline ()), the guard keeping layers only past budget
-    partition       none: one part; auto: the graph's independent branches and their join as
-                    parts, each placed on the engine measured fastest for it — a graph without
-                    branches: its chain of segments (kiln.compiler.partition_chain) — kept only
-                    when faster than the best single-engine build (kiln.compiler.partition); or
-                    a placement "image=openvino,text=ort:bf16" or "s01=openvino" (unnamed parts:
-                    `engine`)
-    static          OpenVINO compiled for the dims of the inputs it is verified on (its
-                    `dim_overrides`; ENGINE-NOTES: BERT batch 8 1.4x faster so on one Xeon,
-                    0.95-1.04x elsewhere); a run at other dims compiles the dynamic model on
-                    first need. Kept only for auto's OpenVINO candidates; ORT refuses it.
-                    Auto with `shapes` given times each unquantized OpenVINO candidate static too
-                    (kiln.compiler.select.static_twins)
-    """
+    """How an artifact is made: each field one decision, its docstring what it means (and
+    the help of the `kiln optimize` flag that sets it)."""
 
     engine: str = "ort"
+    """Engine the artifact runs on: ort, openvino, or auto (build, verify and time each
+    installed engine; keep the fastest)."""
     engine_options: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the engine's settings for this precision (OrtOptions / OpenVinoOptions
+    fields, e.g. {"intra_op_threads": 2}), memory included: ORT prepacking, memory_arena,
+    arena_extend, memory_pattern; OpenVINO mmap."""
     precision: str = "fp32"
+    """fp32 (lossless, the default); bf16 (OpenVINO), int8 (ONNX Runtime; OpenVINO through
+    NNCF) or int4 (ONNX Runtime, MatMul weights), each under an accuracy guard that keeps the
+    most sensitive layers in fp32 until the metric is within max_drop of fp32; or auto: every
+    precision on every engine that runs it, the fastest within budget kept."""
     pipeline: tuple[str, ...] | None = None
+    """Pass names in order; None: the engine's default pipeline."""
     metric: str = "cosine"
+    """Accuracy metric for lower precisions: cosine, top1 (argmax agreement), max-abs
+    (relative to the output's scale), or module:function(outputs_ref, outputs_new) -> float,
+    higher is better."""
     max_drop: float = 0.01
+    """How far the metric may fall below fp32's, relative (0.01 = 1 %)."""
     calib: str | None = None
+    """Calibration samples for static int8: an .npz (arrays stacked on a first sample axis,
+    or one sample) or a directory of them. Without reference inputs a quarter is held out to
+    judge accuracy. Without calibration samples Kiln calibrates on synthetic inputs and says
+    so."""
     calib_method: str = "minmax"
+    """ONNX Runtime calibration: minmax, entropy or percentile."""
     block_size: int = 32
+    """int4: weights per quantization block (a power of two, 16 or more)."""
     inputs: str | None = None
+    """Reference inputs (.npz) for verification; None: synthesized."""
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Shape of a synthesized input, INPUT=D0xD1x... (or DIM=N for a named dim), for dynamic
+    dims Kiln cannot guess."""
     verify: bool = True
+    """Verify the artifact against the original on reference inputs (off only when the user
+    says so: an unverified artifact)."""
     recipe: str | None = None
+    """None: Kiln's own; or a hand recipe (RECIPES, or "hand": the model's) on the original
+    graph (no passes), the guard keeping layers in fp32 only past the budget."""
     partition: str = "none"
+    """none (one part); auto: the model's independent branches (e.g. a two-tower model's
+    image and text towers) and their join as parts, each on the installed engine measured
+    fastest for it, run at once on shares of the cores — or, for a chain of layers, its
+    segments (cut where one tensor carries everything on) each on the engine Kiln's build of
+    it runs fastest, neighbours on one engine one part; kept only when clearly faster than the
+    best single-engine build (in every timing round, or 1.05x in the median with two rounds in
+    three). Or a placement PART=ENGINE[:PRECISION],... e.g. image=openvino,text=ort, or for a
+    chain s01=openvino,s03=openvino (the segments' sNN; an unknown one lists them; unnamed
+    parts take the engine)."""
     static: bool = False
+    """OpenVINO: compile for the dims of the inputs verified on (static shapes can be faster
+    for fixed-size traffic, and can be slower: time it); a run at other dims compiles the
+    dynamic model on first use. With engine auto, for the OpenVINO candidates only; auto with
+    shapes given already times each fp32/bf16 OpenVINO candidate both ways. ONNX Runtime
+    refuses it."""
 
     def __post_init__(self) -> None:
         if self.engine not in (*ENGINES, AUTO):

@@ -4,69 +4,49 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from kiln.bench.config import BenchConfig
 from kiln.cli.console import (
     JsonOpt,
-    at_least,
     check_output,
     console,
     emit_json,
     progress,
     speed_advice,
 )
+from kiln.cli.flags import Flag, command, options
 from kiln.errors import KilnError
 
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
+        "artifact."
+    ),
+]
+OutputOpt = Annotated[
+    Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
+]
 
+
+def _shapes(given: list[str]) -> dict[str, tuple[int, ...]]:
+    from kiln.ir.inputs import parse_shapes
+
+    return parse_shapes(given)
+
+
+BENCH_FLAGS = options(BenchConfig, flags={
+    "shapes": Flag(names=("--shape",), type=list[str], default=[], parse=_shapes),
+    "memory": Flag(names=("--memory/--no-memory",)),
+})  # fmt: skip
+
+
+@command
 def bench(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
-            "artifact."
-        ),
-    ],
-    against: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated engines: ort, ort-basic, ort-transformers, ort-int8, openvino, "
-            "openvino-bf16, openvino-int8 (the int8 ones: each tool's defaults, calibrated on "
-            "--calib or on synthetic samples)."
-        ),
-    ] = "ort,ort-basic",
-    batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
-    inputs: Annotated[
-        str | None,
-        typer.Option(help="Time and measure drift on these inputs (.npz) instead of synthetic."),
-    ] = None,
-    calib: Annotated[
-        str | None,
-        typer.Option(help="Calibration samples (.npz or directory) for the int8 engines."),
-    ] = None,
-    shape: Annotated[
-        list[str], typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input.")
-    ] = [],  # noqa: B006
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds.")] = 5,
-    memory: Annotated[
-        bool,
-        typer.Option(
-            "--memory/--no-memory",
-            help="Also measure each engine's peak resident memory (load and run), each in a "
-            "process of its own, after the timing.",
-        ),
-    ] = True,
-    runs: Annotated[
-        int,
-        typer.Option(
-            help="Runs per engine per round (rounds × runs ≥ 662 back a P99 at 99 % confidence)."
-        ),
-    ] = 20,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Also write the results as JSON here.")
-    ] = None,
-    as_json: JsonOpt = False,
+    model: ModelArg, config: Any = BENCH_FLAGS, output: OutputOpt = None, as_json: JsonOpt = False
 ) -> None:
     """Kiln against other engines, interleaved in one process: P50/P90/P99, jitter, throughput.
 
@@ -78,19 +58,14 @@ def bench(
     × (1 − jitter). Steadiness: each engine's jitter over the steadiest other engine's, with
     its bootstrap interval — steadiest, tied (no different within noise) or less steady.
     """
-    from kiln.bench.report import run_bench
-    from kiln.ir.inputs import parse_shapes
+    from kiln.bench.config import run
     from kiln.report.terminal import print_bench
 
-    at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
     check_output(output)  # before the benchmark, not after it: its results are not lost
     with progress() as bar:
         task = bar.add_task("preparing")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
-        result = run_bench(
-            model, against, batch, rounds, runs, say, " ".join(sys.argv), parse_shapes(shape),
-            inputs=inputs, calib=calib, memory=memory,
-        )  # fmt: skip
+        result = run(model, config, say, " ".join(sys.argv))
     result["advice"] = _advice(result)
     if output:
         from kiln.home import atomic_write_json

@@ -30,34 +30,36 @@ SIDE_HELP = (
 )
 
 
+AArg = Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")]
+BArg = Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")]
+MetricOpt = Annotated[
+    str,
+    typer.Option(
+        help="auto: Kiln's fp32 tolerance when both sides are fp32, else cosine; "
+        "or max-abs, cosine."
+    ),
+]
+MaxDropOpt = Annotated[
+    float | None,
+    typer.Option("--max-drop", help="Cosine budget: a layer diverges below 1 − this (0.01)."),
+]
+OutputOpt = Annotated[
+    Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
+]
+ModelExplorerOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--model-explorer",
+        help="Directory for Model Explorer node data (error.json, latency.json).",
+    ),
+]
+
+
 def compare(
-    a: Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")],
-    b: Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")],
-    inputs: InputsOpt = None,
-    shape: ShapeOpt = [],  # noqa: B006
-    metric: Annotated[
-        str,
-        typer.Option(
-            help="auto: Kiln's fp32 tolerance when both sides are fp32, else cosine; "
-            "or max-abs, cosine."
-        ),
-    ] = "auto",
-    max_drop: Annotated[
-        float | None,
-        typer.Option("--max-drop", help="Cosine budget: a layer diverges below 1 − this (0.01)."),
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
-    ] = None,
-    model_explorer: Annotated[
-        Path | None,
-        typer.Option(
-            "--model-explorer",
-            help="Directory for Model Explorer node data (error.json, latency.json).",
-        ),
-    ] = None,
-    as_json: JsonOpt = False,
-) -> None:
+    a: AArg, b: BArg, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
+    metric: MetricOpt = "auto", max_drop: MaxDropOpt = None, output: OutputOpt = None,
+    model_explorer: ModelExplorerOpt = None, as_json: JsonOpt = False,
+) -> None:  # fmt: skip
     """Run A and B on the same inputs and compare every tensor they share, layer by layer.
 
     Rows follow the original graph; the first divergence is the earliest layer beyond the

@@ -8,81 +8,83 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, console, emit_json, progress
-from kiln.cli.tune import parse_duration
+from kiln.cli.console import JsonOpt, console, duration, emit_json, progress
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="module:factory returning a torch.nn.Module, e.g. "
+        "kiln.compress.models:digits_cnn (trained on --data first unless --no-train)."
+    ),
+]
+DataOpt = Annotated[
+    str,
+    typer.Option(
+        "--data",
+        help="module:loader returning a kiln.compress.data.Dataset (train/val/test), e.g. "
+        "kiln.compress.data:digits (scikit-learn's bundled digits, offline).",
+    ),
+]
+MethodOpt = Annotated[
+    str,
+    typer.Option(
+        help="qat (int8-aware fine-tuning, shown beside post-training int8), prune "
+        "(channels / heads / FFN neurons removed, then fine-tuned), distill (a smaller "
+        "student taught by the model), or all (each, and prune → distill → QAT → int8)."
+    ),
+]
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "-o", "--output", help="Write the fastest artifact within budget (fp32 included) here."
+    ),
+]
+MetricOpt = Annotated[
+    str, typer.Option(help="What the budget is in: accuracy (top-1 on held-out data).")
+]
+MaxDropOpt = Annotated[
+    float,
+    typer.Option(help="Accuracy a method may lose against fp32, a fraction (0.01 = 1 pt)."),
+]
+TimeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--time", help="Stop training and skip methods not started after this long, e.g. 15m."
+    ),
+]
+AmountOpt = Annotated[
+    float | None,
+    typer.Option(help="Fraction of units to prune (default: the most of 0.75/0.5/0.25 in budget)."),
+]
+ImportanceOpt = Annotated[
+    str, typer.Option(help="Pruning importance: taylor (first-order) or magnitude.")
+]
+StudentOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="module:factory of the student (default: half a built-in model; for other "
+        "models --method all skips distillation)."
+    ),
+]
+EpochsOpt = Annotated[int, typer.Option(help="Training epochs of the fp32 recipe.")]
+TrainOpt = Annotated[
+    bool, typer.Option("--train/--no-train", help="Train the model on --data first.")
+]
+KeepOpt = Annotated[
+    Path | None, typer.Option(help="Keep every method's artifact in this directory.")
+]
+ForceOpt = Annotated[
+    bool, typer.Option(help="Replace whatever is at -o, not only a Kiln artifact.")
+]
 
 
 def compress(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="module:factory returning a torch.nn.Module, e.g. "
-            "kiln.compress.models:digits_cnn (trained on --data first unless --no-train)."
-        ),
-    ],
-    data: Annotated[
-        str,
-        typer.Option(
-            "--data",
-            help="module:loader returning a kiln.compress.data.Dataset (train/val/test), e.g. "
-            "kiln.compress.data:digits (scikit-learn's bundled digits, offline).",
-        ),
-    ] = "kiln.compress.data:digits",
-    method: Annotated[
-        str,
-        typer.Option(
-            help="qat (int8-aware fine-tuning, shown beside post-training int8), prune "
-            "(channels / heads / FFN neurons removed, then fine-tuned), distill (a smaller "
-            "student taught by the model), or all (each, and prune → distill → QAT → int8)."
-        ),
-    ] = "all",
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "-o", "--output", help="Write the fastest artifact within budget (fp32 included) here."
-        ),
-    ] = None,
-    metric: Annotated[
-        str, typer.Option(help="What the budget is in: accuracy (top-1 on held-out data).")
-    ] = "accuracy",
-    max_drop: Annotated[
-        float,
-        typer.Option(help="Accuracy a method may lose against fp32, a fraction (0.01 = 1 pt)."),
-    ] = 0.01,
-    time: Annotated[
-        str | None,
-        typer.Option(
-            "--time", help="Stop training and skip methods not started after this long, e.g. 15m."
-        ),
-    ] = None,
-    amount: Annotated[
-        float | None,
-        typer.Option(
-            help="Fraction of units to prune (default: the most of 0.75/0.5/0.25 in budget)."
-        ),
-    ] = None,
-    importance: Annotated[
-        str, typer.Option(help="Pruning importance: taylor (first-order) or magnitude.")
-    ] = "taylor",
-    student: Annotated[
-        str | None,
-        typer.Option(
-            help="module:factory of the student (default: half a built-in model; for other "
-            "models --method all skips distillation)."
-        ),
-    ] = None,
-    epochs: Annotated[int, typer.Option(help="Training epochs of the fp32 recipe.")] = 20,
-    train: Annotated[
-        bool, typer.Option("--train/--no-train", help="Train the model on --data first.")
-    ] = True,
-    keep: Annotated[
-        Path | None, typer.Option(help="Keep every method's artifact in this directory.")
-    ] = None,
-    force: Annotated[
-        bool, typer.Option(help="Replace whatever is at -o, not only a Kiln artifact.")
-    ] = False,
-    as_json: JsonOpt = False,
-) -> None:
+    model: ModelArg, data: DataOpt = "kiln.compress.data:digits", method: MethodOpt = "all",
+    output: OutputOpt = None, metric: MetricOpt = "accuracy", max_drop: MaxDropOpt = 0.01,
+    time: TimeOpt = None, amount: AmountOpt = None, importance: ImportanceOpt = "taylor",
+    student: StudentOpt = None, epochs: EpochsOpt = 20, train: TrainOpt = True,
+    keep: KeepOpt = None, force: ForceOpt = False, as_json: JsonOpt = False,
+) -> None:  # fmt: skip
     """Compress a PyTorch model and compile each result into a verified artifact.
 
     Trains MODEL on --data (unless --no-train), then per --method builds an artifact, checks
@@ -99,7 +101,7 @@ def compress(
     factory = load_callable(model, "model")
     loader = load_callable(data, "--data")
     make_student = load_callable(student, "--student") if student else None
-    budget = parse_duration(time) if time is not None else None
+    budget = duration(time) if time is not None else None
     with progress() as bar:
         task = bar.add_task(f"compressing {model}")
         result = run_compress(

@@ -1,7 +1,7 @@
 """What every verb shares: the consoles, the progress bar, JSON output and common options.
 
-A leaf: it imports nothing from Kiln but its error type and `kiln.home`'s output check, so any
-verb can use it and `kiln --help` stays fast.
+A leaf: it imports nothing from Kiln but its error type, `kiln.home`'s output check and
+`kiln.units`' duration reader, so any verb can use it and `kiln --help` stays fast.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kiln.errors import KilnError
 from kiln.home import output_problem
+from kiln.units import parse_duration
 
 console = Console()
 err = Console(stderr=True)
@@ -72,6 +73,17 @@ def at_least(**counts: tuple[int, int]) -> None:
         if value < minimum:
             flag = "--" + name.replace("_", "-")
             raise KilnError(f"{flag} {value}: use at least {minimum}.")
+
+
+def duration(text: str, flag: str = "--time") -> float:
+    """A duration flag ('15m', '90s', '1h30m', '300': seconds) in seconds, KilnError naming
+    the flag."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise KilnError(
+            f"{flag} {text}: give a positive duration, e.g. {flag} 15m ({exc})."
+        ) from None
 
 
 def check_output(path: Path | None, flag: str = "-o") -> None:

@@ -17,29 +17,29 @@ from kiln.cli.console import InputsOpt, JsonOpt, ShapeOpt, err, progress
 SIDE_HELP = "an .onnx file, zoo:NAME, a NAME.kiln artifact, or MODEL@ENGINE:PRECISION"
 
 
-def debug(
-    model: Annotated[str, typer.Argument(help=f"What to debug: {SIDE_HELP}.")],
-    against: Annotated[
-        str | None,
-        typer.Option(
-            "--against",
-            help=f"Measure errors against this side ({SIDE_HELP}); default: the original.",
-        ),
-    ] = None,
-    inputs: InputsOpt = None,
-    shape: ShapeOpt = [],  # noqa: B006
-    port: Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")] = 8888,
-    host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")] = (
-        "127.0.0.1"
+ModelArg = Annotated[str, typer.Argument(help=f"What to debug: {SIDE_HELP}.")]
+AgainstOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--against",
+        help=f"Measure errors against this side ({SIDE_HELP}); default: the original.",
     ),
-    open_browser: Annotated[
-        bool, typer.Option("--open/--no-open", help="Open the page in a browser when ready.")
-    ] = True,
-    profile_runs: Annotated[
-        int, typer.Option(help="Profiled runs for kernel times and findings; 0: no profile.")
-    ] = 10,
-    as_json: JsonOpt = False,
-) -> None:
+]
+PortOpt = Annotated[int, typer.Option(help="TCP port to listen on; 0: any free port.")]
+HostOpt = Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 for every interface.")]
+OpenBrowserOpt = Annotated[
+    bool, typer.Option("--open/--no-open", help="Open the page in a browser when ready.")
+]
+ProfileRunsOpt = Annotated[
+    int, typer.Option(help="Profiled runs for kernel times and findings; 0: no profile.")
+]
+
+
+def debug(
+    model: ModelArg, against: AgainstOpt = None, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
+    port: PortOpt = 8888, host: HostOpt = "127.0.0.1", open_browser: OpenBrowserOpt = True,
+    profile_runs: ProfileRunsOpt = 10, as_json: JsonOpt = False,
+) -> None:  # fmt: skip
     """Debug MODEL in the browser: its original and compiled graphs side by side (select a node
     on one side, its counterparts light up on the other), provenance, precision, kernel times
     and findings per node, latency / error / precision overlays, and execution with breakpoints,

@@ -17,67 +17,70 @@ if TYPE_CHECKING:  # kiln.deploy loads when the verb runs: `kiln --help` stays f
     from kiln.deploy import KServeExport, TritonExport
 
 
+ArtifactArg = Annotated[Path, typer.Argument(help="A NAME.kiln artifact directory.")]
+TritonOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--triton",
+        help="A Triton model repository to write the model into (created if missing).",
+    ),
+]
+NameOpt = Annotated[
+    str | None, typer.Option(help="Model name in the repository (default: the artifact's).")
+]
+VersionOpt = Annotated[int, typer.Option("--version", help="Model version directory.")]
+RuntimeOpt = Annotated[
+    str,
+    typer.Option(
+        help="native: Triton's ONNX Runtime or OpenVINO backend with Kiln's engine "
+        "settings; kiln: Kiln's runtime (buckets, verified swaps) in Triton's "
+        "Python backend."
+    ),
+]
+KserveOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--kserve",
+        help="Also write KServe's files serving REPO into this directory: "
+        "inferenceservice.yaml (and servingruntime.yaml, Dockerfile with --runtime kiln), "
+        "with resources and autoscaling from one replica measured here.",
+    ),
+]
+StorageUriOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--storage-uri",
+        help="Where KServe finds REPO (s3://, gs://, pvc://, ...; default "
+        "pvc://kiln-models/<REPO's name>).",
+    ),
+]
+ImageOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--kserve with --runtime kiln: the image of the ServingRuntime, built from the "
+        "Dockerfile written (default kiln-tritonserver:<kiln version>)."
+    ),
+]
+MeasureSOpt = Annotated[
+    float,
+    typer.Option("--measure-s", help="--kserve: seconds to serve one replica for its throughput."),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Replace an existing version directory of the model, its config.pbtxt where "
+        "the versions kept there need another (they then run under this one), and "
+        "--kserve's files."
+    ),
+]
+
+
 def export(
-    artifact: Annotated[Path, typer.Argument(help="A NAME.kiln artifact directory.")],
-    triton: Annotated[
-        Path | None,
-        typer.Option(
-            "--triton",
-            help="A Triton model repository to write the model into (created if missing).",
-        ),
-    ] = None,
-    name: Annotated[
-        str | None, typer.Option(help="Model name in the repository (default: the artifact's).")
-    ] = None,
-    version: Annotated[int, typer.Option("--version", help="Model version directory.")] = 1,
-    runtime: Annotated[
-        str,
-        typer.Option(
-            help="native: Triton's ONNX Runtime or OpenVINO backend with Kiln's engine "
-            "settings; kiln: Kiln's runtime (buckets, verified swaps) in Triton's "
-            "Python backend."
-        ),
-    ] = "native",
-    kserve: Annotated[
-        Path | None,
-        typer.Option(
-            "--kserve",
-            help="Also write KServe's files serving REPO into this directory: "
-            "inferenceservice.yaml (and servingruntime.yaml, Dockerfile with --runtime kiln), "
-            "with resources and autoscaling from one replica measured here.",
-        ),
-    ] = None,
-    storage_uri: Annotated[
-        str | None,
-        typer.Option(
-            "--storage-uri",
-            help="Where KServe finds REPO (s3://, gs://, pvc://, ...; default "
-            "pvc://kiln-models/<REPO's name>).",
-        ),
-    ] = None,
-    image: Annotated[
-        str | None,
-        typer.Option(
-            help="--kserve with --runtime kiln: the image of the ServingRuntime, built from the "
-            "Dockerfile written (default kiln-tritonserver:<kiln version>)."
-        ),
-    ] = None,
-    measure_s: Annotated[
-        float,
-        typer.Option(
-            "--measure-s", help="--kserve: seconds to serve one replica for its throughput."
-        ),
-    ] = 3.0,
-    force: Annotated[
-        bool,
-        typer.Option(
-            help="Replace an existing version directory of the model, its config.pbtxt where "
-            "the versions kept there need another (they then run under this one), and "
-            "--kserve's files."
-        ),
-    ] = False,
-    json_: JsonOpt = False,
-) -> None:
+    artifact: ArtifactArg, triton: TritonOpt = None, name: NameOpt = None,
+    version: VersionOpt = 1, runtime: RuntimeOpt = "native", kserve: KserveOpt = None,
+    storage_uri: StorageUriOpt = None, image: ImageOpt = None, measure_s: MeasureSOpt = 3.0,
+    force: ForceOpt = False, json_: JsonOpt = False,
+) -> None:  # fmt: skip
     """Write ARTIFACT into a Triton model repository: REPO/NAME/config.pbtxt and
     REPO/NAME/VERSION/, ready for `tritonserver --model-repository REPO`; with --kserve,
     the InferenceService that serves REPO on KServe."""

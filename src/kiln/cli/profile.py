@@ -18,36 +18,39 @@ from kiln.cli.console import (
 )
 from kiln.errors import KilnError
 
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
+        "artifact directory."
+    ),
+]
+BackendOpt = Annotated[
+    str | None,
+    typer.Option(help="Engine: ort or openvino (default: the artifact's own, else ort)."),
+]
+BatchOpt = Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")]
+ShapeOpt = Annotated[
+    list[str],
+    typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input (repeatable)."),
+]
+RunsOpt = Annotated[int, typer.Option(help="Profiled runs, and as many timed runs.")]
+RoundsOpt = Annotated[
+    int, typer.Option(help="Rounds alternating timing and profiling (noise control).")
+]
+OutputOpt = Annotated[
+    Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
+]
+TraceOpt = Annotated[
+    Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace (JSON).")
+]
+
 
 def profile(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="An .onnx file, zoo:NAME, a saved torch.export program (.pt2), or a NAME.kiln "
-            "artifact directory."
-        ),
-    ],
-    backend: Annotated[
-        str | None,
-        typer.Option(help="Engine: ort or openvino (default: the artifact's own, else ort)."),
-    ] = None,
-    batch: Annotated[int, typer.Option(help="Batch size of the synthesized inputs.")] = 1,
-    shape: Annotated[
-        list[str],
-        typer.Option("--shape", help="INPUT=D0xD1x... for a synthesized input (repeatable)."),
-    ] = [],  # noqa: B006
-    runs: Annotated[int, typer.Option(help="Profiled runs, and as many timed runs.")] = 20,
-    rounds: Annotated[
-        int, typer.Option(help="Rounds alternating timing and profiling (noise control).")
-    ] = 5,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write a self-contained HTML report.")
-    ] = None,
-    trace: Annotated[
-        Path | None, typer.Option("--trace", help="Write a Chrome/Perfetto trace (JSON).")
-    ] = None,
+    model: ModelArg, backend: BackendOpt = None, batch: BatchOpt = 1, shape: ShapeOpt = [],  # noqa: B006
+    runs: RunsOpt = 20, rounds: RoundsOpt = 5, output: OutputOpt = None, trace: TraceOpt = None,
     as_json: JsonOpt = False,
-) -> None:
+) -> None:  # fmt: skip
     """Where the time goes, op by op, against this machine's measured peaks.
 
     Latency (P50/P90/P99, jitter), per-kernel times mapped to the original nodes, a roofline

@@ -10,55 +10,56 @@ import typer
 
 from kiln.cli.console import JsonOpt, ModelArg, console, emit_json, progress
 
+OutputOpt = Annotated[
+    Path, typer.Option("-o", "--output", help="Directory for edge.kiln and server.kiln.")
+]
+AtOpt = Annotated[
+    str,
+    typer.Option(
+        help="auto (least predicted end-to-end time), a node name, a tensor name, or "
+        "tensors joined by ','."
+    ),
+]
+BandwidthOpt = Annotated[
+    str, typer.Option(help="The link between edge and server: 20Mbit/s, 1Gbit/s, 5MB/s.")
+]
+EdgeSlowdownOpt = Annotated[
+    float | None,
+    typer.Option(help="The edge is this many times slower than this machine (default 8)."),
+]
+EdgeProfileOpt = Annotated[
+    Path | None,
+    typer.Option(help="The edge's own times: the JSON `kiln profile MODEL --json` wrote there."),
+]
+CodecOpt = Annotated[
+    str,
+    typer.Option(
+        help="What crosses the link: auto (fewest bytes within the accuracy budget), none, "
+        "fp16, int8 (per-channel scales), topk or topk:FRACTION (sparse)."
+    ),
+]
+InputsOpt = Annotated[
+    Path | None,
+    typer.Option("--inputs", help="Reference inputs (.npz, one array per input)."),
+]
+OverheadMsOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="A request's fixed cost on the link in ms (default: a null request's round "
+        "trip on loopback, measured)."
+    ),
+]
+ForceOpt = Annotated[
+    bool, typer.Option(help="Replace -o even if it holds files kiln split did not write.")
+]
+
 
 def split(
-    model: ModelArg,
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Directory for edge.kiln and server.kiln.")
-    ],
-    at: Annotated[
-        str,
-        typer.Option(
-            help="auto (least predicted end-to-end time), a node name, a tensor name, or "
-            "tensors joined by ','."
-        ),
-    ] = "auto",
-    bandwidth: Annotated[
-        str, typer.Option(help="The link between edge and server: 20Mbit/s, 1Gbit/s, 5MB/s.")
-    ] = "20Mbit/s",
-    edge_slowdown: Annotated[
-        float | None,
-        typer.Option(help="The edge is this many times slower than this machine (default 8)."),
-    ] = None,
-    edge_profile: Annotated[
-        Path | None,
-        typer.Option(
-            help="The edge's own times: the JSON `kiln profile MODEL --json` wrote there."
-        ),
-    ] = None,
-    codec: Annotated[
-        str,
-        typer.Option(
-            help="What crosses the link: auto (fewest bytes within the accuracy budget), none, "
-            "fp16, int8 (per-channel scales), topk or topk:FRACTION (sparse)."
-        ),
-    ] = "auto",
-    inputs: Annotated[
-        Path | None,
-        typer.Option("--inputs", help="Reference inputs (.npz, one array per input)."),
-    ] = None,
-    overhead_ms: Annotated[
-        float | None,
-        typer.Option(
-            help="A request's fixed cost on the link in ms (default: a null request's round "
-            "trip on loopback, measured)."
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option(help="Replace -o even if it holds files kiln split did not write.")
-    ] = False,
-    as_json: JsonOpt = False,
-) -> None:
+    model: ModelArg, output: OutputOpt, at: AtOpt = "auto",
+    bandwidth: BandwidthOpt = "20Mbit/s", edge_slowdown: EdgeSlowdownOpt = None,
+    edge_profile: EdgeProfileOpt = None, codec: CodecOpt = "auto", inputs: InputsOpt = None,
+    overhead_ms: OverheadMsOpt = None, force: ForceOpt = False, as_json: JsonOpt = False,
+) -> None:  # fmt: skip
     """Split MODEL between an edge device and a server: DIR/edge.kiln runs on the edge
     (kiln.Session(edge, remote=URL)), DIR/server.kiln is served with `kiln serve`."""
     from kiln.compiler.split import split as split_model

@@ -67,9 +67,20 @@ def show(
     storage: StorageOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """One record in full: signature, winning config, Pareto front, evidence (JSON either
-    way: a record is nested data)."""
-    emit_json(_library(storage).get(record_id).to_json())
+    """One record in full: signature, winning config, Pareto front, evidence; a field per row
+    (nested values as JSON), or the record as JSON with --json."""
+    from rich.table import Table
+
+    record = _library(storage).get(record_id).to_json()
+    if as_json:
+        return emit_json(record)
+    table = Table(title=f"strategy {record_id}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in record.items():
+        shown = value if isinstance(value, str) else json.dumps(value, indent=1, default=float)
+        table.add_row(key, shown)
+    console.print(table, highlight=False, markup=False)
 
 
 @app.command()

@@ -8,248 +8,174 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import JsonOpt, PlainProgress, at_least, console, emit_json, err
+from kiln.cli.console import JsonOpt, PlainProgress, at_least, console, duration, emit_json, err
+from kiln.cli.flags import Flag, command, options
 from kiln.cli.stopped import Stopped
-from kiln.cli.tune import parse_duration
 from kiln.errors import KilnError, counted
+from kiln.train.config import CHECKPOINTING, PRECISIONS, STRATEGIES, TrainConfig
 
 
+@dataclass(frozen=True)
+class Run:
+    """How long a training run goes, what it keeps and where its ranks run (`kiln.train.fit`'s
+    settings; none of them changes what a step computes)."""
+
+    steps: int | None = None
+    """Optimizer steps to take."""
+    epochs: float | None = None
+    """Passes over the training set."""
+    seconds: float | None = None
+    """Train this long, e.g. 10m."""
+    nproc: int | None = None
+    """Ranks on this machine, started by torchrun's launcher (gloo on CPUs, NCCL on GPUs);
+    default the config's ranks."""
+    nnodes: str = "1"
+    """Machines taking part, torchrun's N or MIN:MAX (each runs this same command; the world
+    is --nproc × nodes)."""
+    rdzv_endpoint: str | None = None
+    """host:port where the machines meet (torchrun's c10d rendezvous); needed with --nnodes
+    above 1."""
+    checkpoint: Path | None = None
+    """Directory for torch.distributed.checkpoint checkpoints (every --checkpoint-every steps
+    and at the end; written whole or not at all, so Ctrl-C or a killed job leaves the newest
+    one loadable)."""
+    checkpoint_every: int = 50
+    """Optimizer steps between checkpoints."""
+    resume: bool = False
+    """Continue from the newest checkpoint in --checkpoint, under the config it was made with
+    (its global batch, precision, loss scale, fp32 modules, gradient clipping, schedule, seed
+    and shuffling). The strategy may change; another number of data-parallel ranks goes on
+    from the same sample count, but shards and draws differently from the run it continues."""
+    allow_config_change: bool = False
+    """With --resume: go on although the config changes the data order or the math, so the
+    run no longer continues the one checkpointed."""
+    profile: Path | None = None
+    """After training, profile a few steps (data, forward, backward, optimizer,
+    communication; FLOP/s and MFU; memory) into this HTML report."""
+    save: Path | None = None
+    """Write the trained weights here as a plain state_dict (torch.save; model.load_state_dict
+    of the user's own module takes it)."""
+    export: Path | None = None
+    """Write the trained model here: model.onnx (for kiln optimize and kiln serve) or
+    model.pt2 (torch.export), traced on a training batch with a dynamic batch dim."""
+    val_every: str | None = None
+    """Validate on the data's validation set every N optimizer steps, or each epoch (epoch);
+    with --checkpoint the lowest validation loss's step is kept in DIR/best."""
+    early_stop: int | None = None
+    """Stop after this many validations in a row without a lower loss (needs --val-every)."""
+    metrics: Path | None = None
+    """Write metrics into this directory as they happen: metrics.jsonl (a line per step:
+    loss, lr, grad_norm, samples/s; one per validation) and TensorBoard event files where
+    tensorboard is installed."""
+    progress_every: float = 30.0
+    """Where stderr is not a terminal (a batch job, | tee, nohup): a plain progress line
+    every this many seconds."""
+
+
+# The flags of a training run that --tune refuses (a tuning run trains only its trials).
+TRAINING_ONLY = ("epochs", "checkpoint", "resume", "profile", "save", "export", "val_every",
+                 "early_stop", "metrics")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """`kiln train --tune`: the search for the fastest TrainConfig at the given batch."""
+
+    tune: bool = False
+    """Search the fastest TrainConfig at this --batch instead of training: each trial trains
+    --steps steps (default 20) in a process of its own, must train as well as the config
+    given and is confirmed against it; -o writes the tuned config, which --config reads."""
+    trials: int | None = None
+    """With --tune: configurations to measure (default 12)."""
+    max_memory: str | None = None
+    """With --tune: the peak memory a trial's processes may reach, with its unit (kB, MB, GB
+    decimal; KiB, MiB, GiB binary), e.g. 2GiB; a trial past it is stopped."""
+    target_loss: float | None = None
+    """With --tune: minimise the time to reach this training loss instead of maximising
+    samples/s."""
+    storage: str | None = None
+    """With --tune: study and strategy-library database URL (default: sqlite under
+    KILN_HOME), as kiln tune."""
+    study: str | None = None
+    """With --tune: the study's name (default: from the model, data, batch, objective and
+    limits); reuse it to resume."""
+
+
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="module:factory returning a torch.nn.Module, e.g. kiln.train.examples:byte_lm_small."
+    ),
+]
+DataOpt = Annotated[
+    str,
+    typer.Option(
+        "--data",
+        help="module:function returning a map-style Dataset of (input, target) pairs, or "
+        '{"train": ..., "val": ...}, e.g. kiln.train.examples:stdlib_text_small.',
+    ),
+]
+BatchOpt = Annotated[
+    int,
+    typer.Option(
+        help="The global batch: samples per optimizer step over every rank (= micro_batch × "
+        "accumulation × data-parallel ranks)."
+    ),
+]
+LossOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="module:fn(output, target) -> loss (default: cross-entropy over the last dim, so "
+        "[B, T, V] token logits work)."
+    ),
+]
+OptimizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="module:fn(params) -> torch.optim.Optimizer (default: AdamW, lr 1e-3, weight "
+        "decay 0.01)."
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help='A TrainConfig JSON (a bare config, or a training record\'s "config"); the flags '
+        "below override its fields."
+    ),
+]
+RecordOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "-o", "--output", help="Write the training record here (with --tune: the tuned config)."
+    ),
+]
+CONFIG_FLAGS = options(
+    TrainConfig, "precision", "accumulation", "checkpointing.policy", "clip_grad_norm",
+    "lr_schedule", "warmup", "parallel.strategy", override=True, panel="TrainConfig",
+    flags={"precision": Flag(choices=PRECISIONS),
+           "checkpointing.policy": Flag(names=("--checkpointing",), choices=CHECKPOINTING),
+           "parallel.strategy": Flag(names=("--strategy",), choices=STRATEGIES)},
+)  # fmt: skip
+RUN_FLAGS = options(Run, panel="The run", flags={
+    "seconds": Flag(names=("--time",), type=str | None, parse=duration),
+    "checkpoint_every": Flag(names=("--checkpoint-every",)),
+})  # fmt: skip
+TUNING_FLAGS = options(Tuning, panel="Tuning (--tune)")
+
+
+@command
 def train(
-    model: Annotated[
-        str,
-        typer.Argument(
-            help="module:factory returning a torch.nn.Module, e.g. "
-            "kiln.train.examples:byte_lm_small."
-        ),
-    ],
-    data: Annotated[
-        str,
-        typer.Option(
-            "--data",
-            help="module:function returning a map-style Dataset of (input, target) pairs, or "
-            '{"train": ..., "val": ...}, e.g. kiln.train.examples:stdlib_text_small.',
-        ),
-    ],
-    batch: Annotated[
-        int,
-        typer.Option(
-            help="The global batch: samples per optimizer step over every rank (= micro_batch "
-            "× accumulation × data-parallel ranks)."
-        ),
-    ],
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps to take.")] = None,
-    epochs: Annotated[float | None, typer.Option(help="Passes over the training set.")] = None,
-    time: Annotated[str | None, typer.Option("--time", help="Train this long, e.g. 10m.")] = None,
-    loss: Annotated[
-        str | None,
-        typer.Option(
-            help="module:fn(output, target) -> loss (default: cross-entropy over the "
-            "last dim, so [B, T, V] token logits work)."
-        ),  # fmt: skip
-    ] = None,
-    optimizer: Annotated[
-        str | None,
-        typer.Option(
-            help="module:fn(params) -> torch.optim.Optimizer (default: AdamW, lr "
-            "1e-3, weight decay 0.01)."
-        ),  # fmt: skip
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            help="A TrainConfig JSON (a bare config, or a training record's "
-            '"config"); the flags below override its fields.'
-        ),  # fmt: skip
-    ] = None,
-    precision: Annotated[
-        str | None, typer.Option(help="fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
-    ] = None,
-    accumulation: Annotated[
-        int | None, typer.Option(help="Micro-batches per optimizer step.")
-    ] = None,
-    checkpointing: Annotated[
-        str | None,
-        typer.Option(help="Activation checkpointing: none, full or every (every 2nd block)."),
-    ] = None,
-    clip_grad_norm: Annotated[
-        float | None,
-        typer.Option(help="Clip the gradients' global norm to this (the record keeps the norm)."),
-    ] = None,
-    lr_schedule: Annotated[
-        str | None,
-        typer.Option(
-            help="The learning rate over the run: constant, linear or cosine (decay to 0 "
-            "over --steps/--epochs), or module:fn(optimizer) -> LRScheduler of your own."
-        ),  # fmt: skip
-    ] = None,
-    warmup: Annotated[
-        int | None,
-        typer.Option(help="Optimizer steps over which the learning rate first rises to its own."),
-    ] = None,
-    strategy: Annotated[
-        str | None,
-        typer.Option(help="single, ddp, fsdp2 or pipeline (several ranks: give --nproc)."),
-    ] = None,
-    nproc: Annotated[
-        int | None,
-        typer.Option(
-            help="Ranks on this machine, started by torchrun's launcher (gloo on "
-            "CPUs, NCCL on GPUs); default the config's ranks."
-        ),  # fmt: skip
-    ] = None,
-    nnodes: Annotated[
-        str,
-        typer.Option(
-            help="Machines taking part, torchrun's N or MIN:MAX (each runs this same "
-            "command; the world is --nproc × nodes)."
-        ),  # fmt: skip
-    ] = "1",
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="host:port where the machines meet (torchrun's c10d rendezvous); "
-            "needed with --nnodes above 1."
-        ),  # fmt: skip
-    ] = None,
-    checkpoint: Annotated[
-        Path | None,
-        typer.Option(
-            help="Directory for torch.distributed.checkpoint checkpoints (every "
-            "--checkpoint-every steps and at the end; written whole or not at all, so "
-            "Ctrl-C or a killed job leaves the newest one loadable)."
-        ),  # fmt: skip
-    ] = None,
-    checkpoint_every: Annotated[
-        int, typer.Option(min=1, help="Optimizer steps between checkpoints.")
-    ] = 50,
-    resume: Annotated[
-        bool,
-        typer.Option(
-            "--resume",
-            help="Continue from the newest checkpoint in --checkpoint, under the config it "
-            "was made with (its global batch, precision, loss scale, fp32 modules, gradient "
-            "clipping, schedule, seed and shuffling). The strategy may change; another "
-            "number of data-parallel ranks goes on from the same sample count, but shards "
-            "and draws differently from the run it continues.",
-        ),  # fmt: skip
-    ] = False,
-    allow_config_change: Annotated[
-        bool,
-        typer.Option(
-            "--allow-config-change",
-            help="With --resume: go on although the config changes the data order or the "
-            "math, so the run no longer continues the one checkpointed.",
-        ),  # fmt: skip
-    ] = False,
-    profile: Annotated[
-        Path | None,
-        typer.Option(
-            help="After training, profile a few steps (data, forward, backward, "
-            "optimizer, communication; FLOP/s and MFU; memory) into this HTML "
-            "report."
-        ),  # fmt: skip
-    ] = None,
-    tune: Annotated[
-        bool,
-        typer.Option(
-            "--tune",
-            help="Search the fastest TrainConfig at this --batch instead of "
-            "training: each trial trains --steps steps (default 20) in a process of "
-            "its own, must train as well as the config given and is confirmed against "
-            "it; -o writes the tuned config, which --config reads.",
-        ),  # fmt: skip
-    ] = False,
-    trials: Annotated[
-        int | None, typer.Option(help="With --tune: configurations to measure (default 12).")
-    ] = None,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(
-            help="With --tune: the peak memory a trial's processes may reach, with its "
-            "unit (kB, MB, GB decimal; KiB, MiB, GiB binary), e.g. 2GiB; a trial past it is "
-            "stopped."
-        ),  # fmt: skip
-    ] = None,
-    target_loss: Annotated[
-        float | None,
-        typer.Option(
-            help="With --tune: minimise the time to reach this training loss instead "
-            "of maximising samples/s."
-        ),  # fmt: skip
-    ] = None,
-    storage: Annotated[
-        str | None,
-        typer.Option(
-            help="With --tune: study and strategy-library database URL (default: "
-            "sqlite under KILN_HOME), as kiln tune."
-        ),  # fmt: skip
-    ] = None,
-    study: Annotated[
-        str | None,
-        typer.Option(
-            help="With --tune: the study's name (default: from the model, data, "
-            "batch, objective and limits); reuse it to resume."
-        ),  # fmt: skip
-    ] = None,
-    record: Annotated[
-        Path | None,
-        typer.Option(
-            "-o", "--output", help="Write the training record here (with --tune: the tuned config)."
-        ),  # fmt: skip
-    ] = None,
-    save: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write the trained weights here as a plain state_dict (torch.save; "
-            "model.load_state_dict of the user's own module takes it)."
-        ),  # fmt: skip
-    ] = None,
-    export: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write the trained model here: model.onnx (for kiln optimize and "
-            "kiln serve) or model.pt2 (torch.export), traced on a training batch "
-            "with a dynamic batch dim."
-        ),  # fmt: skip
-    ] = None,
-    val_every: Annotated[
-        str | None,
-        typer.Option(
-            help="Validate on the data's validation set every N optimizer steps, or each "
-            "epoch (epoch); with --checkpoint the lowest validation loss's step is kept in "
-            "DIR/best."
-        ),  # fmt: skip
-    ] = None,
-    early_stop: Annotated[
-        int | None,
-        typer.Option(
-            help="Stop after this many validations in a row without a lower loss "
-            "(needs --val-every)."
-        ),  # fmt: skip
-    ] = None,
-    metrics: Annotated[
-        Path | None,
-        typer.Option(
-            help="Write metrics into this directory as they happen: metrics.jsonl (a line "
-            "per step: loss, lr, grad_norm, samples/s; one per validation) and TensorBoard "
-            "event files where tensorboard is installed."
-        ),  # fmt: skip
-    ] = None,
-    progress_every: Annotated[
-        float,
-        typer.Option(
-            min=0,
-            help="Where stderr is not a terminal (a batch job, | tee, nohup): a plain "
-            "progress line every this many seconds.",
-        ),  # fmt: skip
-    ] = 30.0,
+    model: ModelArg, data: DataOpt, batch: BatchOpt, loss: LossOpt = None,
+    optimizer: OptimizerOpt = None, config: ConfigOpt = None, changes: Any = CONFIG_FLAGS,
+    run: Any = RUN_FLAGS, tuning: Any = TUNING_FLAGS, record: RecordOpt = None,
     as_json: JsonOpt = False,
-) -> None:
+) -> None:  # fmt: skip
     """Train MODEL on --data with Kiln's loop and a TrainConfig.
 
       kiln train kiln.train.examples:byte_lm_small --data kiln.train.examples:stdlib_text_small \\
@@ -263,53 +189,26 @@ def train(
     from kiln.train import require_torch
 
     require_torch("kiln train")
-    if steps is not None:
-        at_least(steps=(steps, 1))
+    _check(run, tuning)
     from kiln.compress.loading import load_callable
-    from kiln.train.config import TrainConfig, read_config, recorded_functions
+    from kiln.train.config import read_config, recorded_functions
 
-    tuning = {"--trials": trials, "--max-memory": max_memory, "--target-loss": target_loss,
-              "--storage": storage, "--study": study}  # fmt: skip
-    _check_tuning(tune, tuning, {"--epochs": epochs, "--checkpoint": checkpoint,
-                                 "--resume": resume or None, "--profile": profile,
-                                 "--save": save, "--export": export,
-                                 "--val-every": val_every, "--early-stop": early_stop,
-                                 "--metrics": metrics})  # fmt: skip
     base = read_config(config) if config else TrainConfig()
     recorded = recorded_functions(config) if config else {}  # a record's --loss, --optimizer
     loss, optimizer = loss or recorded.get("loss"), optimizer or recorded.get("optimizer")
-    nodes = nnodes.split(":")[-1]
-    if not nodes.isdigit() or int(nodes) < 1:
-        raise KilnError(f"--nnodes {nnodes}: give N or MIN:MAX, e.g. 2 or 1:4.")
-    world = nproc * int(nodes) if nproc is not None else None
-    chosen = _config(base, batch, precision, accumulation, checkpointing, strategy, world)
-    math = {"clip_grad_norm": clip_grad_norm, "lr_schedule": lr_schedule, "warmup": warmup}
-    chosen = chosen.replace(**{k: v for k, v in math.items() if v is not None})
-    seconds = parse_duration(time) if time else None
-    if tune:
-        specs = {"model": model, "data": data, "loss": loss, "optimizer": optimizer}
-        _tune(specs, chosen, batch, steps, seconds, tuning, record, as_json)
-        return
-    functions = {
-        "model": load_callable(model, "model"),
-        "data": load_callable(data, "--data"),
-        "loss": load_callable(loss, "--loss") if loss else None,
-        "optimizer": load_callable(optimizer, "--optimizer") if optimizer else None,
-    }
-    _oversubscribed(nproc)
+    chosen = _config(base, batch, changes, _world(run))
+    specs = {"model": model, "data": data, "loss": loss, "optimizer": optimizer}
+    if tuning.tune:
+        return _tune(specs, chosen, batch, run, tuning, record, as_json)
+    functions = {name: load_callable(spec, "model" if name == "model" else f"--{name}")
+                 if spec else None for name, spec in specs.items()}  # fmt: skip
+    _oversubscribed(run.nproc)
     if record is not None and record.is_dir():
         raise KilnError(f"-o {record} is a directory; give a file name for the record.")
-    options = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint,
-               "checkpoint_every": checkpoint_every, "save": save, "export": export}  # fmt: skip
-    options["allow_config_change"] = allow_config_change
-    options["progress_every"] = progress_every
-    options["val_every"] = int(val_every) if val_every and val_every.isdigit() else val_every
-    options["early_stop"], options["metrics"] = early_stop, metrics
     try:
-        result = _run(functions, chosen, steps, epochs, seconds, checkpoint, resume, profile,
-                      options)  # fmt: skip
+        result = _run(functions, chosen, run)
     except (Stopped, KeyboardInterrupt) as exc:
-        raise _stopped(exc, checkpoint) from None
+        raise _stopped(exc, run.checkpoint) from None
     result = {"model": model, "data": data, "loss_function": loss, "optimizer": optimizer,
               **result}  # fmt: skip
     if record is not None:
@@ -317,9 +216,35 @@ def train(
 
         atomic_write_json(record, result)
     if as_json:
-        emit_json(result)
-    else:
-        _table(result, record)
+        return emit_json(result)
+    _table(result, record)
+
+
+def _check(run: Run, tuning: Tuning) -> None:
+    """Counts at their minimum; tuning flags only with --tune, flags of a training run not
+    with it."""
+    if run.steps is not None:
+        at_least(steps=(run.steps, 1))
+    at_least(checkpoint_every=(run.checkpoint_every, 1))
+    if run.progress_every < 0:
+        raise KilnError(f"--progress-every {run.progress_every:g}: give 0 or more seconds.")
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    given = [flag(k) for k, v in asdict(tuning).items() if k != "tune" and v is not None]
+    if given and not tuning.tune:
+        raise KilnError(f"{given[0]} is a flag of kiln train --tune: add --tune, or drop it.")
+    default = Run()
+    given = [flag(k) for k in TRAINING_ONLY if getattr(run, k) != getattr(default, k)]
+    if given and tuning.tune:
+        raise KilnError(f"{given[0]} is for training runs, not --tune: tune first (-o FILE), then "
+                        "train with --config FILE.")  # fmt: skip
+
+
+def _world(run: Run) -> int | None:
+    """Ranks over every node: --nproc × the nodes (the most, for MIN:MAX)."""
+    nodes = run.nnodes.split(":")[-1]
+    if not nodes.isdigit() or int(nodes) < 1:
+        raise KilnError(f"--nnodes {run.nnodes}: give N or MIN:MAX, e.g. 2 or 1:4.")
+    return run.nproc * int(nodes) if run.nproc is not None else None
 
 
 def _oversubscribed(nproc: int | None) -> None:
@@ -345,35 +270,27 @@ def _stopped(exc: Stopped | KeyboardInterrupt, checkpoint: Path | None) -> Stopp
                            "with --resume to continue from it.")  # fmt: skip
 
 
-def _check_tuning(tune: bool, tuning: dict[str, Any], training: dict[str, Any]) -> None:
-    """Tuning flags only with --tune; flags of a training run not with it."""
-    given = [flag for flag, value in tuning.items() if value is not None]
-    if given and not tune:
-        raise KilnError(f"{given[0]} is a flag of kiln train --tune: add --tune, or drop it.")
-    given = [flag for flag, value in training.items() if value is not None]
-    if given and tune:
-        raise KilnError(f"{given[0]} is for training runs, not --tune: tune first (-o FILE), then "
-                        "train with --config FILE.")  # fmt: skip
-
-
-def _tune(specs: dict[str, str | None], base: Any, batch: int, steps: int | None,
-          seconds: float | None, tuning: dict[str, Any], output: Path | None,
-          as_json: bool) -> None:  # fmt: skip
+def _tune(specs: dict[str, str | None], base: TrainConfig, batch: int, run: Run,
+          tuning: Tuning, output: Path | None, as_json: bool) -> None:  # fmt: skip
     """--tune: search, write the tuned config (-o), show the trials and the pick."""
     from kiln.cli.console import progress
     from kiln.train.tune import PROBE_STEPS, TRIALS, tune
-    from kiln.tune.objectives import parse_constraint
+    from kiln.units import parse_size
 
-    limit = tuning["--max-memory"]
-    cap = parse_constraint("max_memory", limit).bound if limit is not None else None
+    cap = None
+    if tuning.max_memory is not None:
+        try:
+            cap = parse_size(tuning.max_memory, bare_unit=None) / 2**20
+        except ValueError as exc:
+            raise KilnError(f"--max-memory {exc}.") from None
     with _tuning_stopped(), progress() as bar:
         task = bar.add_task(f"tuning {specs['model']}")
         result = tune(specs["model"], specs["data"], loss=specs["loss"],
                       optimizer=specs["optimizer"], base=base, global_batch=batch,
-                      seconds=seconds, trials=tuning["--trials"] or TRIALS,
-                      max_memory_mib=cap, target_loss=tuning["--target-loss"],
-                      storage=tuning["--storage"], study=tuning["--study"],
-                      probe_steps=steps or PROBE_STEPS, output=output,
+                      seconds=run.seconds, trials=tuning.trials or TRIALS,
+                      max_memory_mib=cap, target_loss=tuning.target_loss,
+                      storage=tuning.storage, study=tuning.study,
+                      probe_steps=run.steps or PROBE_STEPS, output=output,
                       progress=lambda msg: bar.update(task, description=msg))  # fmt: skip
     if as_json:
         emit_json(result)
@@ -398,7 +315,7 @@ def _tune_table(result: dict[str, Any], output: Path | None) -> None:
     from rich.table import Table
 
     from kiln.train.config import TrainConfig
-    from kiln.train.tune import describe
+    from kiln.train.tuning import describe
 
     table = Table(title=f"{result['model']} on {result['data']}, global batch "
                   f"{result['global_batch']}: study {result['study']}")  # fmt: skip
@@ -422,26 +339,19 @@ def _tune_table(result: dict[str, Any], output: Path | None) -> None:
         console.print(f"tuned config: {output} (kiln train --config {output})", highlight=False)
 
 
-def _config(base: Any, batch: int, precision: str | None, accumulation: int | None,
-            checkpointing: str | None, strategy: str | None, nproc: int | None) -> Any:  # fmt: skip
+def _config(base: TrainConfig, batch: int, changes: dict[str, Any],
+            nproc: int | None) -> TrainConfig:  # fmt: skip
     """The config with the flags applied; micro_batch follows from --batch."""
-    changes: dict[str, Any] = {}
-    if precision is not None:
-        changes["precision"] = precision
-    if accumulation is not None:
-        changes["accumulation"] = accumulation
-    if checkpointing is not None:
-        changes["checkpointing"] = {"policy": checkpointing}
-    parallel: dict[str, Any] = {}
-    if strategy is not None:
-        parallel["strategy"] = strategy
+    nested: dict[str, Any] = {}
+    for path, value in changes.items():
+        section, _, name = path.rpartition(".")
+        (nested.setdefault(section, {}) if section else nested)[name] = value
     if nproc is not None:
+        parallel = nested.setdefault("parallel", {})
         parallel["ranks"] = nproc
-        if nproc > 1 and strategy is None and base.parallel.strategy == "single":
+        if nproc > 1 and "strategy" not in parallel and base.parallel.strategy == "single":
             parallel["strategy"] = "ddp"  # several ranks and no strategy: data parallel
-    if parallel:
-        changes["parallel"] = parallel
-    config = base.replace(**changes) if changes else base
+    config = base.replace(**nested) if nested else base
     replicas = 1 if config.parallel.strategy == "pipeline" else config.parallel.ranks
     per_step = config.accumulation * replicas
     if batch < 1 or batch % per_step:
@@ -452,9 +362,7 @@ def _config(base: Any, batch: int, precision: str | None, accumulation: int | No
     return config.replace(micro_batch=batch // per_step)
 
 
-def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: float | None,
-         seconds: float | None, checkpoint: Path | None, resume: bool,
-         profile: Path | None, options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _run(functions: dict[str, Any], config: TrainConfig, run: Run) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kiln.train import fit
@@ -466,7 +374,7 @@ def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: floa
         TimeRemainingColumn(),
     ]
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task(f"training ({config.parallel.ranks} rank(s))", total=steps,
+        task = bar.add_task(f"training ({config.parallel.ranks} rank(s))", total=run.steps,
                             status="starting")  # fmt: skip
 
         def tick(state: dict[str, Any]) -> None:
@@ -474,12 +382,17 @@ def _run(functions: dict[str, Any], config: Any, steps: int | None, epochs: floa
                        status=_status(state))  # fmt: skip
 
         # Off a terminal the bar is disabled: a log gets a plain line now and then instead.
-        every = options.pop("progress_every")
-        progress = tick if err.is_terminal else PlainProgress(_log_line, every)
+        progress = tick if err.is_terminal else PlainProgress(_log_line, run.progress_every)
+        every = run.val_every
         return fit(functions["model"], functions["data"], loss=functions["loss"],
-                   optimizer=functions["optimizer"], config=config, steps=steps, epochs=epochs,
-                   seconds=seconds, checkpoint=checkpoint, resume=resume, profile=profile,
-                   **options,
+                   optimizer=functions["optimizer"], config=config, steps=run.steps,
+                   epochs=run.epochs, seconds=run.seconds, checkpoint=run.checkpoint,
+                   resume=run.resume, profile=run.profile, nnodes=run.nnodes,
+                   rdzv_endpoint=run.rdzv_endpoint, checkpoint_every=run.checkpoint_every,
+                   save=run.save, export=run.export,
+                   allow_config_change=run.allow_config_change,
+                   val_every=int(every) if every and every.isdigit() else every,
+                   early_stop=run.early_stop, metrics=run.metrics,
                    progress=progress)  # fmt: skip
 
 

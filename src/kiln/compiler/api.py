@@ -25,8 +25,8 @@ from kiln.artifact import (
 )
 from kiln.backends.release import collect_garbage
 from kiln.compiler.candidate import CompileResult, compile_candidate, config_label
-from kiln.compiler.torch_check import EXAMPLE, check_against_framework
 from kiln.compiler.select import candidates, fastest, time_candidates
+from kiln.compiler.torch_check import EXAMPLE, check_against_framework
 from kiln.config import NO_PARTITION, CompileConfig
 from kiln.errors import KilnError
 from kiln.frontend import is_torch_model, load_pt2, load_torch
@@ -34,6 +34,7 @@ from kiln.ir.inputs import check_feeds, default_dims, read_inputs
 from kiln.ir.load import PT2_SUFFIX, LoadedModel, load_any
 from kiln.passes import PassSpec
 from kiln.passes.simplify import count_nodes
+from kiln.units import parse_size
 
 # Any: a torch.nn.Module or torch.export.ExportedProgram (torch is not imported to name them)
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model | Any
@@ -48,7 +49,6 @@ def compile(
     output: str | os.PathLike | None = None,
     *,
     config: CompileConfig | None = None,
-    target: str = "cpu",
     backend: str | None = None,
     precision: str | None = None,
     inputs: str | Mapping[str, np.ndarray] | None = None,
@@ -84,8 +84,6 @@ def compile(
     (or a placement, "image=openvino,text=ort") builds the model's independent branches as
     parts on their own engines, run at once by kiln.Session (see kiln.compiler.partition).
     Raises KilnError, writing nothing, when the result cannot be verified."""
-    if target != "cpu":
-        raise KilnError(f"target '{target}' is not supported yet; use target='cpu'.")
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
     if output is not None:
         check_destination(Path(output), force)  # before an export that may take a while
@@ -93,38 +91,108 @@ def compile(
     destination = _destination(loaded, output)
     check_destination(destination, force)
     try:
-        if config.partition != NO_PARTITION:
-            return _compile_partitioned(loaded, config, destination, inputs, rounds, runs,
-                                        progress, force)  # fmt: skip
-        result, bench = build(
-            loaded, config, inputs=inputs, pipeline=pipeline, rounds=rounds, runs=runs,
-            progress=progress,
-        )  # fmt: skip
-        return save_result(result, destination, bench, force=force)
+        return compile_loaded(loaded, config, destination, inputs=inputs, pipeline=pipeline,
+                              rounds=rounds, runs=runs, progress=progress, force=force)  # fmt: skip
     except BaseException:
         if output is None:  # the temporary directory made for it
             shutil.rmtree(destination.parent, ignore_errors=True)
         raise
 
 
-def _compile_partitioned(
+def compile_loaded(
     loaded: LoadedModel,
     config: CompileConfig,
     destination: Path,
-    inputs: str | Mapping[str, np.ndarray] | None,
-    rounds: int | None,
-    runs: int,
-    progress: Progress | None,
-    force: bool,
+    *,
+    inputs: str | Mapping[str, np.ndarray] | None = None,
+    pipeline: list[PassSpec] | list[str] | None = None,
+    rounds: int | None = None,
+    runs: int = 10,
+    progress: Progress | None = None,
+    force: bool = False,
+    max_memory_mib: float | None = None,
+    measure: Measure | None = None,
+    memory: bool | None = None,
 ) -> Artifact:
-    """`partition=`: several parts, each its own engine (kiln.compiler.partition)."""
-    from kiln.compiler.partition import compile_partitioned
+    """A loaded model compiled into `destination` as `config` says: the partitioned build
+    its `partition` asks for (kiln.compiler.partition), or one engine's build. Under
+    `max_memory_mib` the fastest verified candidate that fits is kept, each measured by
+    `measure` (kiln.compiler.memory; the caller hands it in, as the compiler does not run a
+    Session). With `measure` given, `memory` (None: for models with MEMORY_FROM_MIB of
+    weights or more) records the artifact's own peak resident memory in its benchmark."""
+    if max_memory_mib is not None:
+        _check_budget(config, max_memory_mib, rounds, measure)
+    if config.partition != NO_PARTITION:
+        from kiln.compiler.partition import compile_partitioned
 
-    given, source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
-    return compile_partitioned(
-        loaded, config, destination, given, source, save_result, rounds=rounds, runs=runs,
-        progress=progress, force=force,
-    )  # fmt: skip
+        given, source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
+        return compile_partitioned(
+            loaded, config, destination, given, source, save_result, rounds=rounds, runs=runs,
+            progress=progress, force=force,
+        )  # fmt: skip
+    say = progress or (lambda _msg: None)
+    fit = None
+    if max_memory_mib is not None and measure is not None:
+        from kiln.compiler.memory import fit_candidates
+
+        fit = lambda results: fit_candidates(  # noqa: E731
+            results, max_memory_mib, measure, rounds=rounds or 0, runs=runs, say=say
+        )
+    result, bench = build(loaded, config, inputs=inputs, pipeline=pipeline, rounds=rounds,
+                          runs=runs, progress=progress, fit=fit)  # fmt: skip
+    if bench is not None and fit is None and measure is not None and _measures(memory, result):
+        say("measuring the artifact's peak resident memory (a process of its own)")
+        bench["peak_rss_mib"] = _peak_rss(measure(result))
+    say("writing the artifact")
+    return save_result(result, destination, bench, force=force)
+
+
+# A candidate's memory in MiB, measured by the caller: "peak_mib", "load_mib", "steady_mib",
+# and "process_mib", the measuring process's own high-water mark (see kiln.compiler.memory).
+Measure = Callable[[CompileResult], Mapping[str, float]]
+MEMORY_FROM_MIB = 64  # weights from which a compile measures the artifact's memory unless told
+
+
+def memory_budget(text: str) -> float:
+    """`--max-memory` ("1.5GB", "800MiB") in MiB."""
+    try:
+        return parse_size(text, bare_unit=None) / 2**20
+    except ValueError as exc:
+        raise KilnError(f"--max-memory {exc}; e.g. 1.5GB or 800MiB.") from None
+
+
+def _check_budget(
+    config: CompileConfig, budget_mib: float, rounds: int | None, measure: Measure | None
+) -> None:
+    if config.partition != NO_PARTITION:
+        raise KilnError("--max-memory measures one engine's artifact; use --partition none.")
+    if rounds is not None and rounds <= 0:
+        raise KilnError(
+            "--max-memory times what each memory-saving option costs; use --rounds > 0."
+        )
+    if budget_mib <= 0 or measure is None:
+        raise KilnError("a memory budget needs a size above zero and a way to measure it.")
+
+
+def _measures(asked: bool | None, result: CompileResult) -> bool:
+    """As asked, else whether the weights are large enough for memory to count (and the
+    seconds of a measuring process to be small beside the compile)."""
+    if asked is not None:
+        return asked
+    from kiln.ir.weights import weight_bytes
+
+    return weight_bytes(result.model) >= MEMORY_FROM_MIB * 2**20
+
+
+def _peak_rss(measured: Mapping[str, float]) -> dict[str, float]:
+    """The benchmark's `peak_rss_mib`: the artifact's above an interpreter with its engine
+    loaded (as `kiln bench` reports each engine's): "load" once open, "run" the high-water
+    mark over opening and 10 runs, "steady" what it keeps after them; and "compile", the
+    compiling process's own high-water mark (Kiln, both engines, the original and the
+    candidates)."""
+    keys = {"load": "load_mib", "run": "peak_mib", "steady": "steady_mib",
+            "compile": "process_mib"}  # fmt: skip
+    return {name: round(measured[key], 1) for name, key in keys.items() if key in measured}
 
 
 def load_source(

@@ -8,6 +8,8 @@ served, each with its session and batcher; load, reload and unload while serving
 `app` (the FastAPI endpoints; `create_app(session, name)` for one model, `create_models_app(models)`
 for a `ModelSet`), `grpc_service` (Triton's GRPCInferenceService on the same `ModelSet`, its
 messages built in `_proto` from Triton's protos), `server` (the listening socket and uvicorn
-around the app). The batcher is `kiln.runtime.batcher`; the verb is `kiln.cli.serve`. Nothing
-is imported here, so `kiln --help` does not pay for FastAPI or gRPC.
+around the app), `config` (`ServeConfig`, every setting of one server) and `serving`
+(`run(config)`: all of it started, served until a signal). The batcher is
+`kiln.runtime.batcher`; the verb is `kiln.cli.serve`. Nothing is imported here, so
+`kiln --help` does not pay for FastAPI or gRPC.
 """

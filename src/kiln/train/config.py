@@ -62,6 +62,9 @@ class Checkpointing:
     of like modules: a transformer's layers), found by kiln.train.memory."""
 
     policy: str = "none"
+    """Activation checkpointing: none; full (every block); every (every `every`-th block, 2
+    unless told); selective (blocks of the module types in `modules`); budget (the fewest
+    blocks that keep the peak under `budget_mib`, from a measured probe)."""
     every: int = 2
     modules: tuple[str, ...] = ()
     budget_mib: float | None = None
@@ -94,6 +97,7 @@ class Parallel:
     """
 
     strategy: str = "single"
+    """single, ddp, fsdp2 or pipeline (several ranks: give --nproc)."""
     ranks: int = 1
     threads_per_rank: int | None = None
     bucket_mb: float = 25.0
@@ -162,42 +166,45 @@ class Loader:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a model is trained; every field a decision (see the module docstring).
-
-    precision        fp32 | bf16 (autocast) | fp16 (autocast + the dynamic `loss_scale`)
-    keep_fp32        module type names (e.g. "LayerNorm") or qualified names ("head") run in
-                     fp32 under autocast
-    micro_batch, accumulation   samples per forward, forwards per optimizer step
-    clip_grad_norm   max global gradient norm (None: no clipping)
-    lr_schedule      the learning rate over the run, as a fraction of the optimizer's own:
-                     constant | linear or cosine (decay to 0 over the run's steps) | the
-                     user's own scheduler, "module:fn" (fn(optimizer) -> LRScheduler)
-    warmup           optimizer steps over which the rate first rises linearly to the full one
-    checkpointing    activation checkpointing (see Checkpointing)
-    compile          None (eager) or a torch.compile mode, e.g. "default"
-    foreach, fused   the optimizer's implementation (None: PyTorch's choice)
-    set_to_none      zero_grad(set_to_none=...)
-    parallel         strategy, ranks and threads (see Parallel)
-    loader           the DataLoader's settings (see Loader)
-    seed             for the model's initialisation order, the sampler and dropout
-    """
+    """How a model is trained; every field a decision (see the module docstring), its
+    docstring what it means (and the help of the `kiln train` flag that sets it)."""
 
     precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + the dynamic loss scaling of `loss_scale`)."""
     loss_scale: LossScale = field(default_factory=LossScale)
+    """fp16's dynamic loss scaler (see LossScale)."""
     keep_fp32: tuple[str, ...] = ()
+    """Module type names (e.g. "LayerNorm") or qualified names ("head") run in fp32 under
+    autocast."""
     micro_batch: int = 32
+    """Samples per forward."""
     accumulation: int = 1
+    """Micro-batches per optimizer step."""
     clip_grad_norm: float | None = None
+    """Clip the gradients' global norm to this (the record keeps the norm); None: no
+    clipping."""
     lr_schedule: str = "constant"
+    """The learning rate over the run, as a fraction of the optimizer's own: constant, linear
+    or cosine (decay to 0 over the run's steps), or module:fn(optimizer) -> LRScheduler of
+    your own."""
     warmup: int = 0
+    """Optimizer steps over which the learning rate first rises linearly to its own."""
     checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    """Activation checkpointing (see Checkpointing)."""
     compile: str | None = None
+    """None (eager) or a torch.compile mode, e.g. "default"."""
     foreach: bool | None = None
+    """The optimizer's foreach implementation (None: PyTorch's choice)."""
     fused: bool | None = None
+    """The optimizer's fused implementation (None: PyTorch's choice)."""
     set_to_none: bool = True
+    """zero_grad(set_to_none=...)."""
     parallel: Parallel = field(default_factory=Parallel)
+    """Strategy, ranks and threads (see Parallel)."""
     loader: Loader = field(default_factory=Loader)
+    """The DataLoader's settings (see Loader)."""
     seed: int = 0
+    """For the model's initialisation order, the sampler and dropout."""
 
     def __post_init__(self) -> None:
         _one_of(self.precision, PRECISIONS, "precision")
