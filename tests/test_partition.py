@@ -148,7 +148,7 @@ def kiln_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
 
 
 def _kserve_json(feeds: dict) -> str:
-    from kiln.serve.protocol import datatype_of
+    from kiln.wire import datatype_of
 
     return json.dumps({"inputs": [
         {"name": k, "datatype": datatype_of(v), "shape": list(v.shape), "data": v.ravel().tolist()}

@@ -27,7 +27,8 @@ from string_models import strings_model
 
 from kiln import zoo
 from kiln.runtime.batcher import Batcher, Overloaded
-from kiln.serve.protocol import ProtocolError, encode_response, header_length, parse_request
+from kiln.serve.protocol import encode_response, parse_request
+from kiln.wire import ProtocolError, header_length
 
 BERT = "bert-tiny"
 RESNET = "resnet-tiny"

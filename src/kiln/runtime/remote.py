@@ -35,15 +35,16 @@ from kiln.runtime.metadata import NodeArg
 from kiln.runtime.monitor import LATENCY_SAMPLES, percentile_ms
 from kiln.runtime.parts import PartitionedSession
 from kiln.runtime.session import LocalSession
+from kiln.wire import (
+    HEADER_LENGTH,
+    ProtocolError,
+    datatype_of,
+    decode_tensor,
+    encode_tensor,
+    header_length,
+)
 
 Feeds = dict[str, np.ndarray]
-HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-    "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
-}  # fmt: skip
-_BY_NUMPY = {np.dtype(v): k for k, v in DATATYPES.items()}
 # Failures of a kept-alive connection the server may have closed in between: tried once more
 # on a new connection.
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -124,13 +125,13 @@ class RemoteSession:
             raise KilnError(
                 f"{self.url}: no output '{unknown[0]}'; the outputs are {self.output_names}."
             )
-        edge = self.local.run(None, feeds, run_options)
-        wire = dict(zip(self.local.output_names, edge, strict=True))
+        edge = dict(zip(self.local.output_names, self.local.run(None, feeds, run_options),
+                        strict=True))  # fmt: skip
         self.check_server()
-        body, header_length = encode_request([(s["name"], wire[s["name"]]) for s in self.boundary])
+        body, length = encode_request([(s["name"], edge[s["name"]]) for s in self.boundary])
         status, headers, answer = self._request(
             "POST", f"/v2/models/{self.model}/infer", body,
-            {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(header_length)},
+            {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(length)},
         )  # fmt: skip
         if status != 200:
             raise KilnError(f"{self._where()}: the server refused the request: {_error(answer)}")
@@ -332,16 +333,12 @@ def _check_inputs(metadata: Any, boundary: list[dict[str, Any]], where: str) -> 
         served = {i["name"]: i["datatype"] for i in metadata["inputs"]}
     except (KeyError, TypeError):
         raise KilnError(f"{where}: its model metadata has no inputs list.") from None
-    wanted = {spec["name"]: _datatype(spec["dtype"]) for spec in boundary}
+    wanted = {spec["name"]: datatype_of(spec["dtype"]) for spec in boundary}
     if served != wanted:
         raise KilnError(
             f"{where} takes inputs {served}, not this split's boundary {wanted}: it serves "
             "another model under that name. Serve the server.kiln written with this edge.kiln."
         )
-
-
-def _datatype(dtype: str) -> str:
-    return _BY_NUMPY[np.dtype(dtype)]
 
 
 def _onnx_type(dtype: str) -> str:
@@ -353,33 +350,26 @@ def encode_request(tensors: list[tuple[str, np.ndarray]]) -> tuple[bytes, int]:
     outputs asked back binary."""
     specs, blobs = [], []
     for name, array in tensors:
-        array = np.ascontiguousarray(array)
-        blobs.append(array.tobytes())
-        specs.append({
-            "name": name, "datatype": _BY_NUMPY[array.dtype], "shape": list(array.shape),
-            "parameters": {"binary_data_size": len(blobs[-1])},
-        })  # fmt: skip
+        spec, raw = encode_tensor(name, array, binary=True)
+        specs.append(spec)
+        blobs.append(raw)
     header = json.dumps({"inputs": specs, "parameters": {"binary_data_output": True}}).encode()
     return b"".join([header, *blobs]), len(header)
 
 
-def decode_response(body: bytes, header_length: str | None, where: str) -> dict[str, np.ndarray]:
+def decode_response(body: bytes, length: str | None, where: str) -> dict[str, np.ndarray]:
     """The outputs of an inference answer (binary tensors after the JSON header, or JSON
-    `data`)."""
+    `data`); `length` is its HEADER_LENGTH header."""
     try:
-        length = int(header_length) if header_length is not None else len(body)
-        header = json.loads(body[:length])
-        outputs, offset = {}, length
+        size = header_length(length)
+        size = len(body) if size is None else size
+        header = json.loads(body[:size])
+        blob, offset, outputs = memoryview(body)[size:], 0, {}
         for spec in header["outputs"]:
-            dtype = np.dtype(DATATYPES[spec["datatype"]])
-            size = (spec.get("parameters") or {}).get("binary_data_size")
-            if size is None:
-                array = np.asarray(spec["data"], dtype=dtype)
-            else:
-                array = np.frombuffer(body[offset : offset + size], dtype=dtype).copy()
-                offset += size
-            outputs[spec["name"]] = array.reshape(spec["shape"])
-    except (ValueError, KeyError, TypeError) as exc:
+            array, used = decode_tensor(spec, blob[offset:], "output")
+            outputs[spec["name"]] = array
+            offset += used
+    except (ProtocolError, ValueError, KeyError, TypeError) as exc:
         raise KilnError(f"{where}: answered with a malformed inference response ({exc}).") from None
     return outputs
 

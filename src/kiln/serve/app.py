@@ -38,12 +38,9 @@ from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
 from kiln.serve.models import BatchSettings, ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import (
     InferRequest,
-    ProtocolError,
     RequestTooLarge,
-    clip,
     decompress,
     encode_response,
-    header_length,
     parse_request,
 )
 from kiln.serve.service import (
@@ -57,6 +54,7 @@ from kiln.serve.service import (
     server_metadata,
     small_answer,
 )
+from kiln.wire import ProtocolError, clip, header_length
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 BODY_TIMEOUT = 408  # the one refusal after which the connection is closed: its body is unread

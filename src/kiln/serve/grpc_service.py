@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -42,19 +41,7 @@ from google.protobuf.message import Message
 from kiln.errors import KilnError
 from kiln.serve._proto import SERVICE_NAME, message, service
 from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
-from kiln.serve.protocol import (
-    BYTES,
-    DATATYPES,
-    InferRequest,
-    ProtocolError,
-    RequestTooLarge,
-    binary_bytes,
-    bytes_from_binary,
-    check_shape,
-    clip,
-    datatype_of,
-    object_array,
-)
+from kiln.serve.protocol import InferRequest, RequestTooLarge
 from kiln.serve.server import bind, resolve
 from kiln.serve.service import (
     INLINE_BYTES,
@@ -66,6 +53,18 @@ from kiln.serve.service import (
     server_metadata,
     small_answer,
     status_of,
+)
+from kiln.wire import (
+    BYTES,
+    CONTENTS_FIELDS,
+    ProtocolError,
+    check_datatype,
+    check_shape,
+    clip,
+    from_contents,
+    from_raw,
+    raw_bytes,
+    shaped,
 )
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
@@ -86,22 +85,6 @@ CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
 }
 
-# Each datatype's typed field in InferTensorContents, and the numpy type that field holds.
-# FP16 has none: it travels in raw_input_contents only.
-_CONTENTS: dict[str, tuple[str, np.dtype | None]] = {
-    "BOOL": ("bool_contents", np.dtype(np.bool_)),
-    "INT8": ("int_contents", np.dtype(np.int32)),
-    "INT16": ("int_contents", np.dtype(np.int32)),
-    "INT32": ("int_contents", np.dtype(np.int32)),
-    "INT64": ("int64_contents", np.dtype(np.int64)),
-    "UINT8": ("uint_contents", np.dtype(np.uint32)),
-    "UINT16": ("uint_contents", np.dtype(np.uint32)),
-    "UINT32": ("uint_contents", np.dtype(np.uint32)),
-    "UINT64": ("uint64_contents", np.dtype(np.uint64)),
-    "FP32": ("fp32_contents", np.dtype(np.float32)),
-    "FP64": ("fp64_contents", np.dtype(np.float64)),
-    BYTES: ("bytes_contents", None),
-}
 _SHARED_MEMORY = "shared_memory_region"
 # How far past --max-request-mb a message is still read, to be refused in Kiln's words: gRPC
 # itself refuses larger ones unread (its own text), which keeps memory bounded.
@@ -159,28 +142,17 @@ def decode_request(request: Message) -> InferRequest:
 def _input(tensor: Message, raw: bytes | None) -> np.ndarray:
     where = f"input {clip(tensor.name)}"
     _no_shared_memory(tensor.parameters, where)
-    datatype = tensor.datatype
-    if datatype != BYTES and datatype not in DATATYPES:
-        known = ", ".join([*DATATYPES, BYTES])
-        raise ProtocolError(f"{where}: unsupported datatype {clip(datatype)}; use {known}")
+    datatype = check_datatype(where, tensor.datatype)
     shape = check_shape(where, list(tensor.shape))
-    count = math.prod(shape)
     if raw is None:
         values = _from_contents(where, datatype, tensor.contents)
     elif tensor.HasField("contents") and tensor.contents.ListFields():
         raise ProtocolError(
             f"{where} has both contents and raw_input_contents; send the tensor in one"
         )
-    else:
-        values = _from_raw(where, datatype, shape, count, raw)
-    if values.size != count:
-        raise ProtocolError(
-            f"{where}: shape {shape} needs {count} values, the data has {values.size}"
-        )
-    try:
-        return values.reshape(shape)
-    except ValueError as exc:  # an empty tensor whose other dims overflow numpy's sizes
-        raise ProtocolError(f"{where}: shape {shape} cannot be a tensor ({exc})") from None
+    else:  # a view of the message's bytes, not a copy
+        values = from_raw(where, datatype, shape, raw, "raw_input_contents", copy=False)
+    return shaped(where, values, shape)
 
 
 def _no_shared_memory(parameters: Any, where: str) -> None:
@@ -190,24 +162,10 @@ def _no_shared_memory(parameters: Any, where: str) -> None:
         )
 
 
-def _from_raw(where: str, datatype: str, shape: list[int], count: int, raw: bytes) -> np.ndarray:
-    """A raw tensor: row-major elements, or length-prefixed BYTES elements. A view of the
-    message's bytes, not a copy (read-only: the engines only read their inputs)."""
-    if datatype == BYTES:
-        return bytes_from_binary(where, memoryview(raw), count)
-    dtype = DATATYPES[datatype]
-    if len(raw) != count * dtype.itemsize:
-        raise ProtocolError(
-            f"{where}: raw_input_contents holds {len(raw)} bytes, but shape {shape} of "
-            f"{datatype} needs {count * dtype.itemsize}"
-        )
-    return np.frombuffer(raw, dtype=dtype)
-
-
 def _from_contents(where: str, datatype: str, contents: Message) -> np.ndarray:
     """A tensor in its typed field, which must be the one its datatype takes (as Triton
     requires): INT8 in int_contents, within INT8's range."""
-    field, held = _CONTENTS.get(datatype, (None, None))
+    field, _ = CONTENTS_FIELDS.get(datatype, (None, None))
     if field is None:
         raise ProtocolError(
             f"{where}: {datatype} has no typed contents field; send it in raw_input_contents"
@@ -220,26 +178,7 @@ def _from_contents(where: str, datatype: str, contents: Message) -> np.ndarray:
         raise ProtocolError(
             f"{where} has no data: send it in raw_input_contents or in contents.{field}"
         )
-    if datatype == BYTES:
-        return _text(where, list(values))
-    wide = np.array(values, dtype=held)
-    dtype = DATATYPES[datatype]
-    if wide.size and dtype.kind in "iu" and dtype != held:
-        info = np.iinfo(dtype)
-        if wide.min() < info.min or wide.max() > info.max:
-            raise ProtocolError(
-                f"{where}: contents.{field} holds a value out of {datatype}'s range"
-            )
-    return wide.astype(dtype, copy=False)
-
-
-def _text(where: str, items: list[bytes]) -> np.ndarray:
-    try:
-        return object_array([item.decode("utf-8") for item in items])
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(
-            f"{where}: an element is not UTF-8 text ({exc.reason}); ONNX strings are UTF-8"
-        ) from None
+    return from_contents(where, datatype, list(values))
 
 
 def encode_response(
@@ -251,11 +190,9 @@ def encode_response(
     )
     for name in request.outputs or outputs:
         array = np.ascontiguousarray(outputs[name])
-        datatype = datatype_of(array)
+        datatype, raw = raw_bytes(array)
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
-        response.raw_output_contents.append(
-            binary_bytes(array) if datatype == BYTES else array.tobytes()
-        )
+        response.raw_output_contents.append(raw)
     return response
 
 

@@ -28,8 +28,9 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.runtime.batcher import Batcher
 from kiln.serve.metrics import ServeMetrics, ServerMetrics, engine_runs
-from kiln.serve.protocol import clip, model_config
+from kiln.serve.protocol import model_config
 from kiln.serve.repository import Repository, served_settings
+from kiln.wire import clip
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 

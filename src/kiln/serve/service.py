@@ -24,13 +24,8 @@ from kiln.errors import KilnError
 from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.metrics import TimedFeeds
 from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
-from kiln.serve.protocol import (
-    InferRequest,
-    ProtocolError,
-    RequestTooLarge,
-    clip,
-    datatype_of,
-)
+from kiln.serve.protocol import InferRequest, RequestTooLarge
+from kiln.wire import ProtocolError, clip, datatype_of
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 # The protocol extensions served: each one a client may rely on.
