@@ -1,4 +1,4 @@
-"""The Backend contract every engine implements (see DESIGN.md)."""
+"""The Backend contract every engine implements (see docs/contributing/architecture.md)."""
 
 from __future__ import annotations
 

@@ -73,10 +73,10 @@ class OpenVinoOptions:
     extra: dict[str, str] = field(default_factory=dict)
     # Symbolic dim name -> fixed size: the model is reshaped to static before compiling (one
     # executable per shape bucket, or an artifact compiled `static` at its verified dims);
-    # static shapes can run faster (ENGINE-NOTES: BERT batch 8, 17 -> 24 samples/s on a
-    # Xeon; 0.95-1.04x elsewhere; NNCF int8 bert-base 1x128 on an AVX-512 EPYC 0.99-1.04x
-    # over four readings). A run at other dims is not refused: the model is compiled with
-    # its dynamic dims on first need (once; a second copy of the weights) and runs there.
+    # static shapes can run faster (docs/contributing/engine-notes.md: BERT batch 8, 17 -> 24
+    # samples/s on a Xeon; 0.95-1.04x elsewhere; NNCF int8 bert-base 1x128 on an AVX-512 EPYC
+    # 0.99-1.04x over four readings). A run at other dims is not refused: the model is compiled
+    # with its dynamic dims on first need (once; a second copy of the weights) and runs there.
     dim_overrides: dict[str, int] = field(default_factory=dict)
     # ENABLE_MMAP, given to read_model (per read: the process's one Core is left as it is):
     # True (OpenVINO's default) maps an external-data weights file and compiles from the

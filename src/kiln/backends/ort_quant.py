@@ -83,7 +83,7 @@ def quantize_dynamic_int8(
             weight_type=QuantType.QInt8,
             nodes_to_exclude=_excluded(exclude),
             use_external_data_format=True,
-            # Shape inference cannot type com.microsoft outputs; ENGINE-NOTES #4.
+            # Shape inference cannot type com.microsoft outputs (docs/contributing/engine-notes.md).
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
 

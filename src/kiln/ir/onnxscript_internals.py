@@ -1,11 +1,11 @@
 """The private parts of onnxscript that Kiln uses, fenced into one module.
 
-Kiln builds on onnxscript's optimizer and rewriter (see DESIGN.md), and some of what it needs
-is only reachable through underscore modules and names: rule sets that are not exported, the
-constant folder's pass and registry, the rewriter's metadata merger, `get_numpy_value`. Those
-can change in any onnxscript release. This module is the only place in Kiln that touches them:
-every other module imports them from here under a public name (a test enforces it), so an
-onnxscript upgrade breaks here, in one file, and nowhere else.
+Kiln builds on onnxscript's optimizer and rewriter (docs/contributing/architecture.md), and
+some of what it needs is only reachable through underscore modules and names: rule sets that
+are not exported, the constant folder's pass and registry, the rewriter's metadata merger,
+`get_numpy_value`. Those can change in any onnxscript release. This module is the only place in
+Kiln that touches them: every other module imports them from here under a public name (a test
+enforces it), so an onnxscript upgrade breaks here, in one file, and nowhere else.
 
 Tested with onnxscript 0.7.x (0.7.2); pyproject.toml pins ``onnxscript>=0.7,<0.8``. Raising
 the upper bound means running the test suite against the new release and fixing this module.

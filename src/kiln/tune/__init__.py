@@ -1,6 +1,6 @@
 """`kiln.tune`: search every decision Kiln makes (Optuna), measured honestly against the
 incumbent; the strategy library that remembers across models; the feedback loop that tunes
-a running model from its live traffic (see DESIGN.md).
+a running model from its live traffic (see docs/contributing/architecture.md).
 
 Names load on first use: `kiln.Session(..., feedback=True)` loads kiln.tune.feedback, which
 must not pull in Optuna.
