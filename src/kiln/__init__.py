@@ -45,8 +45,8 @@ def Session(  # noqa: N802 (named as the class it stands for, as in onnxruntime)
     LocalSession, or a PartitionedSession or RemoteSession where the model asks for one, see
     there). With `feedback=True`, a kiln.tune FeedbackLoop tunes it from its live traffic
     (`feedback_options`: the loop's keyword arguments; `.feedback` is the loop, stopped by
-    `close`); the session then keeps its last 256 requests for replay unless `keep_requests`
-    says otherwise."""
+    `close`); the session then keeps its recent requests for the loop to replay
+    (kiln.tune.feedback.KEEP_REQUESTS of them, unless `keep_requests` says)."""
     if feedback:
         _load("kiln.tune.feedback", "check_tunable")(path_or_model, remote)
         keep_requests = keep_requests or _load("kiln.tune.feedback", "KEEP_REQUESTS")
