@@ -52,13 +52,15 @@ class Recorder:
 
     def __init__(self, suite: str) -> None:
         self.suite = suite
-        self.argv = ["python", *sys.argv]
+        self.argv = ["python", _script(sys.argv[0]), *sys.argv[1:]]
         self.started = dt.datetime.now(dt.timezone.utc)
         self.clock = time.monotonic()
         self.machine = machine()
 
-    def write(self, rows: list[dict[str, Any]], details: Any, results: Path = RESULTS) -> Path:
-        """The schema file for this run, under `results/<suite>/`; its path."""
+    def write(self, rows: list[dict[str, Any]], details: Any, results: Path = RESULTS,
+              tag: str = "") -> Path:  # fmt: skip
+        """The schema file for this run, under `results/<suite>/`; its path. `tag` names a
+        variant of the suite's run (`int8`); a file already there is never overwritten."""
         document = {
             "schema": SCHEMA,
             "suite": self.suite,
@@ -77,8 +79,7 @@ class Recorder:
         if problems:
             raise ValueError(f"{self.suite}: result does not fit the schema: {problems[0]}")
         name = f"{document['date']}-{self.machine['cpu_class']}-{document['kiln']['commit']}"
-        path = Path(results) / self.suite / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = _free(Path(results) / self.suite, name + (f"-{tag}" if tag else ""))
         path.write_text(json.dumps(document, indent=2, default=_plain) + "\n")
         print(f"result: {path}", file=sys.stderr)
         return path
@@ -92,6 +93,33 @@ def row(label: str, value: float | None, unit: str, spread: Any = None,
     number = None if value is None else float(value)
     return {"label": label, "value": number, "unit": unit, "spread": low_high,
             "verdict": verdict, **columns}  # fmt: skip
+
+
+def speedup_row(label: str, figures: dict[str, Any], **columns: Any) -> dict[str, Any]:
+    """A `kiln.timing.Speedup.to_json()` as a row (above 1: faster than the baseline)."""
+    return row(label, figures["speedup"], "x", figures["speedup_spread"], figures["verdict"],
+               **columns)  # fmt: skip
+
+
+def bench_rows(model: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A `kiln bench` result's rows: each engine's P50 over the baseline's (the first engine
+    named), with spread and verdict; `precision` is the engine's, Kiln's as its artifact has."""
+    baseline = result["baseline"]
+    found = []
+    for engine, figures in result["engines"].items():
+        if engine == baseline:
+            continue
+        if engine == "kiln":
+            precision = result.get("kiln_build", {}).get("precision", "fp32")
+        else:
+            precision = next((p for p in ("int8", "bf16") if engine.endswith(p)), "fp32")
+        found.append(row(
+            f"{model}: {engine} vs {baseline}", figures["speedup_vs_baseline"], "x",
+            figures["speedup_spread"], figures["verdict"], model=model, precision=precision,
+            engine=engine, baseline=baseline, p50_ms=figures["p50_ms"],
+            cosine_vs_fp32=figures.get("cosine_vs_fp32"),
+        ))  # fmt: skip
+    return found
 
 
 def kiln_build() -> dict[str, Any]:
@@ -174,6 +202,25 @@ def _git(where: Path, *args: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _free(folder: Path, name: str) -> Path:
+    """`folder/name.json`, or `name-2.json`, `name-3.json`... where that exists."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path, count = folder / f"{name}.json", 1
+    while path.exists():
+        count += 1
+        path = folder / f"{name}-{count}.json"
+    return path
+
+
+def _script(path: str) -> str:
+    """The script as run from the repository's root (benchmarks/NAME.py) when it is one of
+    these benchmarks, wherever the checkout lies; else as given."""
+    here = Path(path).resolve()
+    if here.parent == Path(__file__).resolve().parent:
+        return f"benchmarks/{here.name}"
+    return path
 
 
 def _plain(value: Any) -> Any:

@@ -9,7 +9,9 @@ writes — `onnxruntime.InferenceSession(path)`, OpenVINO's `compile_model(path)
 `kiln.Session(artifact)`, each run 10 times — minus that of the same script without the
 session (the imports and the inputs). A process's peak is Kiln's larger figure (the run peak
 starts from what the load left), so each engine's max(load, run) is checked within 15 % of
-the independent one. Prints the command, CPU, versions and every figure; writes JSON.
+the independent one. Prints the command, CPU, versions and every figure; writes JSON and the
+result file. Takes one `kiln bench --rounds 1 --runs 3` of the artifact and two short processes
+per engine: a few minutes for a full-size model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.compiler.api import load_source
@@ -85,11 +88,15 @@ def independent(engines: list[str], artifact: Path, feeds: dict, where: Path) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--against", default="ort,openvino")
     parser.add_argument("--json", default="results/bench_memory_check.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("bench_memory_check")
     if not shutil.which("/usr/bin/time"):
         raise SystemExit("needs GNU time at /usr/bin/time (apt-get install time)")
     cpu = cpu_info()
@@ -129,6 +136,12 @@ def main() -> None:
     out.write_text(json.dumps({"command": command, "cpu": cpu.model, "features": cpu.features,
                                "bench": bench, "rows": rows}, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")
+    recorder.write([
+        row(f"{engine}: kiln bench peak ÷ independent peak", figures["ratio"], "x",
+            verdict="within 15 %" if figures["within_15pct"] else "not within 15 %",
+            engine=engine)
+        for engine, figures in rows.items()
+    ], {"bench": bench, "rows": rows}, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

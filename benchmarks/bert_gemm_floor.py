@@ -11,7 +11,8 @@ fp32 (ONNX Runtime): the GEMM stack alone. int8 (OpenVINO): the stack quantized 
 the TRANSFORMER preset, interleaved (`--rounds` blocks of `--runs`) with zoo bert-base under
 the hand recipe a user runs (`nncf.quantize`, `ModelType.TRANSFORMER`, OpenVINO's defaults):
 how much of the recipe's time is the int8 GEMMs themselves, and their rate against `kiln
-doctor`'s measured int8 peak. Prints the command, CPU, versions and figures; writes JSON.
+doctor`'s measured int8 peak. Prints the command, CPU, versions and figures; writes JSON and
+the result file. fp32 takes about half a minute; int8 (NNCF on bert-base) a few minutes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 from onnx import TensorProto
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -142,14 +144,18 @@ def openvino_int8(seq: int, rounds: int, runs: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--engine", choices=["ort", "openvino"], default="ort")
     parser.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved blocks (int8)")
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--json", default=None, help="write the figures here")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("bert_gemm_floor")
     if (args.engine, args.precision) not in {("ort", "fp32"), ("openvino", "int8")}:
         parser.error("measured: --engine ort --precision fp32, --engine openvino --precision int8")
     print("command: python " + " ".join(sys.argv))
@@ -163,6 +169,23 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    recorder.write(floor_rows(result), result, args.results)
+
+
+def floor_rows(result: dict) -> list[dict]:
+    """The GEMM stack's P50 and rate; at int8 also its share of the recipe's time."""
+    engine, precision = result["engine"], result["precision"]
+    found = [row(f"bert-base GEMMs, seq {result['seq']}", result["gemms_p50_ms"], "ms",
+                 model="bert-base", engine=engine, precision=precision)]  # fmt: skip
+    if precision == "int8":
+        found += [
+            row("GEMMs' share of the NNCF recipe's time", result["gemms_share_of_recipe"], "x",
+                result["gemms_share_spread"], model="bert-base", engine=engine,
+                precision=precision),
+            row("GEMMs' rate, fraction of the measured int8 peak", result["fraction_of_peak"],
+                "x", model="bert-base", engine=engine, precision=precision),
+        ]  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue-5 benchmark: a bucketed kiln.Session against the same engine's plain dynamic-shape
+"""A bucketed kiln.Session against the same engine's plain dynamic-shape
 session, on requests of random shape (BERT-base: batch 1..16, seq 8..256), one by one.
 
     python benchmarks/buckets_vs_dynamic.py [--backend ort|openvino] [--budget 60]
@@ -9,6 +9,7 @@ hits both alike. Bucket executables are compiled and run once before the clock s
 server's warm-up would; those times are reported apart). The timed loop stops after --budget
 seconds or --requests requests. Reported: throughput of each
 (requests/s and rows/s), the ratio of total times, and the median of per-request ratios.
+The default run takes a minute or two: the bucket builds, then at most `--budget` seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.ir.inputs import synthesize
@@ -26,7 +28,9 @@ from kiln.runtime import buckets as bk
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo:bert-base")
     parser.add_argument("--backend", default="ort")
     parser.add_argument("--buckets", default="batch=1,2,4,8,16 seq=32,64,128,256")
@@ -35,7 +39,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds of timed runs")
     parser.add_argument("--out", default="results/buckets_vs_dynamic.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("buckets_vs_dynamic")
     rng = np.random.default_rng(0)
     (b0, b1), (s0, s1) = (map(int, args.batch.split(",")), map(int, args.seq.split(",")))
     shapes = [
@@ -106,6 +112,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    label = f"{args.model} on {args.backend}"
+    recorder.write([
+        row(f"{label}: total time dynamic ÷ buckets", result["speedup_total"], "x",
+            model=args.model, engine="kiln buckets", baseline=f"{args.backend} dynamic"),
+        row(f"{label}: median per-request ratio", result["speedup_median_per_request"], "x",
+            model=args.model, engine="kiln buckets", baseline=f"{args.backend} dynamic"),
+    ], result, args.results)  # fmt: skip
 
 
 def request(session: kiln.Session, batch: int, seq: int) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Issue-11 soak benchmark: `kiln serve --feedback` under shifting traffic for a long time.
+"""`kiln serve --feedback` under shifting traffic for a long time.
 
     python benchmarks/feedback_soak.py [--minutes 30] [--model zoo:resnet-tiny]
         [--buckets batch=1,32] [--interval 30] [-o feedback_soak.json]
@@ -7,6 +7,7 @@ The server starts with buckets made for other traffic; clients then cycle throug
 (steady batch 1; bursts of batch 16; mixed batches 1-32) a few minutes each. Every answer is
 checked (status 200, output shape). Reported: requests, failed requests (the target is 0),
 latency per phase, and the strategies the loop adopted and refused, with their evidence.
+The run takes `--minutes` (30 by default) and a few seconds to start and stop the server.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 from kiln.tune.library import Library
 
@@ -38,14 +40,18 @@ def request(batch: int, rng: np.random.Generator) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--model", default="zoo:resnet-tiny")
     parser.add_argument("--buckets", default="batch=1,32")
     parser.add_argument("--interval", type=float, default=30)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("-o", "--output", default="feedback_soak.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("feedback_soak")
     home = Path(tempfile.mkdtemp(prefix="soak-"))
     command = [sys.executable, "-m", "kiln", "serve", args.model, "--port", "0", "--json",
                "--buckets", args.buckets, "--feedback", "--feedback-interval",
@@ -111,6 +117,20 @@ def main() -> None:
     }  # fmt: skip
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "refused"}, indent=2))
+    rows = [
+        row(
+            "failed requests",
+            result["failed"],
+            "requests",
+            verdict="pass" if result["failed"] == 0 else "fail",
+            model=args.model,
+        )
+    ]
+    rows += [
+        row(f"{name}: P50", phase["p50_ms"], "ms", model=args.model)
+        for name, phase in result["phases"].items()
+    ]
+    recorder.write(rows, result, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

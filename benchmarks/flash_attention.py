@@ -10,7 +10,8 @@ and the same model with each `If` replaced by its masked branch — the `Attenti
 wrapped, so everything else is identical. Inputs: `kiln.ir.inputs.synthesize` at seed 0
 (masks of ones: the flash branch runs). One run per engine per round, the order rotating,
 `kiln.timing.speedup` over the rounds; cosine between the two outputs. Prints the command,
-CPU, versions and every figure; writes JSON.
+CPU, versions and every figure; writes JSON and the result file. At 4,096 tokens the default
+6 rounds take a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
@@ -60,12 +62,16 @@ def session(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", type=Path, default=Path("results/flash_attention.json"))
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("flash_attention")
     command = (f"python benchmarks/flash_attention.py {args.artifact} --seq {args.seq} "
                f"--rounds {args.rounds}")  # fmt: skip
     info = machine()
@@ -99,6 +105,10 @@ def main() -> None:
               "rounds_ms": {k: [r[0] * 1e3 for r in v] for k, v in samples.items()}}  # fmt: skip
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
+    recorder.write([row(
+        f"seq {args.seq}: flash branch over the Attention kernel", ratio.value, "x",
+        ratio.spread, ratio.verdict, engine="flash", baseline="attention", cosine=agreement,
+    )], result, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

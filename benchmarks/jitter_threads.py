@@ -13,8 +13,7 @@ bootstrap interval over rounds × runs. The question it answers: when Kiln's fas
 every core and its jitter stays several times the floor, is that the engine or the machine —
 does fixed work that needs every core (the matmul probe) show the same tail here?
 
-Written on a 2-core VM (Intel Xeon, 2026-12-04) where ORT resnet50 read jitter 0.03 on one
-thread and 0.27 on two, a Python loop of the same length 0.06.
+The default run (resnet50, 10 rounds × 100 runs of each row) takes about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 from threadpoolctl import threadpool_limits
 
 from kiln.hardware import cpu_info
@@ -103,13 +103,17 @@ def rows(samples: dict[str, list[list[float]]]) -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo:resnet50")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--no-openvino", action="store_true")
     parser.add_argument("--json", type=Path, default=Path("results/jitter_threads.json"))
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("jitter_threads")
     info = machine()
     command = "python benchmarks/jitter_threads.py " + " ".join(
         f"--model {args.model} --rounds {args.rounds} --runs {args.runs}".split()
@@ -123,19 +127,25 @@ def main() -> None:
         samples = interleave(timed, rounds=args.rounds, runs=args.runs, warmup=3)
     table = rows(samples)
     print(f"\n{'row':20} {'P50 ms':>8} {'P99 ms':>8} {'jitter':>7}  interval")
-    for name, row in table.items():
-        low, high = row["jitter_interval"]
-        print(f"{name:20} {row['p50_ms']:8.2f} {row['p99_ms']:8.2f} {row['jitter']:7.3f}  "
+    for name, figures in table.items():
+        low, high = figures["jitter_interval"]
+        print(f"{name:20} {figures['p50_ms']:8.2f} {figures['p99_ms']:8.2f} "
+              f"{figures['jitter']:7.3f}  "
               f"{low:.3f}–{high:.3f}")  # fmt: skip
     floor = table["python-loop 1t"]["jitter"]
     print(f"\njitter over the one-thread Python loop's ({floor:.3f}):")
-    for name, row in table.items():
-        print(f"  {name:20} {row['jitter'] / floor:6.2f}×" if floor > 0 else "")
+    for name, figures in table.items():
+        print(f"  {name:20} {figures['jitter'] / floor:6.2f}×" if floor > 0 else "")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     result = {"command": command, "machine": info, "model": args.model, "work": work_of,
               "rows": table}  # fmt: skip
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
+    recorder.write([
+        row(f"{name}: jitter (P99 − P50)/P50", figures["jitter"], "", figures["jitter_interval"],
+            model=args.model, p50_ms=figures["p50_ms"], p99_ms=figures["p99_ms"])
+        for name, figures in table.items()
+    ], result, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ starts over). Memory: all engines stay loaded while one cell is timed, and the b
 holds every candidate at once while it times them; at 4,096 tokens ORT as-is holds several
 B·H·S² score tensors (768 MiB each for bert-base: ≈ 3.5 GiB a layer at its peak), so allow
 ≈ 10 GiB for the timing and ≈ 16 GiB for the budgeted pick's build (`--no-budget` skips it).
-Duration: a few hours on 2 cores, most of it the budgeted builds and the 4,096-token cell.
+Duration: the default run takes a few hours on 2 cores, most of it the budgeted builds and the
+4,096-token cell; `--seqs 256 --gpt2-seqs 128 --rounds 1 --runs 1` takes a few minutes. Writes
+`--json` and the result file.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import onnx_ir as ir
 import onnxruntime
 import openvino
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, speedup_row
 
 import kiln
 from kiln import zoo
@@ -111,6 +114,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--work", help="keep originals, artifacts and finished cells here")
     parser.add_argument("--rebuild", action="store_true", help="ignore what --work holds")
     parser.add_argument("--json", default="results/long_seq.json", help="where to write JSON")
+    add_arguments(parser)
     args = parser.parse_args()
     args.seqs = _ints(args.seqs)
     args.gpt2_seqs = _ints(args.gpt2_seqs)
@@ -141,7 +145,7 @@ def header(args: argparse.Namespace) -> dict:
             "numpy": np.__version__,
             "python": platform.python_version(),
         },  # fmt: skip
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "work", "results")},
     }
     print(result["command"])
     print(f"{cpu.model}, {cpu.logical_cores} cores, {' '.join(cpu.features)}, "
@@ -447,6 +451,7 @@ def workdir(given: str | None):
 
 def main() -> None:
     args = parse()
+    recorder = Recorder("long_seq")
     result = header(args)
     peers, left_out = peers_here(args.peers)
     for peer, why in left_out.items():
@@ -485,6 +490,23 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    recorder.write(cell_rows(cells), result, args.results)
+
+
+def cell_rows(cells: list[dict]) -> list[dict]:
+    """Every engine's P50 over ONNX Runtime as-is at each model and length, its spread and
+    verdict, with its worst cosine and (when measured) its peak memory."""
+    found = []
+    for item in cells:
+        for engine, figures in item["engines"].items():
+            if engine == ORT:
+                continue
+            label = f"{item['model']}, seq {item['seq']}: {engine} vs {ORT}"
+            peak = (figures.get("memory") or {}).get("peak_mib")
+            found.append(speedup_row(label, figures, model=item["model"], engine=engine,
+                                     baseline=ORT, seq=item["seq"], cosine=figures["cosine"],
+                                     peak_mib=peak))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

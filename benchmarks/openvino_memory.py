@@ -23,10 +23,12 @@ plugin loaded and the inputs made (`b0`).
   the per-round spread: this machine is shared, so read the spread, not one ratio.
 
 Variants: `kiln` (Kiln's default now: mmap + release_mapped + release_code),
-`kiln-no-code-release` (release_code off: Kiln before 2026-12-04), `kiln-no-release` (mmap
+`kiln-no-code-release` (release_code off), `kiln-no-release` (mmap
 only), `kiln-no-mmap` (weights read into memory), `ov-path` (OpenVINO as-is:
 `Core().compile_model(path)`, no Kiln in the way). Each row also has the first three runs' times
-(`first_runs_ms`): what the first runs pay for what was released.
+(`first_runs_ms`): what the first runs pay for what was released. Writes `--out` and the
+result file. Each artifact takes about a minute for bert-base (seven children, then the
+latency rounds).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 VARIANTS = ("kiln", "kiln-no-code-release", "kiln-no-release", "kiln-no-mmap", "ov-path")
 _NONE = {"release_mapped": False, "release_code": False}
@@ -249,10 +253,10 @@ def measure(artifact: Path, runs: int, rounds: int) -> dict[str, Any]:
     variants = {v: _child(v, artifact, runs, rounds) for v in VARIANTS}
     held = variants["kiln"]["weights_held_mib"]
     floor = held + empty
-    for row in variants.values():
-        row["run_over_floor"] = row["run_mib"] / floor
-        row["steady_over_floor"] = row["steady_mib"] / floor
-        row["steady_over_floor_released"] = row["steady_mib"] / (held + empty_released)
+    for figures in variants.values():
+        figures["run_over_floor"] = figures["run_mib"] / floor
+        figures["steady_over_floor"] = figures["steady_mib"] / floor
+        figures["steady_over_floor_released"] = figures["steady_mib"] / (held + empty_released)
     manifest = json.loads((artifact / "manifest.json").read_text())
     data = artifact / "model.onnx.data"
     return {
@@ -278,11 +282,11 @@ def _print(result: dict[str, Any]) -> None:
           f"{result['floor_released_mib']:.0f}")  # fmt: skip
     print(f"{'variant':21} {'load':>6} {'first':>6} {'steady':>6} {'run':>6} {'anon':>6} "
           f"{'file':>6} {'run/floor':>9} {'/released':>9}  first runs ms")  # fmt: skip
-    for name, row in result["variants"].items():
-        runs = " ".join(f"{t:.0f}" for t in row["first_runs_ms"])
-        print(f"{name:21} {row['load_mib']:6.0f} {row['first_mib']:6.0f} {row['steady_mib']:6.0f}"
-              f" {row['run_mib']:6.0f} {row['anon_mib']:6.0f} {row['file_mib']:6.0f}"
-              f" {row['run_over_floor']:9.2f} {row['steady_over_floor_released']:9.2f}  "
+    for name, got in result["variants"].items():
+        runs = " ".join(f"{t:.0f}" for t in got["first_runs_ms"])
+        print(f"{name:21} {got['load_mib']:6.0f} {got['first_mib']:6.0f} {got['steady_mib']:6.0f}"
+              f" {got['run_mib']:6.0f} {got['anon_mib']:6.0f} {got['file_mib']:6.0f}"
+              f" {got['run_over_floor']:9.2f} {got['steady_over_floor_released']:9.2f}  "
               f"{runs}")  # fmt: skip
     kiln = result["variants"]["kiln"]
     other = kiln["anon_grown_mib"] - kiln["weights_held_mib"]
@@ -300,12 +304,16 @@ def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         _child_main(sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("artifacts", nargs="+", type=Path)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("results/openvino_memory.json"))
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("openvino_memory")
     command = " ".join([Path(sys.executable).name, *sys.argv])
     info = machine()
     print(command)
@@ -318,6 +326,27 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": command, **info, "results": results}, indent=2))
     print(f"\nwrote {args.out}")
+    recorder.write(memory_rows(results), {"command": command, **info, "results": results},
+                   args.results)  # fmt: skip
+
+
+def memory_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per artifact: its floor, each variant's run peak, and the latency Kiln's release costs."""
+    found = []
+    for result in results:
+        name = Path(result["artifact"]).stem
+        found.append(row(f"{name}: floor", result["floor_mib"], "MiB", model=name))
+        for variant, figures in result["variants"].items():
+            found.append(row(f"{name} {variant}: run peak", figures.get("run_mib"), "MiB",
+                             model=name, variant=variant))  # fmt: skip
+        latency = result["latency"]
+        per_round = latency["latency_ratio_per_round"]
+        found.append(row(
+            f"{name}: P50 with release_mapped ÷ without (above 1: slower)",
+            latency["latency_ratio"], "x", [min(per_round), max(per_round)],
+            latency["verdict"], model=name,
+        ))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

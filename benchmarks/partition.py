@@ -12,7 +12,8 @@ artifact then runs through kiln.Session, with the original under ONNX Runtime as
 interleaved rounds in one process; the partitioned build's ratio to each single-engine one is
 the median of per-round P50 ratios, with its spread and verdict (kiln.timing.speedup).
 Prints the command, the machine (kiln doctor's CPU line), the versions and every figure;
-writes JSON.
+writes JSON and the result file. The default run (zoo:two-tower: four builds, then the timing)
+takes a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from _results import (  # benchmarks/ is the script's own directory
+    Recorder,
+    add_arguments,
+    speedup_row,
+)
 
 import kiln
 from kiln.backends import BACKENDS
@@ -114,12 +121,16 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo:two-tower")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", default="results/partition.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("partition")
     results: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]),
                                "machine": machine(), "model": args.model}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kiln-partition-") as tmp:
@@ -132,6 +143,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {out}")
+    recorder.write([
+        speedup_row(f"partitioned vs {name}", figures, model=args.model, engine="partitioned",
+                    baseline=name)
+        for name, figures in results.get("partitioned_vs", {}).items()
+    ], results, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ opens it as-is; the ratio is the original's P50 over the variant's, with the per
 * full                       the default pipeline (what `kiln optimize` writes)
 * full-no-value-info         that artifact with its value_info removed
 
-Written when Kiln's default bert-base artifact timed 0.95× ORT as-is on an Intel Xeon with
-AVX-512 VNNI + AVX512_BF16 (README, "A fifth CPU kind").
+It asks where a default artifact slower than ONNX Runtime as-is loses its time. The default
+run (zoo:bert-base: six compiles, then 9 rounds × 10 runs of seven sessions) takes a few
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import (  # benchmarks/ is the script's own directory
+    Recorder,
+    add_arguments,
+    speedup_row,
+)
 
 import kiln
 from kiln.compiler.candidate import resolve_pipeline
@@ -77,12 +83,16 @@ def _runner(session: ort.InferenceSession, feeds: dict) -> Callable[[], object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo:bert-base")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None)
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("pipeline_cost")
     cpu = cpu_info()
     print(f"python benchmarks/pipeline_cost.py --model {args.model} --rounds {args.rounds} "
           f"--runs {args.runs}")  # fmt: skip
@@ -110,6 +120,11 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine(), "variants": rows}, indent=1))
         print(f"wrote {args.json}")
+    recorder.write([
+        speedup_row(f"{name} vs original", figures, model=args.model, engine=name,
+                    baseline="original", p50_ms=figures["p50_ms"])
+        for name, figures in rows.items() if name != "original"
+    ], {"variants": rows}, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue-3 benchmark: `kiln optimize --backend auto --precision auto` against each engine's own
+"""`kiln optimize --backend auto --precision auto` against each engine's own
 lower-precision tools run by hand with their defaults, interleaved in one process.
 
     python benchmarks/precision_auto.py [--models resnet50,bert-base,unet3d] \
@@ -11,7 +11,9 @@ accuracy budget, fastest kept), then `kiln bench ARTIFACT --against` ORT fp32, O
 shows the P50 ratio to ORT fp32 and the worst cosine to the fp32 outputs; a hand-run engine
 whose cosine is under 0.99 breaks the default budget Kiln holds itself to. For MiniLM the
 real sentences are the timing inputs and the drift reference, and the calibration sentences
-calibrate Kiln's and the hand-run engines' int8 alike.
+calibrate Kiln's and the hand-run engines' int8 alike. The default run (three full-size
+models, each built at every engine × precision and benched against five engines) takes
+roughly half an hour on 2 cores; `--models resnet50` about a third of that.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import (  # benchmarks/ is the script's own directory
+    Recorder,
+    add_arguments,
+    bench_rows,
+)
 from rich.console import Console
 
 import kiln
@@ -51,7 +58,9 @@ def auto_artifact(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="resnet50,bert-base,unet3d")
     parser.add_argument("--minilm", help="all-MiniLM-L6-v2 exported to ONNX (real weights)")
     parser.add_argument("--minilm-inputs", help="real sentences (.npz) for the MiniLM guard")
@@ -59,7 +68,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", default="results/precision_auto.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("precision_auto")
     console = Console(stderr=True)
     say = lambda msg: console.log(msg)  # noqa: E731
     models = [(f"zoo:{m}", None, None) for m in args.models.split(",") if m]
@@ -92,6 +103,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=float))
     print(f"wrote {args.out}")
+    rows = [item for model, found in report["models"].items()
+            for item in bench_rows(model, found["bench"])]  # fmt: skip
+    recorder.write(rows, report, args.results)
 
 
 if __name__ == "__main__":

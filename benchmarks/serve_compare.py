@@ -436,7 +436,9 @@ def _median(seconds: list[float]) -> float:
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="resnet50,bert-base", help="zoo models to build")
     parser.add_argument(
         "--artifacts", default=None, help="NAME.kiln artifacts to serve instead (comma-separated)"

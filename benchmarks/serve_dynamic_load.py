@@ -30,7 +30,9 @@ what the stream's granularity alone gives, which no server answering whole reque
 below at that rate. Then two runs on kiln with swaps: three forced swaps (POST /v2/models/NAME/swap,
 alternating two bucket sets) during the same traffic, and (bert only) one organic swap with
 `--adaptive`, triggered by a shift in the traffic mix. Both must have zero failed requests and
-no request slower than 3× the steady-state P99. Results go to results/serve_dynamic_load.json.
+no request slower than 3× the steady-state P99. Results go to results/serve_dynamic_load.json
+and the result file. Every run stops at `--time-cap` (150 s), so the default run (two
+full-size models) takes at most about 20 minutes; `--quick` a quarter of the requests.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ import numpy as np
 import onnxruntime as ort
 import tritonclient.http as triton
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 from kiln import zoo
+from kiln.timing import verdict_of
 
 Feeds = dict[str, np.ndarray]
 
@@ -501,7 +505,9 @@ def _judge(run: dict, steady_p99: float, swaps: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="bert-base,resnet50")
     parser.add_argument("--artifact", action="append", default=[], help="MODEL=PATH.kiln")
     parser.add_argument("--clients", type=int, default=4)
@@ -525,7 +531,9 @@ def main() -> None:
         "--time-cap", type=float, default=150, help="seconds per run before clients stop"
     )
     parser.add_argument("-o", "--output", default="results/serve_dynamic_load.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("serve_dynamic_load")
     artifacts = dict(a.split("=", 1) for a in args.artifact)
     here = machine()
     print(f"command: {' '.join(sys.argv)}\nmachine: {here}", flush=True)
@@ -550,6 +558,30 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    recorder.write(load_rows(result["cases"]), result, args.results)
+
+
+def load_rows(cases: list[dict]) -> list[dict]:
+    """Per model: kiln serve's samples/s over ONNX Runtime's, then each swap run's verdict."""
+    found = []
+    for case in cases:
+        model = case["model"]
+        compared = case.get("kiln_vs_ort")
+        if compared:
+            rounds = compared["throughput_x_per_round"]
+            low, high = min(rounds), max(rounds)
+            verdict = verdict_of(low, high) if len(rounds) >= 3 else "unknown"
+            found.append(row(f"{model}: samples/s kiln serve ÷ onnxruntime in-process",
+                             compared["throughput_x"], "x", [low, high], verdict, model=model,
+                             engine="kiln serve", baseline="ort"))  # fmt: skip
+        for run in ("forced_swaps", "organic_swap"):
+            judged = case.get(run)
+            if judged and "pass" in judged:
+                verdict = "pass" if judged["pass"] else "fail"
+                found.append(row(f"{model}: {run.replace('_', ' ')}, worst ÷ steady P99",
+                                 judged.get("worst_vs_steady_p99"), "x", verdict=verdict,
+                                 model=model))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

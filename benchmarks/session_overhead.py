@@ -1,4 +1,4 @@
-"""Issue-20 item 6: what `kiln.Session.run` costs over `onnxruntime.InferenceSession.run`.
+"""What `kiln.Session.run` costs over `onnxruntime.InferenceSession.run`.
 
     python benchmarks/session_overhead.py [--models resnet-tiny,bert-tiny] [--rounds 15]
         [--runs 200] [--no-agree] [--out results/session_overhead.json]
@@ -13,7 +13,8 @@ per-block P50s), the ratio kiln/ort with the range of per-block ratios, and the 
 Unless `--no-agree`: the model is also compiled (`kiln.compile`, what `kiln optimize` does)
 and `kiln bench ARTIFACT --against ort` run on it (kiln.bench.run_bench), to set the speedup
 optimize records beside the one bench measures through Session.run: they should agree within
-their spreads. Prints the command, CPU, versions and figures, and writes them as JSON.
+their spreads. Prints the command, CPU, versions and figures, and writes them as JSON and the
+result file. The default run takes a minute or two.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln import zoo
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
-from kiln.timing import interleave, round_p50_ms, speedup
+from kiln.timing import interleave, round_p50_ms, speedup, verdict_of
 
 
 def overhead(model: Path, rounds: int, runs: int) -> dict:
@@ -86,13 +88,17 @@ def _inside(value: float | None, spread: list[float] | None) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="resnet-tiny,bert-tiny")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--no-agree", action="store_true", help="skip optimize vs bench")
     parser.add_argument("--out", default="results/session_overhead.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("session_overhead")
     cpu = cpu_info()
     result: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -137,6 +143,21 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    recorder.write(overhead_rows(result["models"]), result, args.results)
+
+
+def overhead_rows(models: dict) -> list[dict]:
+    """Per model: kiln.Session's P50 over onnxruntime's (above 1: Session costs time)."""
+    found = []
+    for name, figures in models.items():
+        spread = figures["ratio_spread"]
+        # a latency ratio: every block above 1 means kiln.Session ran slower
+        verdict = verdict_of(1 / spread[1], 1 / spread[0]) if spread else "unknown"
+        found.append(row(f"{name}: kiln.Session.run P50 ÷ InferenceSession.run P50",
+                         figures["ratio_kiln_over_ort"], "x", spread, verdict, model=name,
+                         engine="kiln.Session", baseline="onnxruntime",
+                         overhead_us=figures["overhead_us"]))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ every figure; writes JSON to `--json` (results/split_edge.json).
 Then where the cut changes: from the first bandwidth's candidates (each one's edge, server and
 fixed times and its bytes each way), the cut the same search picks at every bandwidth from
 0.1 Mbit/s to 10 Gbit/s, at the edge slowdown measured and at each of `--what-if-slowdowns`
-(edge times rescaled): the bandwidth ranges over which each cut is the fastest.
+(edge times rescaled): the bandwidth ranges over which each cut is the fastest. The default
+run (resnet50 at two bandwidths) takes a few minutes on 2 cores; the quick check about one.
+Also writes the result file.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 from _machine import machine  # benchmarks/ is the script's own directory
+from _results import Recorder, add_arguments
+from _results import row as figure
 
 import kiln
 from kiln.compiler.split_cuts import parse_bandwidth
@@ -222,7 +226,9 @@ def report_ranges(row: dict, slowdowns: list[float], measured: float) -> dict[st
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="zoo:resnet50")
     parser.add_argument("--bandwidths", default="20Mbit/s,200Mbit/s")
     parser.add_argument("--edge-slowdown", type=float, default=8.0)
@@ -237,11 +243,13 @@ def parse() -> argparse.Namespace:
     )
     parser.add_argument("--work", default=None, help="Keep the parts here (default: a temp dir).")
     parser.add_argument("--json", default="results/split_edge.json")
+    add_arguments(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse()
+    recorder = Recorder("split_edge")
     result = header()
     whole = kiln.Session(args.model)
     with tempfile.TemporaryDirectory(prefix="split-edge-") as tmp:
@@ -259,6 +267,12 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=float) + "\n")
     print(f"wrote {path}")
+    recorder.write([
+        figure(f"{r['bandwidth']}: predicted ÷ measured P50",
+               r["measured"]["predicted_over_measured"], "x", model=args.model,
+               bandwidth=r["bandwidth"], p50_ms=r["measured"]["p50_ms"])
+        for r in rows if r["measured"]
+    ], result, args.results)  # fmt: skip
 
 
 if __name__ == "__main__":

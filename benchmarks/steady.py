@@ -27,7 +27,9 @@ sets the freeze its variant wants before running (O(1) either way, in every vari
 Per variant: P50, P99 with a bootstrap interval (95 %), jitter (P99 − P50)/P50 with its
 interval, and each ratio to as-is. Prints the command, the machine (kiln doctor's CPU line),
 the versions and the table; writes JSON (`--out`). Timings on a busy machine mean nothing:
-run it on a quiet one; `--runs 40 --windows 4` with tiny models checks the mechanics.
+run it on a quiet one; `--runs 40 --windows 4` with tiny models checks the mechanics (under a
+minute). The default run (two full-size models × two engines, 1,000 runs per variant) takes
+about 15 minutes on 2 cores. Also writes the result file.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 import kiln
 from kiln.backends import get_backend
@@ -174,14 +177,18 @@ def versions(engines: list[str]) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="zoo:resnet50,zoo:bert-base")
     parser.add_argument("--engines", default="ort,openvino")
     parser.add_argument("--runs", type=int, default=1000, help="per variant, over all windows")
     parser.add_argument("--windows", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="of the bootstrap")
     parser.add_argument("--out", default="results/steady.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("steady")
     engines = args.engines.split(",")
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -203,6 +210,22 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
+    recorder.write(steady_rows(result["models"]), result, args.results)
+
+
+def steady_rows(models: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each variant's jitter with its bootstrap interval, and its P99 over as-is's."""
+    found = []
+    for model, by_engine in models.items():
+        for engine, figures in by_engine.items():
+            for variant, f in figures.items():
+                if variant == "floor":
+                    continue
+                found.append(row(f"{model} on {engine}, {variant}: jitter", f["jitter"], "",
+                                 f["jitter_interval"], model=model, engine=engine,
+                                 variant=variant, p50_ms=f["p50_ms"], p99_ms=f["p99_ms"],
+                                 p99_vs_as_is=f["p99_vs_as_is"]))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

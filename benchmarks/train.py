@@ -1,7 +1,11 @@
 """What each `kiln.train` feature buys over a tutorial-style PyTorch loop.
 
     python benchmarks/train.py [--tasks lm,cnn] [--samples-lm 320] [--samples-cnn 6400]
-        [--rows plain,bf16,...] [--json results/train.json]
+        [--rows plain,bf16,...] [--slow-rows] [--json results/train.json]
+
+The default run takes about 15 minutes on 2 cores. It leaves out the rows that run for hours
+on CPUs without fp16 kernels (the CNN's fp16 convolutions: over 20 minutes there without
+finishing); `--slow-rows` puts them back, and a row named in `--rows` always runs.
 
 Tasks (real, offline): `lm` — kiln.train.examples:byte_lm_small (4 × 256, seq 256) on the
 Python standard library's own source (split by file), global batch 8; `cnn` —
@@ -22,7 +26,7 @@ with the range), its ratio to plain, peak resident memory per rank and the part 
 itself adds (activations, gradients, optimizer state), and validation loss (LM) or accuracy
 (CNN) after those samples. Prints the command, CPU line, versions and every figure; writes
 JSON {"machine", "versions", "tasks": {NAME: {"rows": [{"feature", "samples_per_s", "speedup",
-"peak_mib", "train_peak_mib", "val_loss" | "accuracy", ...}]}}}.
+"peak_mib", "train_peak_mib", "val_loss" | "accuracy", ...}]}}} and the result file.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 
 TASKS = {
     # The LM's recipe (AdamW lr 3e-4, gradients clipped at norm 1) is the task's, the same
@@ -58,6 +64,8 @@ TASKS = {
     },  # fmt: skip
 }
 VAL_SAMPLES = 512  # validation windows/images every row is judged on
+# (task, feature) rows that run for hours on CPUs without fp16 kernels: opt-in
+SLOW_ROWS = (("cnn", "fp16"),)
 ROWS = ("plain", "fp32", "bf16", "fp16", "compile", "accumulation", "checkpointing", "ddp",
         "fsdp2", "pipeline", "loader", "combined")  # fmt: skip
 
@@ -206,9 +214,14 @@ def child(task: str, feature: str, samples: int, warmup: int, timeout: float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tasks", default="lm,cnn")
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--rows", default=None, help=f"default: {','.join(ROWS)}")
+    parser.add_argument("--slow-rows", action="store_true",
+                        help="also the rows that take hours: " + ", ".join(
+                            f"{task} {feature}" for task, feature in SLOW_ROWS))  # fmt: skip
     parser.add_argument("--samples-lm", type=int, default=320)
     parser.add_argument("--samples-cnn", type=int, default=6400)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of samples/s")
@@ -224,6 +237,7 @@ def main() -> None:
         "on CPUs without fp16 kernels); their accuracy is not comparable",
     )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row in this process
+    add_arguments(parser)
     args = parser.parse_args()
     if args.row:
         task, feature = args.row.split(":")
@@ -237,6 +251,7 @@ def main() -> None:
     import kiln
     from kiln.hardware import cpu_info
 
+    recorder = Recorder("train")
     cpu = cpu_info()
     result: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
@@ -254,7 +269,7 @@ def main() -> None:
     print(f"kiln {kiln.__version__}, torch {torch.__version__}")
     for task in args.tasks.split(","):
         tuned = getattr(args, f"tuned_{task}")
-        rows = args.rows.split(",") + (["tuned"] if tuned else [])
+        rows = chosen_rows(task, args.rows, args.slow_rows) + (["tuned"] if tuned else [])
         samples = args.samples_lm if task == "lm" else args.samples_cnn
         shortened = {f: int(n) for f, _, n in (item.partition("=") for item in
                                                 args.row_samples.split(",") if item)}  # fmt: skip
@@ -273,6 +288,36 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    recorder.write(train_rows(result["tasks"]), result, args.results)
+
+
+def chosen_rows(task: str, given: str | None, slow: bool) -> list[str]:
+    """The rows named, or every row but the slow ones unless `slow`."""
+    if given:
+        return given.split(",")
+    left_out = [f for t, f in SLOW_ROWS if t == task and not slow]
+    if left_out:
+        print(f"{task}: {', '.join(left_out)} left out (hours on this kind of CPU; "
+              "--slow-rows runs them)", flush=True)  # fmt: skip
+    return [f for f in ROWS if f not in left_out]
+
+
+def train_rows(tasks: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each feature's samples/s over the plain loop's, with its peak memory and metric."""
+    found = []
+    for task, summary in tasks.items():
+        for item in summary["rows"]:
+            if "error" in item:
+                found.append(row(f"{task} {item['feature']}: over plain", None, "x",
+                                 verdict="failed", model=task, engine=item["feature"]))  # fmt: skip
+                continue
+            found.append(row(
+                f"{task} {item['feature']}: samples/s over plain", item["speedup"], "x",
+                model=task, engine=item["feature"], baseline="plain",
+                samples_per_s=item["samples_per_s"],
+                peak_mib=max(item["peak_mib"].values(), default=None),
+            ))  # fmt: skip
+    return found
 
 
 def _summarise(runs: dict[str, list[dict[str, Any]]], metric: str) -> list[dict[str, Any]]:
@@ -309,17 +354,17 @@ def _print_task(task: str, summary: dict[str, Any], metric: str) -> None:
     print(f"\n{task}: {summary['samples']} samples, global batch {summary['batch']}")
     print(f"{'feature':14} {'samples/s':>10} {'×plain':>7} {'peak MiB/rank':>16} "
           f"{'train MiB':>10} {metric:>9}")  # fmt: skip
-    for row in summary["rows"]:
-        if "error" in row:
-            print(f"{row['feature']:14} error: {row['error']}")
+    for item in summary["rows"]:
+        if "error" in item:
+            print(f"{item['feature']:14} error: {item['error']}")
             continue
-        peaks = "/".join(f"{v:.0f}" for v in row["peak_mib"].values())
-        train = "/".join(f"{v:.0f}" for v in row["train_peak_mib"].values())
-        value = row.get(metric)
+        peaks = "/".join(f"{v:.0f}" for v in item["peak_mib"].values())
+        train = "/".join(f"{v:.0f}" for v in item["train_peak_mib"].values())
+        value = item.get(metric)
         shown = f"{value:.4f}" if isinstance(value, float) else "–"
-        short = f"  (after {row['samples']} samples)" if row.get("samples") != summary[
-            "samples"] and row.get("samples") else ""  # fmt: skip
-        print(f"{row['feature']:14} {row['samples_per_s']:10.2f} {row['speedup'] or 0:7.2f} "
+        short = f"  (after {item['samples']} samples)" if item.get("samples") != summary[
+            "samples"] and item.get("samples") else ""  # fmt: skip
+        print(f"{item['feature']:14} {item['samples_per_s']:10.2f} {item['speedup'] or 0:7.2f} "
               f"{peaks:>16} {train:>10} {shown:>9}{short}")  # fmt: skip
 
 

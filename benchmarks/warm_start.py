@@ -1,4 +1,4 @@
-"""Issue-11 benchmark: does the strategy library warm-start a new model's study?
+"""Does the strategy library warm-start a new model's study?
 
     python benchmarks/warm_start.py [--models resnet50,mobilenetv2,bert-base,gpt2,vit-b16,unet3d]
         [--extra minilm=/path/minilm.onnx ...] [--trials 16] [--cold sqlite:///cold.db]
@@ -15,6 +15,8 @@ compared by their own numbers): within 3 % when that P50 ratio is ≤ 1.03.
 A warm study runs only its first 25 % of trials unless `--full-warm` (the verdict needs no
 more: the trials after them cannot change what the first ones found). `--cold URL` reuses the
 cold studies of an earlier run (their storage, printed at its start) instead of tuning again.
+The default run tunes six full-size models cold (16 trials each) and warm: a few hours on 2
+cores; `--models resnet-tiny,bert-tiny,gpt2-tiny --trials 8` takes minutes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
 from rich.console import Console
 
 from kiln.config import CompileConfig
@@ -86,14 +89,18 @@ def interleaved(source: str, warm: dict, cold: dict, seconds: float = 20.0) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", default="resnet50,mobilenetv2,bert-base,gpt2,vit-b16,unet3d")
     parser.add_argument("--extra", action="append", default=[], help="NAME=path.onnx")
     parser.add_argument("--trials", type=int, default=16)
     parser.add_argument("--cold", help="storage URL of an earlier run's cold studies")
     parser.add_argument("--full-warm", action="store_true", help="run every warm trial")
     parser.add_argument("-o", "--output", default="warm_start.json")
+    add_arguments(parser)
     args = parser.parse_args()
+    recorder = Recorder("warm_start")
     console = Console(stderr=True)
     say = lambda msg: console.log(msg)  # noqa: E731
     sources = {m: f"zoo:{m}" for m in args.models.split(",") if m}
@@ -142,11 +149,18 @@ def main() -> None:
         Path(args.output).write_text(json.dumps(results, indent=2))
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     Path(args.output).write_text(json.dumps(results, indent=2))
+    rows = []
     for name, r in results["models"].items():
         ratio = r["warm_quarter_vs_cold_best"]
         print(f"{name:12s} first {r['quarter']} warm trials' best / cold best: "
               f"{ratio['value'] if ratio else float('nan'):.3f} "
               f"({'yes' if r['within_quarter'] else 'no'})")  # fmt: skip
+        rows.append(row(
+            f"{name}: best of the first {r['quarter']} warm trials ÷ the cold best (P50)",
+            ratio["value"] if ratio else None, "x",
+            verdict="within 3 %" if r["within_quarter"] else "not within 3 %", model=name,
+        ))  # fmt: skip
+    recorder.write(rows, results, args.results)
 
 
 if __name__ == "__main__":

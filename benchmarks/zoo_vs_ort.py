@@ -20,7 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from _results import Recorder, add_arguments, row  # benchmarks/ is the script's own directory
+from _results import (  # benchmarks/ is the script's own directory
+    Recorder,
+    add_arguments,
+    bench_rows,
+)
 from rich.console import Console
 
 import kiln
@@ -37,23 +41,6 @@ def peers(name: str, precision: str) -> str:
     """The engines a model meets: ONNX Runtime first (the baseline every ratio is over)."""
     chosen = TRANSFORMER_PEERS if name.startswith(TRANSFORMERS) else CONV_PEERS
     return chosen + (",ort-int8" if precision == "int8" else "")
-
-
-def rows_of(name: str, result: dict) -> list[dict]:
-    """Each engine's P50 over ONNX Runtime's (as-is, the baseline), with spread and verdict."""
-    baseline = result["baseline"]
-    found = []
-    for engine, figures in result["engines"].items():
-        if engine == baseline:
-            continue
-        precision = result["kiln_build"].get("precision", "fp32") if engine == "kiln" else None
-        found.append(row(
-            f"{name}: {engine} vs {baseline}", figures["speedup_vs_baseline"], "x",
-            figures["speedup_spread"], figures["verdict"], model=name,
-            precision=precision or ("int8" if engine.endswith("int8") else "fp32"),
-            engine=engine, baseline=baseline, p50_ms=figures["p50_ms"],
-        ))  # fmt: skip
-    return found
 
 
 def main() -> None:
@@ -93,12 +80,12 @@ def main() -> None:
         result["verification"] = verification
         result["passes"] = [dataclasses.asdict(p) for p in artifact.manifest.passes]
         results[name] = result
-        rows += rows_of(name, result)
+        rows += bench_rows(name, result)
         print_bench(result, console)
         console.print(f"{name}: verified={verification['ok']}, compile {compile_s:.0f} s")
         out.write_text(json.dumps(results, indent=2) + "\n")
     console.print(f"wrote {out}")
-    recorder.write(rows, results, args.results)
+    recorder.write(rows, results, args.results, tag="" if args.precision == "fp32" else "int8")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ def test_each_process_compiles_both_in_alternating_order_and_the_ratio_is_pooled
     out = tmp_path / "h2h.json"
     done = subprocess.run(
         [sys.executable, str(BENCHMARK), str(artifact.path), "--peer", "ort",
-         "--processes", "2", "--rounds", "2", "--runs", "3", "-o", str(out)],
+         "--processes", "2", "--rounds", "2", "--runs", "3", "-o", str(out),
+         "--results", str(tmp_path / "results")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
