@@ -1,4 +1,4 @@
-"""kiln.train.tune and `kiln train --tune`: trials in processes of their own, a watchdog that
+"""kiln.train.tuning and `kiln train --tune`: trials in processes of their own, a watchdog that
 stops a trial over --max-memory without harming the tuner, the loss check against the base,
 the interleaved confirmation, and a tuned config that `read_config` reads back and trains.
 
@@ -24,12 +24,12 @@ psutil = pytest.importorskip("psutil")
 
 from cli_helpers import kiln_cli as kiln  # noqa: E402
 
-import kiln.train.tune as train_tune  # noqa: E402
+import kiln.train.tuning.api as tuning_api  # noqa: E402
 from kiln.train import TrainConfig, fit, read_config  # noqa: E402
-from kiln.train.tune import (  # noqa: E402
+from kiln.train.tuning import (  # noqa: E402
     LOSS_TOLERANCE,
     PREDICT_MARGIN,
-    Space,
+    TrainSpace,
     predict_peak,
     predicted_over,
     study_name,
@@ -81,7 +81,7 @@ def test_the_memory_model_fits_a_line_per_group_and_never_predicts_below_a_measu
 
 
 def test_trials_stopped_by_the_memory_cap_are_named_with_figures_that_differ():
-    from kiln.train.tune import nothing_fit, over_limit
+    from kiln.train.tuning import nothing_fit, over_limit
 
     # A peak a hair above the cap reads above it, the cap at the same precision.
     assert over_limit(415.04, 415.0) == "415.04 MiB > 415.00 MiB"
@@ -115,7 +115,7 @@ def test_different_limits_and_objectives_name_different_studies():
 
 def test_every_point_of_the_space_keeps_the_global_batch_and_the_base_is_its_own():
     base = TrainConfig(micro_batch=12)
-    space = Space.build(base, 12, cores=4, features=["avx512_bf16"], blocks=3)
+    space = TrainSpace.build(base, 12, cores=4, features=["avx512_bf16"], blocks=3)
     assert space.config(space.base_params) is base
     assert "bf16" in space.choices["precision"] and "ddp-2" in space.choices["parallel"]
     names = [n for n in space.choices if n != "prefetch"]
@@ -123,7 +123,7 @@ def test_every_point_of_the_space_keeps_the_global_batch_and_the_base_is_its_own
         config = space.config({**dict(zip(names, values, strict=True)), "prefetch": 2})
         assert config.global_batch == 12
         assert config.threads() * config.parallel.ranks <= 4
-    plain = Space.build(base, 12, cores=1, features=["avx2"], blocks=0)
+    plain = TrainSpace.build(base, 12, cores=1, features=["avx2"], blocks=0)
     assert plain.choices["precision"] == ("fp32", "fp16")  # no bf16 kernels: not searched
     assert plain.choices["parallel"] == ("single-1",) and plain.choices["checkpointing"] == (
         "none",
@@ -131,16 +131,16 @@ def test_every_point_of_the_space_keeps_the_global_batch_and_the_base_is_its_own
 
 
 def test_a_short_study_first_measures_the_changes_that_pay_most_often():
-    from kiln.train.tune import seeds
+    from kiln.train.tuning import seeds
 
     base = TrainConfig(micro_batch=12)
-    space = Space.build(base, 12, cores=2, features=["amx_bf16"], blocks=3)
+    space = TrainSpace.build(base, 12, cores=2, features=["amx_bf16"], blocks=3)
     configs = [space.config(p) for p in seeds(space)]
     assert [(c.precision, c.compile, c.parallel.strategy) for c in configs] == [
         ("bf16", None, "single"), ("fp32", "default", "single"), ("bf16", "default", "single"),
         ("bf16", None, "ddp")]  # fmt: skip
     assert all(c.global_batch == 12 for c in configs)
-    plain = Space.build(base, 12, cores=1, features=["avx2"], blocks=3)
+    plain = TrainSpace.build(base, 12, cores=1, features=["avx2"], blocks=3)
     assert [space.config(p).compile for p in seeds(plain)] == ["default"]  # no bf16, no ranks
 
 
@@ -218,7 +218,7 @@ def test_a_trial_that_trains_worse_than_the_base_is_rejected_with_both_figures()
 def test_the_pick_is_confirmed_against_the_base_in_alternating_runs(monkeypatch):
     # Whichever measured faster in its trial, the other config is picked here: a pick that
     # is not the base is always raced against it.
-    monkeypatch.setattr(train_tune, "best_trial", lambda study, _minimize: study.trials[-1])
+    monkeypatch.setattr(tuning_api, "best_trial", lambda study, _minimize: study.trials[-1])
     base = TrainConfig(micro_batch=128, accumulation=4)
     result = run_tune(base, {"micro_batch": [BATCH]}, trials=2)
     runs, speed = result["confirmation"], result["speedup"]

@@ -274,7 +274,7 @@ def _tune(specs: dict[str, str | None], base: TrainConfig, batch: int, run: Run,
           tuning: Tuning, output: Path | None, as_json: bool) -> None:  # fmt: skip
     """--tune: search, write the tuned config (-o), show the trials and the pick."""
     from kiln.cli.console import progress
-    from kiln.train.tune import PROBE_STEPS, TRIALS, tune
+    from kiln.train.tuning import PROBE_STEPS, TRIALS, tune
     from kiln.units import parse_size
 
     cap = None

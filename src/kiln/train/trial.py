@@ -1,6 +1,6 @@
 """One probe of the training tuner, in a process of its own: `python -m kiln.train.trial JOB.json`.
 
-The job (written by kiln.train.tune) names the model, data, loss and optimizer — each a
+The job (written by kiln.train.tuning) names the model, data, loss and optimizer — each a
 `module:function` or a pickle file — a TrainConfig, the optimizer steps to take and how many of
 them are warm-up. The child trains them with `kiln.train.fit` from the config's seed and prints
 one JSON line, marked with `MARK`, as its last line of output:
