@@ -1,0 +1,67 @@
+"""`kiln.Pipeline`: a pipeline function and its models, ready to run one input or many streams."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kiln.pipeline.function import PipelineFunction, check_models, load_function
+from kiln.pipeline.recording import call_function
+from kiln.pipeline.streams import MAX_DELAY_S, StreamsRun, run_streams
+
+
+class Pipeline:
+    """The user's function (a callable, or `module:function`) over its models: each a path
+    (ONNX or a Kiln artifact, opened as `kiln.Session`) or a session already open. Calling it
+    runs one input as the plain function would; `map` runs many on `streams` threads with each
+    model's calls from all of them pooled into batches (streams.py)."""
+
+    def __init__(
+        self,
+        function: PipelineFunction | str,
+        models: Mapping[str, str | os.PathLike | Any],
+        *,
+        max_delay_ms: float = 1e3 * MAX_DELAY_S,
+    ) -> None:
+        spec = function if isinstance(function, str) else ""
+        self.function = load_function(function) if isinstance(function, str) else function
+        check_models(self.function, list(models), spec)
+        self.max_delay = max_delay_ms / 1e3
+        self.sessions: dict[str, Any] = {}
+        try:
+            for name, model in models.items():
+                self.sessions[name] = _open(model)
+        except BaseException:
+            self.close()
+            raise
+        self.last_run: StreamsRun | None = None
+
+    def __call__(self, value: Any) -> Any:
+        return call_function(self.function, value, 0, self.sessions)
+
+    def map(self, inputs: Iterable[Any], streams: int = 1) -> list[Any]:
+        """Each input's result, in order; `streams` inputs in flight at once. The run's
+        per-stage statistics are kept in `last_run`."""
+        self.last_run = run_streams(self.function, self.sessions, inputs, streams, self.max_delay)
+        return self.last_run.results
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            close = getattr(session, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open(model: str | os.PathLike | Any) -> Any:
+    if isinstance(model, str | os.PathLike):
+        from kiln.runtime import Session
+
+        return Session(str(model))
+    return model
