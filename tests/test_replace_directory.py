@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import onnx_ir as ir
 import pytest
+from test_bad_input import model_proto
 
+from kiln.artifact import BackendInfo, SourceInfo, new_manifest, read_artifact, write_artifact
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
 from kiln.home import move_into_place, replace_directory
 
 
@@ -104,3 +110,68 @@ def test_move_into_place_leaves_what_it_was_given_on_failure(tmp_path):
         move_into_place(built, dest, after)
     assert built.is_dir() and (dest / "model").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["built", "dest"]
+
+
+# ------------------------------------------------ the writers that once left no artifact
+
+
+def _artifact(path: Path, note: str) -> Path:
+    model = ir.serde.deserialize_model(model_proto())
+    manifest = new_manifest(
+        source=SourceInfo("model", note, "0"), model=model, config=CompileConfig(),
+        backend=BackendInfo("ort"), passes=[], dropped_passes=[], nodes={},
+        precision={"default": "fp32", "nodes": {}}, dims={}, verification=None,
+    )  # fmt: skip
+    write_artifact(path, model, manifest)
+    return path
+
+
+def _failing_rename_into(dest: Path, monkeypatch) -> None:
+    """The first rename whose target is `dest` fails as a full disk would; moving `dest`
+    aside, and moving it back, work."""
+    failed = []
+
+    def patched(real):
+        def rename(src, dst, *args, **kwargs):
+            if Path(dst) == dest and not failed:
+                failed.append(src)
+                raise OSError(28, "No space left on device")
+            return real(src, dst, *args, **kwargs)
+
+        return rename
+
+    monkeypatch.setattr(os, "replace", patched(os.replace))
+    monkeypatch.setattr(os, "rename", patched(os.rename))
+
+
+def test_compress_output_survives_a_crash_while_it_is_replaced(tmp_path, monkeypatch):
+    from kiln.compress.api import Result, Row, _write_output
+
+    output = _artifact(tmp_path / "best.kiln", "previous")
+    (tmp_path / "work").mkdir()
+    new = _artifact(tmp_path / "work" / "fp32.kiln", "new")
+    row = Row("fp32", "fp32", 0.9, 0.9, params=1, flops=1, artifact=str(new), p50_ms=1.0)
+    result = Result("m", "d", batch=1, metric="accuracy", max_drop=0.01, rows=[row])
+    _failing_rename_into(output, monkeypatch)
+    with pytest.raises(OSError, match="No space"):
+        _write_output(result, output, force=True)
+    assert read_artifact(output).manifest.source.path == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.kiln", "work"]
+
+
+def test_split_output_survives_a_crash_while_it_is_replaced(tmp_path, monkeypatch):
+    from kiln.compiler import split
+
+    output = _artifact(tmp_path / "parts", "previous")
+
+    def build_parts(plan, result, tmp, say):
+        return _artifact(tmp / "edge", "new"), None
+
+    monkeypatch.setattr(split, "_build_parts", build_parts)
+    monkeypatch.setattr(split, "_verify_parts", lambda *a: (SimpleNamespace(ok=True), {}))
+    monkeypatch.setattr(split, "_record", lambda *a: None)
+    _failing_rename_into(output, monkeypatch)
+    with pytest.raises(KilnError, match="could not write the parts"):
+        split._write(SimpleNamespace(source="m.onnx"), SimpleNamespace(), output, say=print)
+    assert read_artifact(output).manifest.source.path == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["parts"]

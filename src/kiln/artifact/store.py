@@ -7,8 +7,6 @@ disk or a failed verification never leaves a partial artifact behind.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ from kiln.artifact.manifest import Manifest
 from kiln.artifact.parts import PARTS_DIR, PartsSection, one_part_only, read_parts
 from kiln.errors import KilnError, ModelError
 from kiln.hardware import cpu_info
-from kiln.home import output_problem
+from kiln.home import output_problem, replace_directory
 from kiln.ir.load import read_checked
 from kiln.ir.provenance import ORIGIN_KEY, PASS_KEY, all_nodes, split_origins, trace_of
 from kiln.ir.weights import weight_bytes
@@ -137,33 +135,19 @@ def write_partitioned(
 
 
 def _write_atomically(destination: Path, fill: Callable[[Path], None], force: bool) -> None:
-    parent = check_destination(destination, force)
-    tmp = old = None
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+    check_destination(destination, force)
+
+    def write(tmp: Path) -> None:
         fill(tmp)
         _refuse_non_artifact(destination, force)  # it may have changed while we compiled
-        if destination.exists() or destination.is_symlink():
-            # Move the old one aside first, so a failed rename can put it back.
-            old = tmp.with_name(tmp.name + ".old")
-            destination.rename(old)
-            try:
-                tmp.rename(destination)
-            except OSError:
-                old.rename(destination)
-                old = None
-                raise
-        else:
-            tmp.rename(destination)
+
+    try:
+        replace_directory(destination, write)
     except OSError as exc:
         raise KilnError(
             f"{destination}: could not write the artifact ({exc.strerror or exc}). Nothing was "
             "written; fix that or choose another -o path."
         ) from None
-    finally:
-        for leftover in (tmp, old):
-            remove_tree(leftover)
 
 
 # What write_artifact puts in an artifact: anything else in one is the user's.
@@ -206,18 +190,6 @@ def _refuse_non_artifact(destination: Path, force: bool = False) -> None:
             "refusing to replace it and lose them. Move them out, choose another -o path, or "
             "pass --force."
         )
-
-
-def remove_tree(path: Path | None) -> None:
-    """Remove what is at `path`, if anything: a directory with its contents (as far as it
-    can), a file, or a link (not what it points to). For leftovers: a temporary directory, or
-    what it replaced (with --force maybe a file or a link)."""
-    if path is None or not (path.exists() or path.is_symlink()):
-        return
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def read_artifact(path: str | Path) -> Artifact:

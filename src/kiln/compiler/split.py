@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +40,7 @@ from kiln.compiler.split_cuts import (
 from kiln.compiler.split_times import edge_node_times, loopback_overhead_ms, whole_model_times
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
+from kiln.home import replace_directory
 from kiln.ir import stamp_origins
 from kiln.ir.inputs import check_feeds
 from kiln.ir.subgraph import extract
@@ -172,7 +171,7 @@ def split(
         source=loaded.source, whole_ms=whole,
     )  # fmt: skip
     if destination is not None:
-        _write(plan, result, destination, force, say)
+        _write(plan, result, destination, say)
     return result
 
 
@@ -427,13 +426,11 @@ def pieces(
 # ---------------------------------------------------------------------------- writing
 
 
-def _write(plan: _Plan, result: SplitResult, destination: Path, force: bool, say: Say) -> None:
-    """Both artifacts into a temporary sibling, verified end to end, then one rename."""
-    parent = destination.absolute().parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=parent))
-    old = None
-    try:
-        tmp.chmod(0o755)
+def _write(plan: _Plan, result: SplitResult, destination: Path, say: Say) -> None:
+    """Both artifacts into a temporary sibling, verified end to end, then swapped in whole:
+    on any failure what was at `destination` stays (--force was checked before the work)."""
+
+    def fill(tmp: Path) -> None:
         edge_art, server_art = _build_parts(plan, result, tmp, say)
         say("verifying edge → server end to end")
         result.verification, result.measured_here_ms = _verify_parts(plan, result, edge_art,
@@ -446,20 +443,15 @@ def _write(plan: _Plan, result: SplitResult, destination: Path, force: bool, say
             )
         result.boundary = list(server_art.manifest.inputs) if server_art else []
         _record(edge_art, server_art, plan, result)
-        if destination.exists():
-            old = tmp.with_name(tmp.name + ".old")
-            destination.rename(old)
-        tmp.rename(destination)
-        result.path = destination
+
+    try:
+        replace_directory(destination, fill)
     except OSError as exc:
         raise KilnError(
             f"-o {destination}: could not write the parts ({exc.strerror or exc}). Nothing was "
             "written."
         ) from None
-    finally:
-        for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
-                shutil.rmtree(leftover, ignore_errors=True)
+    result.path = destination
 
 
 def _build_parts(

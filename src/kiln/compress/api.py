@@ -29,6 +29,7 @@ from kiln.compress.loading import call
 from kiln.compress.qat import qat
 from kiln.compress.train import Recipe, accuracy, fit
 from kiln.errors import KilnError
+from kiln.home import replace_directory
 from kiln.timing import interleave, round_p50_ms
 
 METHODS = ("qat", "prune", "distill", "all")
@@ -358,13 +359,9 @@ def _write_output(result: Result, output: Path, force: bool) -> None:
     best = fastest_within_budget(result)
     if best.method == "fp32" and result.rows[1:]:
         result.note = _why_fp32(result, best)
-    staging = output.absolute().parent / f".{output.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(best.artifact, staging)
     if output.exists():
         check_destination(output, force)
-        shutil.rmtree(output)
-    os.replace(staging, output)
+    replace_directory(output, lambda tmp: shutil.copytree(best.artifact, tmp, dirs_exist_ok=True))
     result.chosen, result.output = best.method, str(output)
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import math
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +70,7 @@ from kiln.deploy.measure import Replica, measure_replica
 from kiln.deploy.triton import TritonExport, default_name, export_triton, read_source
 from kiln.deploy.wheel import RUNTIME_PACKAGES, WHEEL_GLOB, build_wheel, wheel_file
 from kiln.errors import KilnError
-from kiln.home import output_problem
+from kiln.home import output_problem, replace_directory
 
 INFERENCE_SERVICE = "inferenceservice.yaml"
 SERVING_RUNTIME = "servingruntime.yaml"
@@ -458,25 +457,28 @@ def _earlier_files(directory: Path) -> list[str]:
 
 
 def _install(directory: Path, files: dict[str, str | bytes]) -> None:
-    """A new directory is built beside its place and renamed in. Into an existing one each
-    file is renamed over the old one (so none is ever half written), and an earlier export's
-    file this one does not write is removed. The temporary directory never stays."""
-    created = not directory.exists()
-    parent = directory.absolute().parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=parent))
-    try:
-        tmp.chmod(0o755)
+    """A new directory is built beside its place and renamed in. Into an existing one (which
+    may hold the user's own files too) each file is renamed over the old one, so none is ever
+    half written, and an earlier export's file this one does not write is removed. The
+    temporary directory never stays."""
+
+    def write(tmp: Path) -> None:
         for file, content in files.items():
             if isinstance(content, bytes):
                 (tmp / file).write_bytes(content)
             else:
                 (tmp / file).write_text(content)
-        if created:
-            tmp.rename(directory)
+
+    try:
+        if not directory.exists():
+            replace_directory(directory, write)
             return
         earlier = _earlier_files(directory)
-        for file in files:
-            (tmp / file).replace(directory / file)
+        parent = directory.absolute().parent
+        with tempfile.TemporaryDirectory(prefix=f".{directory.name}.", dir=parent) as tmp:
+            write(Path(tmp))
+            for file in files:
+                (Path(tmp) / file).replace(directory / file)
         for file in earlier:
             if file not in files:
                 (directory / file).unlink()
@@ -484,5 +486,3 @@ def _install(directory: Path, files: dict[str, str | bytes]) -> None:
         raise KilnError(
             f"--kserve {directory}: could not write the KServe files ({exc.strerror or exc})."
         ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -38,6 +38,7 @@ from http.client import HTTPException
 from pathlib import Path
 
 from kiln.deploy.wheel import RUNTIME_PACKAGES
+from kiln.home import replace_directory
 
 PYTRITON = "nvidia-pytriton==0.7.0"
 NUMPY = "numpy==1.26.4"  # what the stub was built against
@@ -91,8 +92,11 @@ def env_dir(cache: Path) -> Path:
 
 def build_env(where: Path) -> None:
     """The venv, built beside `where` and renamed into place: a failed build leaves nothing."""
-    tmp = where.with_name(where.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    replace_directory(where, _build_venv)
+
+
+def _build_venv(tmp: Path) -> None:
     pip = [sys.executable, "-m", "pip", "--python", str(tmp / "bin" / "python"), "install",
            "--quiet", "--no-compile", "--disable-pip-version-check"]  # fmt: skip
     steps = [
@@ -103,12 +107,9 @@ def build_env(where: Path) -> None:
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True)
         if done.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
             tail = " ".join((done.stderr or done.stdout).split()[-40:])
             raise TritonUnavailable(f"could not build Triton's Python environment "
                                     f"({' '.join(step[:6])} ...): {tail}")  # fmt: skip
-    where.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(where)
 
 
 def ensure_env(where: Path) -> TritonEnv:

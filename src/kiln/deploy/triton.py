@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +33,11 @@ from kiln.artifact.store import (
     DATA_FILE,
     MODEL_FILE,
     read_partitioned,
-    remove_tree,
 )
 from kiln.deploy.config import KILN, NATIVE, RUNTIMES, triton_backend, triton_config
 from kiln.deploy.pbtxt import config_text
 from kiln.errors import KilnError
-from kiln.home import atomic_write_text, output_problem
+from kiln.home import atomic_write_text, output_problem, replace_directory
 
 CONFIG_FILE = "config.pbtxt"
 ARTIFACT_DIR = "artifact.kiln"  # as python_model.ARTIFACT, which cannot import Kiln
@@ -276,41 +274,21 @@ def _install(
 
 
 def _install_entry(entry: Path, version: int, fill: Callable[[Path], None], text: str) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a model repository is read by a server
+    def write(tmp: Path) -> None:
         fill(tmp / str(version))
         (tmp / CONFIG_FILE).write_text(text)
-        tmp.rename(entry)
-    finally:
-        remove_tree(tmp)
+
+    replace_directory(entry, write)
 
 
 def _install_version(
     entry: Path, version: int, fill: Callable[[Path], None], text: str | None
 ) -> None:
-    target = entry / str(version)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=entry))
-    old = None
-    try:
-        tmp.chmod(0o755)
-        fill(tmp)
-        if target.exists() or target.is_symlink():
-            old = tmp.with_name(tmp.name + ".old")
-            target.rename(old)  # aside, so a failure can put it back
-        swapped = False
-        try:
-            tmp.rename(target)
-            swapped = True
-            if text is not None:
-                atomic_write_text(entry / CONFIG_FILE, text)
-        except OSError:
-            if swapped:
-                target.rename(tmp)  # the new version out again (removed below)
-            if old is not None:
-                old.rename(target)
-                old = None
-            raise
-    finally:
-        remove_tree(tmp)
-        remove_tree(old)
+    """The version directory swapped in whole; the model's config, when it changes, written
+    once the version is in (and the old version put back if that write fails)."""
+
+    def config() -> None:
+        if text is not None:
+            atomic_write_text(entry / CONFIG_FILE, text)
+
+    replace_directory(entry / str(version), fill, after=config)

@@ -4,8 +4,6 @@ another backend is asked for), resolved into a `Source`; and the engine options 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,7 @@ import onnx_ir as ir
 from kiln.artifact import Artifact, read_artifact
 from kiln.backends import default_options, options_from_json
 from kiln.errors import KilnError
-from kiln.home import kiln_home
+from kiln.home import kiln_home, replace_directory
 
 
 @dataclass(frozen=True)
@@ -106,17 +104,18 @@ def _on_disk(loaded: Any) -> str:
     target = kiln_home() / "models" / f"{loaded.name}-{loaded.fingerprint[:16]}"
     if not (target / "model.onnx").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        # A directory, not one file: the model and its external data appear together.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        # A directory, not one file: the model and its external data appear together. Two
+        # processes racing write the same model; the one that renames last wins.
         try:
-            ir.save(loaded.model, tmp / "model.onnx", external_data="model.onnx.data")
-            tmp.rename(target)
+            replace_directory(target, lambda tmp: _save(loaded.model, tmp))
         except OSError:
             if not (target / "model.onnx").is_file():  # lost no race: a real failure
                 raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return str(target / "model.onnx")
+
+
+def _save(model: ir.Model, directory: Path) -> None:
+    ir.save(model, directory / "model.onnx", external_data="model.onnx.data")
 
 
 def engine_options(source: Source, overrides: dict[str, Any] | None) -> dict[str, Any]:

@@ -34,14 +34,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from kiln.errors import KilnError
-from kiln.home import output_problem
+from kiln.home import move_into_place, output_problem
 
 KEEP = 2  # complete checkpoints kept; older ones are deleted after each save
 MARKER = "kiln-checkpoint.json"  # written last: its presence means the checkpoint is whole
 EXTRA = "extra.pt"
 FORMAT = 2  # 2: the record holds the config, extra.pt the samples taken and RNG states
 _NAME = re.compile(r"step-(\d{8,})")
-_PARTIAL = re.compile(r"\.step-(\d{8,})\.(partial|old)")
+# A save in progress, or (after a crash mid-rename) the checkpoint it was replacing.
+_PARTIAL = re.compile(r"\.step-(\d{8,})\.(partial|[0-9a-f]+\.old)")
 
 
 def save(
@@ -295,14 +296,9 @@ def _prepare(directory: Path, partial: Path) -> None:
 
 
 def _publish(partial: Path, final: Path) -> None:
-    """Rename the whole checkpoint into place; one saved before at this step goes after."""
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    partial.rename(final)
-    _sync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    """Rename the whole checkpoint into place; one saved before at this step goes once the
+    rename is on disk."""
+    move_into_place(partial, final, after=lambda: _sync(final.parent))
 
 
 def _sync(directory: Path) -> None:
