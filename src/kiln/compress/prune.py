@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import chain, islice
 
 import torch
@@ -51,17 +51,6 @@ class PruneReport:
     skipped: tuple[tuple[str, str], ...]  # (module, why its units were left whole)
     params_before: int
     params_after: int
-
-    def to_dict(self) -> dict:
-        """Everything but the model, for --json and the benchmark's results."""
-        return {
-            "amount": self.amount,
-            "importance": self.importance,
-            "params_before": self.params_before,
-            "params_after": self.params_after,
-            "layers": [asdict(layer) for layer in self.layers],
-            "skipped": [{"module": m, "reason": r} for m, r in self.skipped],
-        }
 
 
 def prune(

@@ -106,7 +106,7 @@ def parse_shapes(specs: list[str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _vocab_size(model: ir.Model, value: ir.Value) -> int | None:
+def _vocab_size(value: ir.Value) -> int | None:
     """Rows of the embedding table an id input indexes, following casts and reshapes."""
     frontier, seen = [value], set()
     while frontier:
@@ -226,7 +226,7 @@ def synthesize(
             elif "type" in name or "segment" in name:
                 feeds[value.name] = np.zeros(shape, dtype)
             else:
-                high = _vocab_size(model, value) or 100
+                high = _vocab_size(value) or 100
                 feeds[value.name] = rng.integers(0, high, size=shape).astype(dtype)
         elif dtype == np.bool_:
             feeds[value.name] = np.ones(shape, dtype)

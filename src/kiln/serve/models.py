@@ -503,7 +503,7 @@ def vocabularies(session: Any) -> dict[str, int]:
     for value in model.graph.inputs:
         dtype = value.dtype.numpy() if value.dtype is not None else None
         if dtype is not None and np.issubdtype(dtype, np.integer):
-            rows = _vocab_size(model, value)
+            rows = _vocab_size(value)
             if rows:
                 found[value.name] = rows
     return found
