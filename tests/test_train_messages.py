@@ -13,7 +13,8 @@ from torch import nn  # noqa: E402
 
 from kiln.errors import KilnError, a_type  # noqa: E402
 from kiln.train.config import Checkpointing, TrainConfig  # noqa: E402
-from kiln.train.loop import _check_loss, _datasets  # noqa: E402
+from kiln.train.inputs import datasets  # noqa: E402
+from kiln.train.loop import _check_loss  # noqa: E402
 from kiln.train.memory import chosen_blocks  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def test_a_type_takes_its_article() -> None:
 
 def test_an_iterable_dataset_is_named_by_the_users_function() -> None:
     with pytest.raises(KilnError, match=r"test_train_messages:streaming's dataset is a Stream"):
-        _datasets(streaming)
+        datasets(streaming)
 
 
 def test_checkpointing_without_blocks_says_how_to_name_modules_on_the_command_line() -> None:

@@ -285,7 +285,7 @@ def test_speed_advice_is_measured_and_withdrawn_where_it_is_not_faster() -> None
 
 
 def test_the_loop_switches_only_the_precision_between_steps() -> None:
-    from kiln.train.loop import _advised
+    from kiln.train.profiling.job import advised_step
     from kiln.train.prepared import prepare
 
     model = make_model()
@@ -298,7 +298,7 @@ def test_the_loop_switches_only_the_precision_between_steps() -> None:
         with prepared.autocast():
             dtypes.append(prepared.model(torch.randn(BATCH, WIDTHS[0])).dtype)
 
-    advised = _advised(prepared, one_step)
+    advised = advised_step(prepared, one_step)
     assert advised({"loader": {"workers": 2}}) is None  # another run's setting
     assert advised({"precision": "fp16"}) is None  # needs a loss scaler this run may not have
     advised({"precision": "bf16"})()
