@@ -130,7 +130,8 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
 
     from kiln.compress.loading import load_callable
     from kiln.train import memory
-    from kiln.train.loop import _validate, cross_entropy
+    from kiln.train.loop import cross_entropy
+    from kiln.train.watch import validate as _validate
 
     torch.manual_seed(0)
     model = load_callable(spec["model"], "model")()
