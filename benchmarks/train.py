@@ -129,7 +129,7 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
     from kiln.compress.loading import load_callable
-    from kiln.train import memory
+    from kiln.runtime import footprint
     from kiln.train.loop import cross_entropy
     from kiln.train.watch import validate as _validate
 
@@ -141,8 +141,8 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(data["train"], batch_size=spec["batch"], shuffle=True)
-    memory.reset_peak()
-    resident = memory.resident_mib()
+    footprint.reset_peak()
+    resident = footprint.rss_mib()
     times, started, step = [], time.perf_counter(), 0
     while step < steps:
         for x, y in loader:
@@ -156,7 +156,7 @@ def _plain(spec: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
             times.append(time.perf_counter() - started)
             if step >= steps:
                 break
-    peak = memory.peak_mib()
+    peak = footprint.peak_rss_mib()
 
     class _Plain:  # what _validate reads of a Prepared
         def __init__(self) -> None:

@@ -27,6 +27,9 @@ page is dropped and read again from the file on its next use, a written private 
 data) stays, as nothing swaps it — so unlike MADV_DONTNEED it is safe on private mappings. The
 price is paid once: the next run faults back the code it uses (OpenVINO int8 bert-base: about
 25 ms on a 36 ms run), and so does every other session of the same engine in the process.
+`return_frees_above` sets glibc's mallopt thresholds so that large freed blocks leave the
+process at once (training's checkpointed activations). This module is Kiln's one door to the C
+library's allocator: `trim_heap` and `return_frees_above` are the only malloc calls.
 Elsewhere than Linux all are no-ops (`SUPPORTED` is False).
 """
 
@@ -119,6 +122,21 @@ def collect_garbage() -> bool:
     never per request."""
     gc.collect()
     return trim_heap()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def return_frees_above(size: int) -> bool:
+    """Make glibc return every freed block over `size` bytes to the system: a fixed mmap
+    threshold (no dynamic raise, which would keep ever larger blocks on the heap) and the
+    trim threshold at the same size. False where the C library has no mallopt (musl,
+    elsewhere than Linux), and then nothing is changed."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if SUPPORTED else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, size)) and bool(mallopt(_M_TRIM_THRESHOLD, size))
 
 
 @functools.cache

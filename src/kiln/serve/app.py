@@ -33,8 +33,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln import __version__
+from kiln.backends.release import trim_heap
 from kiln.errors import KilnError
-from kiln.serve.heap import TRIM_ABOVE_BYTES, give_back_free_memory
 from kiln.serve.models import BatchSettings, ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import (
     InferRequest,
@@ -61,6 +61,11 @@ BODY_TIMEOUT = 408  # the one refusal after which the connection is closed: its 
 # Every 503 says when to try again (RFC 9110): a full queue drains, a load finishes, in about
 # this many seconds; a client that honours it does not hammer a busy server.
 RETRY_AFTER_S = 1
+# A refused request of this size or more is followed by a heap trim: glibc keeps what its
+# decoding freed (tens of MB for a 10 MB JSON body) in the decoding thread's arena, one per
+# worker thread, so the resident size would climb per thread and never come down. Below it a
+# walk over the heap is not worth it.
+TRIM_ABOVE_BYTES = 1 << 20
 
 
 class BodyTimeout(Refused):
@@ -300,7 +305,7 @@ async def _infer(served: ServedModel, request: Request, limit: int, timeout: flo
         content, json_length = await infer(served, read, decode, encode)
     except Refused:
         if size >= TRIM_ABOVE_BYTES:  # the request's arrays are gone: give their pages back
-            await run_in_threadpool(give_back_free_memory)
+            await run_in_threadpool(trim_heap)
         raise
     if json_length is None:
         return Response(content, media_type="application/json")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.backends.release import return_frees_above
 from kiln.errors import KilnError
 from kiln.runtime.footprint import peak_rss_mib, reset_peak, rss_mib
 from kiln.train.config import Checkpointing
@@ -162,43 +163,20 @@ def blocks_for_budget(
 
 
 MMAP_THRESHOLD_BYTES = 64 * 1024  # blocks above this go back to the OS when freed
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def give_back_large_frees() -> bool:
-    """Make glibc return every freed block over 64 KiB to the OS (a fixed mmap threshold, no
-    dynamic raise); False off glibc, where nothing is changed."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    )
-
-
-def peak_mib() -> float:
-    """This process's resident high-water mark since the last reset (MiB)."""
-    return peak_rss_mib()
-
-
-def resident_mib() -> float:
-    """This process's resident memory now (MiB)."""
-    return rss_mib()
+    """Make glibc return every freed block over 64 KiB to the OS; False off glibc, where
+    nothing is changed."""
+    return return_frees_above(MMAP_THRESHOLD_BYTES)
 
 
 def measure_peak(run: Callable[[], object]) -> float:
     """The resident peak (MiB) reached while `run` runs, above what was resident before."""
-    before = resident_mib()
+    before = rss_mib()
     reset_peak()
     run()
-    return max(0.0, peak_mib() - before)
+    return max(0.0, peak_rss_mib() - before)
 
 
 def _outermost(found: list[Block]) -> list[Block]:
