@@ -64,14 +64,25 @@ def test_cli_reference_has_every_verb_and_flag(site):
 
     html = (site / "reference/cli/index.html").read_text()
     root = typer.main.get_command(app)
-    context = root.context_class(root, info_name="kiln")
-    for name in root.list_commands(context):
-        command = root.get_command(context, name)
-        assert f'id="kiln-{name}"' in html, f"kiln {name} is not in the CLI reference"
+    for path, command in _verbs(root, root.context_class(root, info_name="kiln"), "kiln"):
+        anchor = f'id="{path.replace(" ", "-")}"'
+        assert anchor in html, f"{path} is not in the CLI reference"
+        section = html[html.index(anchor) :]
+        section = section[: section.find('id="kiln-', len(anchor))]  # up to the next verb
         for param in command.params:
-            for flag in param.opts:
-                if flag.startswith("--"):
-                    assert flag in html, f"kiln {name} {flag} is not in the CLI reference"
+            for flag in param.opts if param.name != "help" else ():
+                if flag.startswith("-"):
+                    assert f"{flag}" in section, f"{path} {flag} is not in the CLI reference"
+
+
+def _verbs(group, context, path: str):
+    """(path, command) for every verb under `group`, sub-verbs included."""
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
+        yield f"{path} {name}", command
+        if hasattr(command, "list_commands"):
+            inner = command.context_class(command, info_name=name, parent=context)
+            yield from _verbs(command, inner, f"{path} {name}")
 
 
 def test_config_reference_has_every_field(site):

@@ -69,7 +69,7 @@ def _command(command, context, path: str, level: int, usage: bool = True) -> str
 
 
 def _param_row(param, context) -> str | None:
-    if getattr(param, "hidden", False):
+    if getattr(param, "hidden", False) or param.name == "help":  # -h, --help: every verb has it
         return None
     record = param.get_help_record(context)
     if record is None:
