@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.backends.base import Backend, Executable, KernelRecord, Profile
-from kiln.backends.company import join_company, leave_company, share_process
 from kiln.backends.openvino import OpenVinoBackend, OpenVinoOptions
 from kiln.backends.ort import OrtBackend, OrtOptions
+from kiln.backends.spin_policy import join_company, leave_company, share_process
 from kiln.errors import KilnError
 
 BACKENDS: dict[str, type[Backend]] = {"ort": OrtBackend, "openvino": OpenVinoBackend}

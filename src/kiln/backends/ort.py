@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from kiln.backends import company
+from kiln.backends import spin_policy
 from kiln.backends.base import KernelRecord, Profile, check_flags
 from kiln.backends.cpus import allowed_cpus, pool_affinities
 from kiln.backends.ort_mapped import mapped_weights, session_on_mapped
@@ -66,7 +66,7 @@ class OrtOptions:
     # stopping costs the tail: resnet50's jitter 0.58–0.73 stopped vs 0.28 spinning (AVX-512
     # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
     # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — the pool spins while it
-    # has the process to itself and stops once company arrives (`kiln.backends.company`); a
+    # has the process to itself and stops once company arrives (`kiln.backends.spin_policy`); a
     # model under STOP_SPINNING_BYTES of weights keeps spinning beside other small ones.
     stop_spinning: bool | None = None
     memory_arena: bool = True
@@ -275,14 +275,14 @@ class OrtBackend:
         policy = _spin_policy(model, options)
         # Under the lock, so that two executables opening at once each see the other.
         kilns_choice, small = policy in (SHARED, SMALL), policy == SMALL
-        with company.LOCK:
-            stopped = policy == STOP or (kilns_choice and company.crowded(small))
+        with spin_policy.LOCK:
+            stopped = policy == STOP or (kilns_choice and spin_policy.crowded(small))
             so = _prepared(so, options, weights, stopped)
             session = _open(model, so, options.disabled_optimizers)
             executable = OrtExecutable(session, options, model, stopped=stopped)
             executable.weights = weights  # the shared copy lives as long as a session using it
             if kilns_choice:
-                company.join(executable, spins=True, small=small)
+                spin_policy.join(executable, spins=True, small=small)
         return executable
 
 

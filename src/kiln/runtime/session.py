@@ -574,7 +574,7 @@ class LocalSession:
     def close(self) -> None:
         """Stop the background worker (a build in progress finishes first); give back the GC
         freeze a steady session holds; its executables are no one's company any more (see
-        kiln.backends.company)."""
+        kiln.backends.spin_policy)."""
         if self.feedback is not None:
             self.feedback.stop()
         self._rebuilder.close()
