@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.backends.base import KernelRecord, Profile, check_flags
+from kiln.backends.openvino_layers import Layer, OpenVinoKernelRecord, executed_layers
 from kiln.backends.release import SUPPORTED as RELEASE_SUPPORTED
 from kiln.backends.release import Releasing
 from kiln.errors import KilnError
@@ -332,7 +333,7 @@ class OpenVinoExecutable:
         request.infer(feeds, share_inputs=True, share_outputs=True)
         # Read after an inference: only then does a dynamic model's runtime model hold the
         # shapes these feeds gave every layer.
-        layers = _layers(compiled)
+        layers = executed_layers(compiled)
         records: list[KernelRecord] = []
         run_ms: list[float] = []
         for run in range(runs):
@@ -344,7 +345,7 @@ class OpenVinoExecutable:
                 # NOT_RUN: fused into a neighbour or a no-op (Parameter, Result): no time.
                 if info.status != info.Status.EXECUTED:
                     continue
-                layer = layers.get(info.node_name, _Layer(origin=(info.node_name,)))
+                layer = layers.get(info.node_name, Layer(origin=(info.node_name,)))
                 records.append(
                     OpenVinoKernelRecord(
                         node=info.node_name,
@@ -551,74 +552,6 @@ def _port_name(port: Any) -> str:
         return next(iter(names))
     node_name = port.get_node().get_friendly_name().removesuffix("/sink_port_0")
     return node_name if node_name in names else sorted(names)[0]
-
-
-@dataclass(frozen=True)
-class OpenVinoKernelRecord(KernelRecord):
-    """A kernel record with what OpenVINO's runtime model says about the layer."""
-
-    # place in the execution order (execOrder): the same in every compile of one model with
-    # one configuration, unlike the names of the layers OpenVINO creates
-    order: int | None = None
-    # what it computed in (runtimePrecision): "fp32", "bf16", "fp16", "int8"
-    precision: str | None = None
-    # its inputs (weights included) and outputs at the element types it ran with: the bytes
-    # an int8 kernel moves are int8, not the fp32 of the QDQ graph it came from
-    bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """One executed layer of a runtime model (see `_layers`)."""
-
-    origin: tuple[str, ...]
-    order: int | None = None
-    precision: str | None = None
-    bytes: int | None = None
-
-
-# OpenVINO's runtimePrecision → the names the roofline uses; integer kernels (u8 activations,
-# i8 weights) run on the int8 roof.
-_RUNTIME_PRECISIONS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "u8": "int8", "i8": "int8"}
-
-
-def _layers(compiled: ov.CompiledModel) -> dict[str, _Layer]:
-    """Executed layer name → the original layers OpenVINO fused into it (the link from a
-    kernel record back to the ONNX nodes), its execution order, runtime precision and bytes
-    moved, read from the runtime model's rt_info (a Reorder OpenVINO inserted has no
-    original layers)."""
-    out = {}
-    for op in compiled.get_runtime_model().get_ordered_ops():
-        info = op.get_rt_info()
-        if "originalLayersNames" not in info:
-            continue
-        names = _rt_text(info, "originalLayersNames") or ""
-        order = _rt_text(info, "execOrder")
-        precision = _rt_text(info, "runtimePrecision")
-        out[op.get_friendly_name()] = _Layer(
-            origin=tuple(n for n in names.split(",") if n),
-            order=int(order) if order and order.lstrip("-").isdigit() else None,
-            precision=_RUNTIME_PRECISIONS.get(precision or "", "fp32"),
-            bytes=_moved_bytes(op),
-        )
-    return out
-
-
-def _rt_text(info: Any, key: str) -> str | None:
-    return str(info[key].astype(str)) if key in info else None
-
-
-def _moved_bytes(op: Any) -> int | None:
-    """Bytes of a runtime layer's inputs (weights included: they are Const inputs) and
-    outputs at the element types it ran with; None when a shape is dynamic."""
-    ports = [*(i.get_source_output() for i in op.inputs()), *op.outputs()]
-    total = 0
-    for port in ports:
-        shape = port.get_partial_shape()
-        if shape.is_dynamic:
-            return None
-        total += int(np.prod(shape.to_shape(), dtype=np.int64)) * port.get_element_type().bitwidth
-    return total // 8
 
 
 def _explain(exc: BaseException) -> str:
