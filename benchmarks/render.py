@@ -176,9 +176,10 @@ def index_page(suites: dict[str, list[tuple[str, dict[str, Any]]]]) -> str:
         "written by the benchmark script named in it; [methodology](methodology.md) says how "
         "each is measured and what its spread and verdict mean.", "",
         "## Expected speedups by CPU class", "",
-        "Kiln's artifact over ONNX Runtime as-is (`ORT_ENABLE_ALL`, fp32), the ratio of their "
-        "P50 latencies at batch 1: above 1.00× Kiln is faster. A result measured on a shared "
-        "host is noisier and gives way to a quiet run of the same CPU class.", "",
+        "Kiln's artifact, at the precision shown, over ONNX Runtime as-is (`ORT_ENABLE_ALL`, "
+        "fp32): the ratio of their P50 latencies at batch 1, with the lowest and highest "
+        "per-round ratio; above 1.00× Kiln is faster. A result measured on a shared host is "
+        "noisier and gives way to a quiet run of the same CPU class.", "",
         expect_table(expectations(suites), "", link=False), "",
         "## Suites", "",
     ]  # fmt: skip
