@@ -280,3 +280,19 @@ def test_a_model_run_here_is_a_local_session(pair):
     session, _ = pair
     assert isinstance(session, LocalSession) and isinstance(session, SessionLike)
     assert session.feedback is None
+
+
+def test_axes_an_exporter_names_unknown_are_independent(tmp_path) -> None:
+    # paddle2onnx names every free axis "?" (PP-OCR's classifier: height and width): as
+    # onnxruntime does, Kiln takes them as unrelated sizes, not one shared dim.
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, "?", "?"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3, "?", "?"])],
+    )  # fmt: skip
+    path = tmp_path / "unknown.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x = RNG.standard_normal((2, 3, 48, 192)).astype(np.float32)
+    with kiln.Session(str(path)) as session:
+        (y,) = session.run(None, {"x": x})
+    np.testing.assert_array_equal(y, np.maximum(x, 0))

@@ -25,6 +25,9 @@ from kiln.ir.inputs import default_dims, is_mask_input, synthesize
 
 # Per input: each axis' static size, symbolic dim name, or None (unnamed dynamic).
 Layout = dict[str, list[int | str | None]]
+# Dim names exporters write for "unknown", not for a size shared between axes (paddle2onnx
+# writes "?" on every free axis: PP-OCR's classifier has height and width both "?").
+ANONYMOUS_DIMS = frozenset({"?"})
 RunFn = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
 
 
@@ -38,7 +41,8 @@ def input_layout(model: ir.Model) -> Layout:
             if isinstance(dim, int):
                 dims.append(dim if dim >= 0 else None)
             else:
-                dims.append(str(dim.value) if dim.value else None)
+                named = dim.value and str(dim.value) not in ANONYMOUS_DIMS
+                dims.append(str(dim.value) if named else None)
         layout[value.name] = dims
     return layout
 
