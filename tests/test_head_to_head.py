@@ -39,7 +39,8 @@ def test_a_missing_peer_is_refused_with_its_name(tmp_path):
     artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False)
     done = subprocess.run(
         [sys.executable, str(BENCHMARK), str(artifact.path), "--peer", "onnx-magic",
-         "--processes", "1", "--rounds", "1", "--runs", "1", "-o", str(tmp_path / "h.json")],
+         "--processes", "1", "--rounds", "1", "--runs", "1", "-o", str(tmp_path / "h.json"),
+         "--results", str(tmp_path / "results")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode != 0 and "onnx-magic" in done.stderr.splitlines()[-1]
@@ -58,7 +59,8 @@ def test_given_inputs_are_what_both_engines_run(tmp_path):
     wrong = {name: value[..., :1] for name, value in feeds.items()}  # the wrong shape
     np.savez(tmp_path / "bad.npz", **wrong)
     args = [sys.executable, str(BENCHMARK), str(artifact.path), "--peer", "ort", "--processes",
-            "1", "--rounds", "1", "--runs", "1"]  # fmt: skip
+            "1", "--rounds", "1", "--runs", "1",
+            "--results", str(tmp_path / "results")]  # fmt: skip
     ok = [*args, "--inputs", str(tmp_path / "x.npz"), "-o", str(tmp_path / "ok.json")]
     done = subprocess.run(ok, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
