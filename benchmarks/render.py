@@ -213,6 +213,12 @@ def rendered(root: Path) -> dict[Path, str]:
     return pages
 
 
+def stale(root: Path, pages: dict[Path, str]) -> list[Path]:
+    """Generated pages under docs/benchmarks/ that no result renders any more."""
+    found = sorted((root / "docs" / "benchmarks").glob("*.md"))
+    return [p for p in found if p not in pages and p.read_text().startswith(GENERATED)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,7 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this)")
     args = parser.parse_args(argv)
     differ = []
-    for path, text in rendered(args.root).items():
+    pages = rendered(args.root)
+    for path in stale(args.root, pages):  # a suite's page whose results are gone
+        if args.check:
+            differ.append(path)
+        else:
+            path.unlink()
+            print(f"removed {path.relative_to(args.root)}")
+    for path, text in pages.items():
         current = path.read_text() if path.is_file() else None
         if current == text:
             continue
