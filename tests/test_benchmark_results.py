@@ -16,6 +16,7 @@ RESULTS = sorted((BENCHMARKS / "results").glob("*/*.json"))
 if str(BENCHMARKS) not in sys.path:  # as when a benchmark runs: its directory comes first
     sys.path.insert(0, str(BENCHMARKS))
 
+import _machine  # noqa: E402
 import _results  # noqa: E402
 import render  # noqa: E402
 
@@ -35,6 +36,25 @@ def test_the_schema_refuses_a_row_without_a_unit_and_a_bad_spread() -> None:
     document["rows"] = [{"label": "x", "value": 1.0, "spread": [1.0]}]
     problems = _results.validate(document)
     assert any("unit" in p for p in problems) and any("spread" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("model", "features", "expected"),
+    [
+        ("AMD EPYC 9R14", ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"], "amd-epyc-avx512bf16"),
+        ("Intel(R) Xeon(R) Platinum 8488C", ["avx512_bf16", "amx_tile"], "intel-xeon-amx"),
+        (
+            "Intel(R) Xeon(R) Platinum 8375C",
+            ["avx2", "avx512f", "avx512_vnni"],
+            "intel-xeon-avx512vnni",
+        ),
+        ("AMD EPYC 7R32", ["avx2", "fma"], "amd-epyc-avx2"),
+    ],
+)
+def test_results_are_filed_under_the_cpu_family_and_its_widest_matrix_isa(
+    model: str, features: list[str], expected: str
+) -> None:
+    assert _machine.cpu_class(model, features) == expected
 
 
 def test_check_passes_on_the_repository(capsys: pytest.CaptureFixture[str]) -> None:
