@@ -30,8 +30,8 @@ SIDE_HELP = (
 )
 
 
-AArg = Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")]
-BArg = Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")]
+ReferenceArg = Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")]
+ComparedArg = Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")]
 MetricOpt = Annotated[
     str,
     typer.Option(
@@ -56,7 +56,7 @@ ModelExplorerOpt = Annotated[
 
 
 def compare(
-    a: AArg, b: BArg, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
+    a: ReferenceArg, b: ComparedArg, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
     metric: MetricOpt = "auto", max_drop: MaxDropOpt = None, output: OutputOpt = None,
     model_explorer: ModelExplorerOpt = None, as_json: JsonOpt = False,
 ) -> None:  # fmt: skip

@@ -133,7 +133,9 @@ def _option(group: str, path: str, spec: Options) -> inspect.Parameter:
     if flag.argument:
         option = typer.Argument(help=text, metavar=flag.metavar, show_default=show)
     else:
-        names = flag.names or ("--" + name.replace("_", "-"),)
+        long = "--" + name.replace("_", "-")
+        # Typer's own for a bool: --x/--no-x
+        names = flag.names or ((f"{long}/--no-{long[2:]}",) if kind is bool else (long,))
         option = typer.Option(*names, help=text, rich_help_panel=spec.panel, show_default=show,
                               metavar=flag.metavar)  # fmt: skip
     return inspect.Parameter(

@@ -86,7 +86,7 @@ COMPILE_FLAGS = options(
     "block_size", "inputs", "shapes", "verify", "partition", "static",
     flags={"engine": Flag(names=("--backend",), choices=(*ENGINES, "auto")),
            "shapes": Flag(names=("--shape",), type=list[str], default=[], parse=_shapes),
-           "verify": Flag(names=("--verify/--no-verify",))},
+           "verify": Flag(names=("--verify/--no-verify",)), "static": Flag(names=("--static",))},
     panel="Compile decisions (CompileConfig)",
 )  # fmt: skip
 

@@ -164,9 +164,10 @@ CONFIG_FLAGS = options(
 )  # fmt: skip
 RUN_FLAGS = options(Run, panel="The run", flags={
     "seconds": Flag(names=("--time",), type=str | None, parse=duration),
-    "checkpoint_every": Flag(names=("--checkpoint-every",)),
+    "resume": Flag(names=("--resume",)),
+    "allow_config_change": Flag(names=("--allow-config-change",)),
 })  # fmt: skip
-TUNING_FLAGS = options(Tuning, panel="Tuning (--tune)")
+TUNING_FLAGS = options(Tuning, panel="Tuning (--tune)", flags={"tune": Flag(names=("--tune",))})
 
 
 @command
