@@ -56,7 +56,14 @@ def traced(
     prof = profile(activities=activities, record_shapes=True, profile_memory=True,
                    with_stack=True)  # fmt: skip
     with _native_stderr_muted():
+        # c10's CPU allocator warns on stderr ("[W … CPUAllocator.cpp] Memory block of unknown
+        # size was allocated before the profiling started") at the first free, under the
+        # memory profiler, of a block allocated before it started, then at every 1000th.
+        # Every step frees such blocks (the last step's gradients, a batch loaded ahead),
+        # once per rank: one freed here, stderr muted, spends that warning unseen.
+        allocated_before = torch.empty(1)
         prof.start()
+        del allocated_before
     try:
         for _ in range(steps):
             with recording(sync), record_function("kiln.step"):
@@ -84,7 +91,7 @@ def traced(
 def _native_stderr_muted() -> Iterator[None]:
     """The process's stderr closed for one call: libkineto writes "USDT: … profiler_start"
     and "… profiler_stop" lines from C++ at each start and stop, noise in the user's output.
-    Only the start and the stop are muted, never the user's steps."""
+    Only the start and the stop are muted (on every rank), never the user's steps."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
