@@ -138,3 +138,44 @@ def test_strategies_show_honours_json(tmp_path) -> None:
     assert "objective" in table.output and "latency" in table.output
     with pytest.raises(json.JSONDecodeError):
         json.loads(table.output)
+
+
+# The names users and docs rely on: a generated option keeps its flag's name.
+FLAG_NAMES = {
+    "optimize": (
+        "--backend --block-size --calib --calib-method --config --force --inputs --json "
+        "--max-drop --max-memory --memory --metric --no-memory --no-verify --output "
+        "--partition --precision --rounds --runs --shape --show-pipeline --skip-pass --static "
+        "-o"
+    ),
+    "serve": (
+        "--adaptive --buckets --feedback --feedback-interval --feedback-objective --grpc-port "
+        "--host --json --max-batch --max-delay-ms --max-queue --max-request-mb --min-gain "
+        "--model-repository --name --no-adaptive --no-feedback --no-warmup --port --storage "
+        "--warmup"
+    ),
+    "train": (
+        "--accumulation --allow-config-change --batch --checkpoint --checkpoint-every "
+        "--checkpointing --clip-grad-norm --config --data --early-stop --epochs --export "
+        "--json --loss --lr-schedule --max-memory --metrics --nnodes --nproc --optimizer "
+        "--output --precision --profile --progress-every --rdzv-endpoint --resume --save "
+        "--steps --storage --strategy --study --target-loss --time --trials --tune "
+        "--val-every --warmup -o"
+    ),
+    "tune": (
+        "--backend --calib --clients --confirm-runs --inputs --json --max-drop --max-jitter "
+        "--max-memory --max-p50 --max-p99 --metric --min-throughput --no-warm-start "
+        "--objective --output --precision --report --seconds-per-trial --seed --shape "
+        "--stale-after --storage --study --time --traffic --trials --warm-start --workers -o"
+    ),
+    "bench": (
+        "--against --batch --calib --inputs --json --memory --no-memory --output --rounds "
+        "--runs --shape -o"
+    ),
+}
+
+
+@pytest.mark.parametrize("verb", sorted(FLAG_NAMES))
+def test_every_flag_name_users_have_stays(verb: str) -> None:
+    shown = {o for p in _params(verb).values() for o in [*p.opts, *p.secondary_opts]}
+    assert set(FLAG_NAMES[verb].split()) <= shown
