@@ -5,22 +5,22 @@ weights or import never counts against another's (and the timing process's heap 
     → {"ort": {"peak_rss_mib": {"load": 612.0, "run": 455.3}, "baseline_mib": 121.0, ...}, ...}
 
 A child per engine (`python -m kiln.bench.memory ENGINE MODEL FEEDS.npz`) first imports what
-that engine needs (the engine's library, its quantization tool) and reads the inputs: its RSS
-then is the baseline. It opens the engine as a user serving it would — the peers on the
-original model's file; the `kiln` row as a `kiln.Session` of the artifact — and reads its peak
-RSS (VmHWM): `load` is that peak over the baseline. Then it resets the high-water mark
-(Linux's /proc/self/clear_refs) and runs the engine `runs` times: `run` is the peak over those
-runs above the baseline — the memory a server holding this engine needs. An engine whose own
-tool rewrites the model first (int8 quantizers, the transformer optimizer) has that run in a
-child before, which saves the model it wrote for the engine's child to open: its peak is
-`tool_peak_mib`, a one-off cost apart from serving. `weights_mib` is the bytes of the model's
-initializers as stored in its file (the quantized model's, for the int8 engines).
+that engine needs (the engine's library, its quantization tool) and reads the inputs, then
+opens the engine as a user serving it would — the peers on the original model's file; the
+`kiln` row as a `kiln.Session` of the artifact — and runs it `runs` times, measured as
+`kiln.runtime.footprint.measure_phases` defines for every memory figure: `peak_rss_mib.load`
+the high-water mark of opening, `peak_rss_mib.run` that of the runs (the memory a server
+holding this engine needs), `steady_rss_mib` what it keeps, each above `baseline_mib`, the
+child before the engine opened. An engine whose own tool rewrites the model first (int8
+quantizers, the transformer optimizer) has that run in a child before, which saves the model
+it wrote for the engine's child to open: its peak, measured alike, is `tool_peak_mib`, a
+one-off cost apart from serving. `weights_mib` is the bytes of the model's initializers as
+stored in its file (the quantized model's, for the int8 engines).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kiln.runtime.child import child_main, run_child
-from kiln.runtime.footprint import peak_rss_mib, reset_peak, rss_mib
+from kiln.runtime.footprint import measure_phases
 
 TIMEOUT_S = 900.0
 RUNS = 10
@@ -162,28 +162,22 @@ def _measure(argv: list[str]) -> dict[str, Any]:
     _imports(args.engine)
     with np.load(args.feeds) as data:
         feeds = {k: data[k] for k in data.files}
-    gc.collect()
-    baseline = rss_mib()
     if args.prepare_to:
-        _prepare(args.engine, args.model, _calibration(args.calib), args.prepare_to)
-        return {"tool_peak_mib": max(0.0, peak_rss_mib() - baseline)}
-    run, weights = _open(args.engine, args.model, feeds)
-    load = peak_rss_mib()
-    reset = reset_peak()
-    for _ in range(args.runs):
-        run()
-    return {
-        "peak_rss_mib": {
-            "load": max(0.0, load - baseline),
-            "run": max(0.0, peak_rss_mib() - baseline),
-        },  # fmt: skip
-        "steady_rss_mib": max(0.0, rss_mib() - baseline),
-        "baseline_mib": baseline,
-        "weights_mib": weights,
-        "runs": args.runs,
-        # Without the reset, `run` is the whole child's peak: the load's, if that was higher.
-        "run_peak_includes_load": not reset,
-    }
+        calibration = _calibration(args.calib)
+        tool = measure_phases(
+            {"tool": lambda: _prepare(args.engine, args.model, calibration, args.prepare_to)}
+        )
+        return {"tool_peak_mib": tool["peak_rss_mib"]["tool"]}
+    opened: list[tuple[Callable[[], object], float]] = []
+
+    def run() -> None:
+        for _ in range(args.runs):
+            opened[0][0]()
+
+    measured = measure_phases(
+        {"load": lambda: opened.append(_open(args.engine, args.model, feeds)), "run": run}
+    )
+    return measured | {"weights_mib": opened[0][1], "runs": args.runs}
 
 
 def main(argv: list[str]) -> int:

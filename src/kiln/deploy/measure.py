@@ -34,7 +34,8 @@ STARTUP_S = 300.0
 @dataclass(frozen=True)
 class Replica:
     """What one replica measured, memory in MiB of the whole process (interpreter, numpy,
-    Kiln, the engine's library, the model, the batches it ran)."""
+    Kiln, the engine's library, the model, the batches it ran): the child's baseline plus
+    its phases' peaks as `kiln.runtime.footprint.measure_phases` defines them."""
 
     peak_mib: float  # high-water mark over loading, one run and the served window
     run_peak_mib: float  # ... over loading and one run at the verified shapes
@@ -66,7 +67,12 @@ def measure_replica(
     ]  # fmt: skip
     what = f"measuring a replica of {artifact}"
     answer = run_child("kiln.deploy.measure", command, what, STARTUP_S + seconds)
-    return Replica(**answer)
+    base, peaks, served = answer["baseline_mib"], answer["peak_rss_mib"], answer["served"]
+    return Replica(
+        peak_mib=base + max(peaks.values()),
+        run_peak_mib=base + max(peaks["load"], peaks["run"]),
+        **served,
+    )
 
 
 # ------------------------------------------------------------------------- the child process
@@ -82,27 +88,34 @@ def _measure(argv: list[str]) -> dict[str, Any]:
     args = parser.parse_args(argv)
     from kiln.ir.inputs import synthesize
     from kiln.runtime import Session
-    from kiln.runtime.footprint import peak_rss_mib
+    from kiln.runtime.footprint import measure_phases
     from kiln.tune.serving import serve
 
-    session = Session(args.artifact)
+    opened: list[Session] = []
+    feeds: list[dict] = []
+    served: dict[str, Any] = {}
+
+    def run() -> None:  # once, at the verified shapes, one sample: what each client sends
+        session = opened[0]
+        dims = {**session.artifact.manifest.dims, **dict.fromkeys(session.batch_dims, 1)}
+        feeds.append(synthesize(session.interface, dims=dims))
+        session.run(None, feeds[0])
+
+    def serving() -> None:
+        done = serve(opened[0].run_batch, feeds, clients=args.clients,
+                     max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
+                     seconds=args.seconds)  # fmt: skip
+        served.update(in_process_rps=done.rate, p99_ms=done.p99_ms,
+                      requests=len(done.latencies_s), batches=done.batches,
+                      seconds=args.seconds, clients=args.clients)  # fmt: skip
+
     try:
-        manifest = session.artifact.manifest
-        # The verified shapes, one sample: what each client sends.
-        dims = {**manifest.dims, **dict.fromkeys(session.batch_dims, 1)}
-        feeds = synthesize(session.interface, dims=dims)
-        session.run(None, feeds)
-        run_peak = peak_rss_mib()
-        served = serve(session.run_batch, [feeds], clients=args.clients,
-                       max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
-                       seconds=args.seconds)  # fmt: skip
-        return {
-            "peak_mib": peak_rss_mib(), "run_peak_mib": run_peak, "in_process_rps": served.rate,
-            "p99_ms": served.p99_ms, "requests": len(served.latencies_s),
-            "batches": served.batches, "seconds": args.seconds, "clients": args.clients,
-        }  # fmt: skip
+        phases = {"load": lambda: opened.append(Session(args.artifact)), "run": run,
+                  "serve": serving}  # fmt: skip
+        return measure_phases(phases) | {"served": served}
     finally:
-        session.close()
+        for session in opened:
+            session.close()
 
 
 def main(argv: list[str]) -> int:

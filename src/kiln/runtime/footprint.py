@@ -1,23 +1,39 @@
-"""How much memory a `kiln.Session` takes: measured in a fresh Python process of its own, so
-that nothing else in the caller's heap (the tuner's other builds, a benchmark's engines, a
-test suite) counts — the one memory figure `kiln tune` and `kiln bench` report.
+"""How much memory a model takes, measured in a fresh Python process of its own, so that nothing
+else in the caller's heap (the tuner's other builds, a benchmark's engines, a test suite)
+counts. `measure_phases` is the one definition every such child uses (`kiln tune`, `kiln
+bench`, `kiln export --kserve`), with the same JSON keys, in MiB:
+
+- `baseline_mib`: the child's RSS once everything but the model is imported and read (the
+  interpreter, numpy, Kiln, the engine's library, the inputs), after a garbage collection;
+- `peak_rss_mib.load`: the high-water mark of RSS while the model opens, above the baseline;
+- `peak_rss_mib.run`: the high-water mark while it runs, above the baseline (the mark is
+  restarted when each phase begins, so a phase's peak is its own; the largest of them is
+  the high-water mark over them all); other phases (`serve`) alike;
+- `steady_rss_mib`: RSS after the last phase (what the model keeps while it serves), above
+  the baseline;
+- `run_peak_includes_load`: true where the kernel cannot restart the mark (no
+  /proc/self/clear_refs): each peak then is the child's own since the baseline.
+
+`peak_memory` measures one `kiln.Session` so:
 
     peak_memory("model.kiln", "feeds.npz", runs=10)
     → {"load_mib": 41.2, "peak_mib": 47.9, "steady_mib": 45.0, "baseline_mib": 182.3, ...}
 
-Run as `python -m kiln.runtime.footprint session|baseline PATH [--feeds F.npz] [--runs N]
-[--dims d=N,...] [--backend NAME] [--engine NAME]`, it prints one JSON line: what the parent
-reads.
+Run as `python -m kiln.runtime.footprint PATH [--feeds F.npz] [--runs N] [--dims d=N,...]
+[--backend NAME]`, it prints one JSON line: what the parent reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
 import os
 import resource
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,34 +60,28 @@ def peak_memory(
     `model`: an artifact directory (NAME.kiln: its engine and settings), an .onnx file or
     zoo:NAME (as `kiln.Session` opens them; `backend` as there). `feeds`: an .npz of inputs,
     or the arrays themselves; None synthesizes inputs (named dims sized by `dims`). The
-    session is opened and run `runs` times in a child process; a second child does the same
-    minus the session (the interpreter, numpy, Kiln's runtime, the engine's library imported,
-    the feeds loaded) and is the baseline subtracted from each figure:
-
-    - `load_mib`: peak RSS once the session is open;
-    - `peak_mib`: peak RSS over opening and every run (the high-water mark a machine must
-      have free);
-    - `steady_mib`: RSS after the runs (what the session keeps while it serves).
-
-    Peak RSS is the kernel's high-water mark of the child's own address space (VmHWM in
-    /proc/self/status; `resource.getrusage(...).ru_maxrss` where there is no /proc, though
-    on Linux that one counts the spawning parent's peak too); the current RSS is psutil's.
-    `baseline_mib` (the baseline child's peak) and `runs` are returned too. Raises KilnError
-    when the session cannot open or run."""
+    session is opened and run `runs` times in a child process, measured by `measure_phases`
+    (see the module docstring): `load_mib` is its load peak, `peak_mib` the high-water mark
+    over opening and every run (what a machine must have free), `steady_mib` what it keeps
+    after the runs, each above `baseline_mib` (the child before the session opened). Peak
+    RSS is the kernel's high-water mark of the child's own address space (VmHWM);
+    `runs` is returned too. Raises KilnError when the session cannot open or run."""
     if runs < 1:
         raise KilnError(f"peak_memory: runs {runs}: give 1 or more.")
     with tempfile.TemporaryDirectory(prefix="kiln-footprint-") as where:
         feeds_path = _feeds_file(feeds, Path(where))
-        common = [*(["--feeds", str(feeds_path)] if feeds_path else []),
-                  *(["--dims", _dims_text(dims)] if dims else [])]  # fmt: skip
-        session = _child(["session", str(model), "--runs", str(runs), *common,
-                          *(["--backend", backend] if backend else [])], timeout_s)  # fmt: skip
-        base = _child(["baseline", str(model), "--engine", session["engine"], *common], timeout_s)
+        args = [str(model), "--runs", str(runs),
+                *(["--feeds", str(feeds_path)] if feeds_path else []),
+                *(["--dims", _dims_text(dims)] if dims else []),
+                *(["--backend", backend] if backend else [])]  # fmt: skip
+        measured = run_child("kiln.runtime.footprint", args,
+                             f"measuring the memory of {model}", timeout_s)  # fmt: skip
+    peaks = measured["peak_rss_mib"]
     return {
-        "load_mib": max(0.0, session["load_peak_mib"] - base["peak_mib"]),
-        "peak_mib": max(0.0, session["peak_mib"] - base["peak_mib"]),
-        "steady_mib": max(0.0, session["rss_mib"] - base["rss_mib"]),
-        "baseline_mib": base["peak_mib"],
+        "load_mib": peaks["load"],
+        "peak_mib": max(peaks.values()),
+        "steady_mib": measured["steady_rss_mib"],
+        "baseline_mib": measured["baseline_mib"],
         "runs": float(runs),
     }
 
@@ -91,11 +101,6 @@ def _feeds_file(feeds: str | os.PathLike | Feeds | None, where: Path) -> Path | 
 
 def _dims_text(dims: Mapping[str, int]) -> str:
     return ",".join(f"{k}={int(v)}" for k, v in dims.items())
-
-
-def _child(args: list[str], timeout_s: float) -> dict[str, Any]:
-    return run_child("kiln.runtime.footprint", args, f"measuring the memory of {args[1]}",
-                     timeout_s)  # fmt: skip
 
 
 # ------------------------------------------------------------------------- the child process
@@ -143,36 +148,66 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def measure_phases(phases: Mapping[str, Callable[[], object]]) -> dict[str, Any]:
+    """Run `phases` (name → step, in order: "load", "run", and any other) in this process and
+    measure each as the module docstring defines: the baseline read now, each phase's
+    high-water mark above it, the RSS after the last. Call it once everything but the model
+    is imported and read; a child process calls it once."""
+    gc.collect()
+    baseline = rss_mib()
+    restarted = True
+    peaks = {}
+    for name, step in phases.items():
+        restarted = reset_peak() and restarted
+        step()
+        peaks[name] = max(0.0, peak_rss_mib() - baseline)
+    return {
+        "peak_rss_mib": peaks,
+        "steady_rss_mib": max(0.0, rss_mib() - baseline),
+        "baseline_mib": baseline,
+        "run_peak_includes_load": not restarted,
+    }
+
+
 def _measure(argv: list[str]) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m kiln.runtime.footprint")
-    parser.add_argument("mode", choices=("session", "baseline"))
     parser.add_argument("model")
     parser.add_argument("--feeds")
     parser.add_argument("--dims", default="")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--backend")
-    parser.add_argument("--engine", default="ort")
     args = parser.parse_args(argv)
-    # The same imports either way: only the session differs between the two children.
     from kiln.backends import get_backend
     from kiln.ir.inputs import synthesize
     from kiln.runtime import Session
 
-    feeds = dict(np.load(args.feeds)) if args.feeds else None
+    get_backend(_engine(args.model, args.backend)).describe()  # its library: in the baseline
+    given = dict(np.load(args.feeds)) if args.feeds else None
     dims = {k: int(v) for k, v in (p.split("=") for p in args.dims.split(",") if p)}
-    if args.mode == "baseline":
-        get_backend(args.engine).describe()  # the engine's library loaded, as a session does
-        return {"peak_mib": peak_rss_mib(), "rss_mib": rss_mib()}
-    # No warm-up at open: `load` is the session before any run, and the warm-up is a run
-    # (its peak is the runs' below all the same).
-    session = Session(args.model, backend=args.backend, steady=False)
-    load_peak = peak_rss_mib()
-    feeds = feeds if feeds is not None else synthesize(session.interface, dims=dims)
-    for _ in range(args.runs):
-        session.run(None, feeds)
-    engine = session.artifact.manifest.backend.name if session.artifact else args.backend
-    return {"engine": engine or "ort", "load_peak_mib": load_peak, "peak_mib": peak_rss_mib(),
-            "rss_mib": rss_mib()}  # fmt: skip
+    opened: list[Session] = []
+
+    def load() -> None:
+        # No warm-up at open: `load` is the session before any run, and the warm-up is a run.
+        opened.append(Session(args.model, backend=args.backend, steady=False))
+
+    def run() -> None:
+        session = opened[0]
+        feeds = given if given is not None else synthesize(session.interface, dims=dims)
+        for _ in range(args.runs):
+            session.run(None, feeds)
+
+    return measure_phases({"load": load, "run": run}) | {"runs": args.runs}
+
+
+def _engine(model: str, backend: str | None) -> str:
+    """The engine a session of `model` runs on: `backend`, else an artifact's, else ORT."""
+    if backend:
+        return backend
+    manifest = Path(model) / "manifest.json"
+    if manifest.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return str(json.loads(manifest.read_text())["backend"]["name"])
+    return "ort"
 
 
 def main(argv: list[str]) -> int:
