@@ -1,4 +1,7 @@
-"""Reports of a profile: one self-contained HTML file, a Chrome trace, a terminal table."""
+"""Kiln's reports. Exported here, `kiln profile`'s: one self-contained HTML page, a Chrome
+trace, a terminal table; beside them `kiln tune`'s (report.tune), `kiln compare`'s
+(report.compare) and `kiln train --profile`'s (report.train). Every HTML page renders on one
+Jinja environment (report.html)."""
 
 from kiln.report.html import render_html, write_html
 from kiln.report.terminal import print_profile
