@@ -35,7 +35,7 @@ def profile_view(result: dict[str, Any]) -> dict[str, Any]:
             "compiled": _share(kernels, "graph_nodes"),
             "original": _share(kernels, "original"),
         },
-        "findings": [_finding(f, by_name) for f in result["findings"]],
+        "findings": [_with_graph_nodes(f, by_name) for f in result["findings"]],
     }
 
 
@@ -65,7 +65,7 @@ def _share(kernels: list[dict[str, Any]], field: str) -> dict[str, float]:
     return dict(out)
 
 
-def _finding(data: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _with_graph_nodes(data: dict[str, Any], by_name: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A finding with the compiled and original nodes of the kernels it names."""
     finding = Finding.from_json(data)
     graph_nodes: list[str] = []
