@@ -260,3 +260,13 @@ def test_each_kernel_counts_toward_one_finding_most_specific_first():
     assert found["thread-underuse"].share == 0.5  # half the cores' time nobody used
     busy = Context(nodes, model, "m.onnx", PEAKS, 0.3, 2, idle_fraction=0.0)
     assert "thread-underuse" not in {f.kind for f in diagnose(busy)}  # others used the cores
+
+
+def test_a_finding_round_trips_through_json_and_nests_its_settings():
+    from kiln.profile.finding import Finding
+
+    finding = Finding("data-bound", "data-bound", 0.4, 12.0, "waits", "more workers",
+                      settings={"loader.workers": 2, "precision": "bf16"})  # fmt: skip
+    data = json.loads(json.dumps(finding.to_json()))
+    assert data["changes"] == {"loader": {"workers": 2}, "precision": "bf16"}
+    assert Finding.from_json(data) == finding
