@@ -1,4 +1,6 @@
-"""Latency measurement: warm-up, interleaved rounds, percentiles, jitter, ratios.
+"""Latency measurement: the one timed loop (`time_runs`), warm-up, interleaved rounds,
+percentiles, jitter, ratios, the one bootstrap (`bootstrap`, and the tail intervals drawn the
+same way) and the one verdict (`verdict_of`, in the vocabulary its caller speaks).
 
 The machine is shared and noisy, so engines are never measured one after the other: each round
 runs every engine (in rotating order). An engine's P50 is the median of its per-round P50s, a
