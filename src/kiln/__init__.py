@@ -16,6 +16,8 @@ _LAZY = {
     "compile": ("kiln.compiler", "compile"),
     "CompileConfig": ("kiln.config", "CompileConfig"),
     "KilnError": ("kiln.errors", "KilnError"),
+    "Pipeline": ("kiln.pipeline", "Pipeline"),  # a pipeline function and its models, run
+    "compile_pipeline": ("kiln.pipeline", "compile_pipeline"),
     "split": ("kiln.compiler.split", "split"),  # an edge part and a server part (kiln split)
 }
 
@@ -86,4 +88,7 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["CompileConfig", "KilnError", "Session", "__version__", "compile", "split"]
+__all__ = [
+    "CompileConfig", "KilnError", "Pipeline", "Session", "__version__", "compile",
+    "compile_pipeline", "split",
+]  # fmt: skip

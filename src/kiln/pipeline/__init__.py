@@ -6,12 +6,13 @@ model call (the stages' real feeds and shapes); `Pipeline` runs it on one input 
 streams with each model's calls pooled across streams into batches.
 """
 
+from kiln.pipeline.compile import compile_pipeline
 from kiln.pipeline.function import check_models, load_function, parse_models
 from kiln.pipeline.recording import Recording, record
 from kiln.pipeline.runtime import Pipeline
 from kiln.pipeline.streams import run_streams
 
 __all__ = [
-    "Pipeline", "Recording", "check_models", "load_function", "parse_models", "record",
-    "run_streams",
+    "Pipeline", "Recording", "check_models", "compile_pipeline", "load_function",
+    "parse_models", "record", "run_streams",
 ]  # fmt: skip

@@ -84,11 +84,14 @@ def _import_file(path: Path) -> Any:
     on sys.path so that its own imports of neighbouring files work, as `python path` would."""
     name = path.stem
     loaded = sys.modules.get(name)
-    if (
-        loaded is not None
-        and Path(getattr(loaded, "__file__", "") or "").resolve() == path.resolve()
-    ):
-        return loaded
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() == path.resolve():
+            return loaded
+        # Another module of that name (a pipeline artifact's copy of a file imported from
+        # elsewhere): this one gets a name of its own rather than replacing it.
+        name = f"{name}__{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
+        if name in sys.modules:
+            return sys.modules[name]
     directory = str(path.resolve().parent)
     if directory not in sys.path:
         sys.path.insert(0, directory)

@@ -6,26 +6,36 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kiln.errors import KilnError
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
+from kiln.pipeline.pipeline_artifact import is_pipeline, read_pipeline
 from kiln.pipeline.recording import call_function
 from kiln.pipeline.streams import MAX_DELAY_S, StreamsRun, run_streams
 
 
 class Pipeline:
-    """The user's function (a callable, or `module:function`) over its models: each a path
-    (ONNX or a Kiln artifact, opened as `kiln.Session`) or a session already open. Calling it
+    """A pipeline artifact (`kiln.compile_pipeline`'s output), or the user's function (a
+    callable, or `module:function`) over its models: each a path (ONNX or a Kiln artifact,
+    opened as `kiln.Session`) or a session already open. Calling it
     runs one input as the plain function would; `map` runs many on `streams` threads with each
     model's calls from all of them pooled into batches (streams.py)."""
 
     def __init__(
         self,
-        function: PipelineFunction | str,
-        models: Mapping[str, str | os.PathLike | Any],
+        function: PipelineFunction | str | os.PathLike,
+        models: Mapping[str, str | os.PathLike | Any] | None = None,
         *,
         max_delay_ms: float = 1e3 * MAX_DELAY_S,
     ) -> None:
         spec = function if isinstance(function, str) else ""
-        self.function = load_function(function) if isinstance(function, str) else function
+        self.manifest: dict[str, Any] | None = None
+        if isinstance(function, str | os.PathLike) and is_pipeline(function):
+            if models:
+                raise KilnError(f"{function} is a pipeline artifact: it brings its own models.")
+            self.function, models, self.manifest = read_pipeline(function)
+        else:
+            self.function = load_function(function) if isinstance(function, str) else function
+        models = models or {}
         check_models(self.function, list(models), spec)
         self.max_delay = max_delay_ms / 1e3
         self.sessions: dict[str, Any] = {}

@@ -1,0 +1,248 @@
+"""`kiln.compile_pipeline`: each model of a pipeline compiled, lossy choices judged on the
+pipeline's final output.
+
+1. The reference: the function over the data with every model as it is (fp32), recorded call
+   by call (recording.py), then run once more: a pipeline whose results differ between two
+   fp32 runs is refused, since a metric over it would judge noise.
+2. Each model compiled by `kiln.compile` at fp32 and at each lossy precision asked for, on the
+   engine asked for: its calibration set is the feeds it received in the reference run, its
+   verification inputs the first of them — each candidate passes its own model's check as a
+   plain compile's does, or is dropped with the reason.
+3. The choice across stages, searched greedily: stages in the order of their share of the
+   reference time, each stage's lossy candidate tried with the others at their current
+   choice; kept only while the pipeline's metric over the whole data set stays within
+   `max_drop` of the reference's. Every trial is kept with its metric and the stage's time.
+4. The artifact: a directory with `pipeline.json` (pipeline_artifact.py), each stage's chosen
+   `.kiln`, and the function's module file, so that it runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
+from kiln.home import output_problem
+from kiln.pipeline.data import Metric, load_data, load_metric
+from kiln.pipeline.function import PipelineFunction, check_models, load_function
+from kiln.pipeline.pipeline_artifact import write_pipeline
+from kiln.pipeline.recording import Recording, call_function, record
+
+Say = Callable[[str], None]
+CALIB_SAMPLES = 32  # recorded calls a stage calibrates on, spread over the run
+
+
+@dataclass
+class Trial:
+    """One end-to-end judgement: `stage` at `precision`, the others at their choice then."""
+
+    stage: str
+    precision: str
+    metric: float
+    drop: float
+    kept: bool
+    stage_ms: float  # the stage's time over the whole data set, this trial
+    baseline_ms: float  # the same at the choice it would replace
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
+
+
+@dataclass
+class Stage:
+    """A model of the pipeline: its source, its compiled candidates and the choice."""
+
+    name: str
+    source: str
+    candidates: dict[str, Path] = field(default_factory=dict)  # precision → artifact
+    refused: dict[str, str] = field(default_factory=dict)  # precision → why
+    choice: str = "fp32"
+
+
+def compile_pipeline(
+    function: PipelineFunction | str,
+    models: Mapping[str, str | os.PathLike],
+    data: str | os.PathLike | Sequence[Any],
+    output: str | os.PathLike,
+    *,
+    metric: str | Metric = "exact",
+    max_drop: float = 0.0,
+    backend: str = "ort",
+    precisions: Sequence[str] = ("int8",),
+    say: Say | None = None,
+) -> Path:
+    """Compile the pipeline `function` over `models` ({name: ONNX path}), judged on `data`
+    (see data.py) by `metric`; write the pipeline artifact `output`. Returns its path."""
+    say = say or (lambda line: None)
+    spec = function if isinstance(function, str) else ""
+    fn = load_function(function) if isinstance(function, str) else function
+    check_models(fn, list(models), spec)
+    _check_inputs(models, output, max_drop)
+    metric_name, score = load_metric(metric)
+    inputs = load_data(data) if not isinstance(data, list | tuple) else load_data(list(data))
+    say(f"recording the reference over {len(inputs)} inputs ...")
+    reference = _reference(fn, models, inputs, score)
+    top = score(reference.results, reference.results)
+    stages = {name: Stage(name, str(Path(path).absolute())) for name, path in models.items()}
+    with tempfile.TemporaryDirectory(prefix="kiln-pipeline-") as work:
+        for stage in stages.values():
+            _compile_stage(stage, reference, Path(work), backend, precisions, say)
+        trials, seconds = _search(fn, stages, inputs, reference, score, top, max_drop, say)
+        final = min([t.metric for t in trials if t.kept], default=top)  # the last kept: lowest
+        record_ = {
+            "metric": {"name": metric_name, "reference": top, "final": final,
+                       "max_drop": max_drop},
+            "reference": _reference_json(reference, len(inputs)),
+            "search": {"order": _order(reference, stages), "trials": [t.to_json() for t in trials],
+                       "seconds": round(seconds, 3), "space": _space(stages)},
+        }  # fmt: skip
+        return write_pipeline(Path(output), fn, stages, record_)
+
+
+def _check_inputs(models: Mapping[str, Any], output: Any, max_drop: float) -> None:
+    for name, path in models.items():
+        if not Path(path).is_file():
+            raise KilnError(f"--model {name}={path}: no such file.")
+    problem = output_problem(Path(output), directory=True)
+    if problem:
+        raise KilnError(f"-o {output}: {problem}")
+    if not 0 <= max_drop < 1:
+        raise KilnError(f"--max-drop {max_drop}: give a drop of the metric in [0, 1).")
+
+
+def _reference(fn: PipelineFunction, models: Mapping[str, Any], inputs: list[Any], score: Metric):
+    """The recorded fp32 run, checked to repeat itself exactly under the metric."""
+    from kiln.runtime import Session
+
+    sessions = {name: Session(str(path)) for name, path in models.items()}
+    try:
+        reference = record(fn, sessions, inputs)
+        again = [call_function(fn, x, i, sessions) for i, x in enumerate(inputs)]
+    finally:
+        for session in sessions.values():
+            session.close()
+    if score(reference.results, again) < score(reference.results, reference.results):
+        raise KilnError(
+            "the pipeline's results differ between two runs with the same fp32 models: a "
+            "metric over them would judge noise, not precision. Make the function "
+            "deterministic (a fixed seed, a stable order) and compile again."
+        )
+    return reference
+
+
+def _compile_stage(
+    stage: Stage, reference: Recording, work: Path, backend: str,
+    precisions: Sequence[str], say: Say,
+) -> None:  # fmt: skip
+    """The stage's fp32 artifact and each lossy candidate, calibrated on its recorded feeds."""
+    import kiln
+
+    feeds = reference.feeds(stage.name)
+    if not feeds:
+        say(f"  {stage.name}: never called on this data; kept as it is (fp32)")
+    example = feeds[0] if feeds else None
+    calib = _calibration_dir(feeds, work / f"{stage.name}-calib") if feeds else None
+    for precision in ("fp32", *[p for p in precisions if p != "fp32"]):
+        if precision != "fp32" and not feeds:
+            continue
+        say(f"  {stage.name}: compiling {precision} ...")
+        config = CompileConfig(engine=backend, precision=precision,
+                               calib=str(calib) if precision == "int8" else None)  # fmt: skip
+        dest = work / f"{stage.name}-{precision}.kiln"
+        try:
+            kiln.compile(stage.source, dest, config=config, inputs=example, force=True)
+        except KilnError as exc:
+            if precision == "fp32":
+                raise KilnError(f"model {stage.name!r}: {exc}") from None
+            stage.refused[precision] = str(exc)
+            say(f"  {stage.name}: {precision} refused by its own check: {exc}")
+            continue
+        stage.candidates[precision] = dest
+
+
+def _calibration_dir(feeds: list[dict[str, np.ndarray]], where: Path) -> Path:
+    """Up to CALIB_SAMPLES recorded feeds, evenly spread over the run, one .npz each."""
+    where.mkdir(parents=True)
+    step = max(1, len(feeds) // CALIB_SAMPLES)
+    for i, sample in enumerate(feeds[::step][:CALIB_SAMPLES]):
+        np.savez(where / f"{i:04d}.npz", **sample)
+    return where
+
+
+def _order(reference: Recording, stages: Mapping[str, Stage]) -> list[str]:
+    spent = reference.model_seconds()
+    return sorted(stages, key=lambda name: -spent.get(name, 0.0))
+
+
+def _space(stages: Mapping[str, Stage]) -> dict[str, Any]:
+    return {
+        name: {"candidates": sorted(s.candidates), "refused": s.refused}
+        for name, s in stages.items()
+    }
+
+
+def _search(
+    fn: PipelineFunction, stages: dict[str, Stage], inputs: list[Any], reference: Recording,
+    score: Metric, top: float, max_drop: float, say: Say,
+) -> tuple[list[Trial], float]:  # fmt: skip
+    """Greedy over stages by their share of the time; each lossy candidate judged end to end."""
+    start = time.perf_counter()
+    trials: list[Trial] = []
+    current = _run(fn, stages, {n: "fp32" for n in stages}, inputs)
+    for name in _order(reference, stages):
+        stage = stages[name]
+        for precision in [p for p in stage.candidates if p != "fp32"]:
+            choice = {n: s.choice for n, s in stages.items()} | {name: precision}
+            trial = _run(fn, stages, choice, inputs)
+            value = score(reference.results, trial.results)
+            drop = top - value
+            kept = drop <= max_drop
+            trials.append(Trial(
+                name, precision, value, drop, kept,
+                1e3 * trial.model_seconds().get(name, 0.0),
+                1e3 * current.model_seconds().get(name, 0.0),
+                "" if kept else f"the metric fell {drop:.4g} (allowed {max_drop:.4g})",
+            ))  # fmt: skip
+            verdict = "kept" if kept else "rejected"
+            say(f"  {name} {precision}: metric {value:.4g} (reference {top:.4g}) → {verdict}")
+            if kept:
+                stage.choice, current = precision, trial
+                break
+    return trials, time.perf_counter() - start
+
+
+def _run(fn: PipelineFunction, stages: Mapping[str, Stage], choice: Mapping[str, str],
+         inputs: list[Any]) -> Recording:  # fmt: skip
+    from kiln.runtime import Session
+
+    sessions = {n: Session(str(stages[n].candidates[p])) for n, p in choice.items()}
+    try:
+        return record(fn, sessions, inputs)
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
+def _reference_json(reference: Recording, inputs: int) -> dict[str, Any]:
+    shapes = {
+        model: {name: {"x".join(map(str, s)): n for s, n in counts.most_common(16)}
+                for name, counts in reference.shapes(model).items()}
+        for model in {call.model for call in reference.calls}
+    }  # fmt: skip
+    return {
+        "inputs": inputs,
+        "seconds": round(sum(reference.seconds), 4),
+        "model_seconds": {k: round(v, 4) for k, v in reference.model_seconds().items()},
+        "glue_seconds": round(reference.glue_seconds(), 4),
+        "calls": {m: len(reference.of(m)) for m in {c.model for c in reference.calls}},
+        "shapes": shapes,
+    }

@@ -1,0 +1,83 @@
+"""The pipeline artifact: a directory that runs and serves elsewhere.
+
+    OUT.kiln/
+      pipeline.json      the function (module file, name, source SHA-256), each stage's
+                         source, chosen precision and artifact, the metric with the reference
+                         and final figures, the reference run's times and shapes, and the
+                         search: every end-to-end trial with its metric and the stage's time
+      <module>.py        the function's module file, as it was compiled
+      stages/NAME.kiln   each stage's verified artifact (kiln.compile)
+
+Written whole or not at all (kiln.home.replace_directory).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.errors import KilnError
+from kiln.home import replace_directory
+from kiln.pipeline.function import PipelineFunction, load_function, source_hash
+
+FORMAT = "kiln-pipeline"
+VERSION = 1
+MANIFEST = "pipeline.json"
+
+
+def write_pipeline(
+    output: Path, fn: PipelineFunction, stages: Mapping[str, Any], record: dict[str, Any]
+) -> Path:
+    """Write the artifact at `output` from the stages' chosen candidates; its path."""
+    module_file = Path(inspect.getsourcefile(fn) or "")
+    if not module_file.is_file():
+        raise KilnError(
+            f"{fn.__qualname__}: its source file cannot be found; a pipeline artifact keeps "
+            "the function's module file, so define it in a .py file."
+        )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kiln_version": __version__,
+        "function": {"module_file": module_file.name, "name": fn.__name__,
+                     "source_sha256": source_hash(fn), "compiled_from": str(module_file)},
+        "stages": {
+            name: {"source": s.source, "precision": s.choice, "artifact": f"stages/{name}.kiln"}
+            for name, s in stages.items()
+        },
+        **record,
+    }  # fmt: skip
+
+    def fill(tmp: Path) -> None:
+        shutil.copy2(module_file, tmp / module_file.name)
+        (tmp / "stages").mkdir()
+        for name, stage in stages.items():
+            shutil.copytree(stage.candidates[stage.choice], tmp / "stages" / f"{name}.kiln")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    replace_directory(Path(output), fill)
+    return Path(output)
+
+
+def is_pipeline(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_pipeline(path: str | Path) -> tuple[PipelineFunction, dict[str, Path], dict[str, Any]]:
+    """The function, the stages' artifact paths and the manifest of the artifact at `path`."""
+    root = Path(path)
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KilnError(f"{root}: not a readable pipeline artifact ({exc}).") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise KilnError(f"{root}: {MANIFEST} is not a kiln pipeline of format version {VERSION}.")
+    function = manifest["function"]
+    fn = load_function(f"{root / function['module_file']}:{function['name']}")
+    stages = {name: root / s["artifact"] for name, s in manifest["stages"].items()}
+    return fn, stages, manifest

@@ -1,0 +1,166 @@
+"""`kiln.compile_pipeline`: each stage compiled and calibrated on what it really received, a
+lossy choice kept only while the pipeline's final results hold, the artifact run as the plain
+function runs; and bad input refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.errors import KilnError
+from kiln.pipeline import Pipeline, compile_pipeline, load_function
+
+pytestmark = pytest.mark.timeout(300)
+WIDTH = 64
+RNG = np.random.default_rng(0)
+
+GLUE = '''
+import numpy as np
+
+def describe(x, *, embed, cls):
+    """A label from `cls` (well-separated logits: int8 keeps the argmax) and the embedding's
+    values to five decimals (int8 changes them)."""
+    (logits,) = cls.run(None, {"x": x})
+    (y,) = embed.run(None, {"x": x})
+    return {"label": int(logits.argmax()), "embedding": np.round(y, 5).tolist()}
+
+def labels(references, outputs):
+    return float(np.mean([r["label"] == o["label"] for r, o in zip(references, outputs)]))
+
+def inputs():
+    rng = np.random.default_rng(1)
+    for i in range(12):
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        x[0, i % 4] += 12.0
+        yield x
+
+def not_a_number(references, outputs):
+    return "high"
+
+def flaky(x, *, embed, cls):
+    return float(np.random.default_rng().random())
+'''
+
+
+def _matmul(path: Path, weight: np.ndarray) -> Path:
+    """y = x @ weight on [batch, 64] floats."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], path.stem,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", weight.shape[1]])],
+        [numpy_helper.from_array(weight, "w")],
+    )  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pipeline")
+    (root / "glue.py").write_text(textwrap.dedent(GLUE))
+    identity = np.zeros((WIDTH, 4), np.float32)
+    identity[:4, :4] = np.eye(4)
+    noise = 0.01 * RNG.standard_normal((WIDTH, 4)).astype(np.float32)
+    models = {
+        "embed": str(_matmul(root / "embed.onnx", RNG.standard_normal((WIDTH, WIDTH), np.float32))),
+        "cls": str(_matmul(root / "cls.onnx", identity + noise)),
+    }
+    return {"root": root, "spec": f"{root / 'glue.py'}:describe", "models": models,
+            "data": f"{root / 'glue.py'}:inputs"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled(case) -> Path:
+    out = case["root"] / "describe.kiln"
+    compile_pipeline(case["spec"], case["models"], case["data"], out, max_drop=0.0)
+    return out
+
+
+def test_a_lossy_stage_that_breaks_the_final_result_is_rejected_though_it_passes_its_own_check(
+    compiled,
+) -> None:
+    manifest = json.loads((compiled / "pipeline.json").read_text())
+    space = manifest["search"]["space"]
+    # Both int8 candidates passed their own model's check (they were compiled, verified) ...
+    assert space["embed"]["candidates"] == ["fp32", "int8"]
+    assert space["cls"]["candidates"] == ["fp32", "int8"]
+    trials = {t["stage"]: t for t in manifest["search"]["trials"]}
+    # ... but the embedding's int8 changes the pipeline's results: rejected, with the figures.
+    embed = trials["embed"]
+    assert not embed["kept"] and embed["metric"] < 1.0 and embed["drop"] > 0
+    assert "the metric fell" in embed["reason"]
+    assert manifest["stages"]["embed"]["precision"] == "fp32"
+    # The classifier's int8 keeps every label and the embedding: kept.
+    assert trials["cls"]["kept"] and trials["cls"]["metric"] == 1.0
+    assert manifest["stages"]["cls"]["precision"] == "int8"
+    assert manifest["metric"] == {"name": "exact", "reference": 1.0, "final": 1.0, "max_drop": 0.0}
+
+
+def test_the_stage_is_calibrated_and_bucketed_on_what_it_received(case, compiled) -> None:
+    manifest = json.loads((compiled / "pipeline.json").read_text())
+    reference = manifest["reference"]
+    assert reference["inputs"] == 12 and reference["calls"] == {"embed": 12, "cls": 12}
+    assert reference["shapes"]["cls"]["x"] == {f"1x{WIDTH}": 12}
+    stage = json.loads((compiled / "stages/cls.kiln/manifest.json").read_text())
+    calib = json.dumps(stage)
+    assert "12 samples" in calib or "12 sample" in calib, "calibrated on the 12 recorded feeds"
+
+
+def test_the_artifact_runs_as_the_plain_function_with_its_choices(case, compiled) -> None:
+    describe = load_function(case["spec"])
+    inputs = list(load_function(case["data"])())
+    with Pipeline(str(compiled)) as pipe:
+        served = pipe.map(inputs, streams=3)
+        assert pipe(inputs[0]) == served[0]
+    sessions = {
+        "embed": kiln.Session(case["models"]["embed"]),
+        "cls": kiln.Session(str(compiled / "stages/cls.kiln")),
+    }
+    assert served == [describe(x, **sessions) for x in inputs]
+
+
+def test_a_metric_over_labels_lets_the_embedding_go_int8(case) -> None:
+    out = case["root"] / "labels.kiln"
+    compile_pipeline(case["spec"], case["models"], case["data"], out,
+                     metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
+    manifest = json.loads((out / "pipeline.json").read_text())
+    assert {n: s["precision"] for n, s in manifest["stages"].items()} == {
+        "embed": "int8",
+        "cls": "int8",
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"spec": "glue.py:nope"}, "has no function 'nope'"),
+        ({"models": {"embed": "embed.onnx"}}, "gives none for cls"),
+        ({"models": {"embed": "embed.onnx", "cls": "missing.onnx"}}, "no such file"),
+        ({"data": "glue.py:nope"}, "has no function 'nope'"),
+        ({"data": []}, "holds no inputs"),
+        ({"metric": "glue.py:not_a_number"}, "returned str, not a number"),
+        ({"metric": "accuracy"}, "use exact or MODULE:FUNCTION"),
+        ({"spec": "glue.py:flaky"}, "differ between two runs"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_written(case, change, words) -> None:
+    root = case["root"]
+    here = {"spec": "glue.py:describe", "data": "glue.py:inputs", "metric": "exact",
+            "models": {"embed": "embed.onnx", "cls": "cls.onnx"}} | change  # fmt: skip
+
+    def absolute(value):  # the glue's specs under the case's directory
+        return f"{root}/{value}" if isinstance(value, str) and ".py" in value else value
+
+    models = {name: str(root / path) for name, path in here["models"].items()}
+    out = root / "bad.kiln"
+    with pytest.raises(KilnError, match=words):
+        compile_pipeline(absolute(here["spec"]), models, absolute(here["data"]), out,
+                         metric=absolute(here["metric"]))  # fmt: skip
+    assert not out.exists()
