@@ -82,11 +82,6 @@ def profile_model(
             idle_fraction=measured.idle_fraction,
         )
     )
-    # a model with no nodes (output = input) runs no kernel: there is no median run
-    median_run = (
-        sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2] if totals else 0
-    )
-    runs_seen = sorted({r.run for r in measured.records})
     # The raw records leave as JSON (for --trace and kiln.report), in the shape they always had.
     records = [record_json(r) for r in measured.records]
     return {
@@ -99,25 +94,7 @@ def profile_model(
         "batch": batch,
         "inputs": {k: list(v.shape) for k, v in feeds.items()},
         "latency": latency.to_json(),
-        "node_time": {
-            "profiled_runs": len(totals),
-            "mean_ms": statistics.fmean(totals) if totals else 0.0,
-            "median_ms": statistics.median(totals) if totals else 0.0,
-            # the per-node sum of a run against the end-to-end latency measured without the
-            # profiler (in the same alternating rounds, so under the same load)
-            "ratio_to_p50": statistics.median(totals) / latency.p50_ms if totals else 0.0,
-            # ... and against the profiled runs' own end-to-end time: the profiler slows every
-            # kernel, so this is the like-for-like coverage figure
-            "profiled_p50_ms": _median(measured.profiled_ms),
-            "ratio_to_profiled": (
-                statistics.median(totals) / _median(measured.profiled_ms)
-                if totals and measured.profiled_ms
-                else None
-            ),
-            "profiler_overhead": (
-                _median(measured.profiled_ms) / latency.p50_ms - 1 if measured.profiled_ms else None
-            ),
-        },
+        "node_time": _node_time(totals, latency.p50_ms, measured.profiled_ms),
         "roofline": _whole_model(nodes, latency.p50_ms, peaks, cost_note),
         "cpu_utilization": measured.cpu_utilization,
         "cores": measured.cores,
@@ -127,15 +104,44 @@ def profile_model(
         "findings": [f.to_json() for f in findings],
         "nodes": nodes,
         "op_types": per_op_type(nodes),
-        "timeline": (
-            timeline(records, runs_seen[median_run], {n["key"]: n["node"] for n in nodes})
-            if runs_seen
-            else []
-        ),
+        "timeline": _median_timeline(records, measured.records, totals, nodes),
         "records": records,
         "provenance": _provenance_view(nodes) if target.is_artifact else None,
         "manifest": _manifest_summary(target.manifest),
     }
+
+
+def _node_time(totals: list[float], p50_ms: float, profiled_ms: list[float]) -> dict[str, Any]:
+    """The per-node sums of the profiled runs against the end-to-end latency."""
+    return {
+        "profiled_runs": len(totals),
+        "mean_ms": statistics.fmean(totals) if totals else 0.0,
+        "median_ms": statistics.median(totals) if totals else 0.0,
+        # the per-node sum of a run against the end-to-end latency measured without the
+        # profiler (in the same alternating rounds, so under the same load)
+        "ratio_to_p50": statistics.median(totals) / p50_ms if totals else 0.0,
+        # ... and against the profiled runs' own end-to-end time: the profiler slows every
+        # kernel, so this is the like-for-like coverage figure
+        "profiled_p50_ms": _median(profiled_ms),
+        "ratio_to_profiled": (
+            statistics.median(totals) / _median(profiled_ms) if totals and profiled_ms else None
+        ),
+        "profiler_overhead": _median(profiled_ms) / p50_ms - 1 if profiled_ms else None,
+    }
+
+
+def _median_timeline(
+    records: list[dict[str, Any]], raw: list[Any], totals: list[float], nodes: list[dict]
+) -> list[dict[str, Any]]:
+    """The timeline of the run whose node time is the median (none for a model with no
+    nodes: output = input runs no kernel)."""
+    runs_seen = sorted({r.run for r in raw})
+    if not runs_seen:
+        return []
+    median_run = (
+        sorted(range(len(totals)), key=lambda i: totals[i])[len(totals) // 2] if totals else 0
+    )
+    return timeline(records, runs_seen[median_run], {n["key"]: n["node"] for n in nodes})
 
 
 def _known_tensors(proto: onnx.ModelProto, dims: dict[str, int]) -> tuple[Tensors | None, str]:
