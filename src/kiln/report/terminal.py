@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kiln.errors import counted
 from kiln.hardware.jitter import PARALLEL_PROBE
 
 TOP_FINDINGS = 5
@@ -189,21 +190,37 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
     table = Table(title=f"kiln optimize → {escape(summary['artifact'])}", show_header=True)
     table.add_column("what")
     table.add_column("result", overflow="fold")
+    _pass_rows(table, summary)
+    nodes = summary["nodes"]
+    table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
+    table.add_row("backend", escape(summary["backend"]["name"]))
+    _precision_rows(table, summary["precision"])
+    for note in summary.get("notes") or []:  # options given and not used, and what was used
+        table.add_row("note", escape(note))
+    _verification_rows(table, summary["verification"])
+    _bench_rows(table, summary["benchmark"])
+    if summary.get("advice"):
+        table.add_row("[yellow]next[/yellow]", f"[yellow]{escape(summary['advice'])}[/yellow]")
+    if summary.get("replaced"):
+        table.add_row("artifact", escape(f"replaced existing artifact {summary['artifact']}"))
+    console.print(table)
+
+
+def _pass_rows(table: Table, summary: dict[str, Any]) -> None:
     rewrites: dict[str, int] = {}
     for p in summary["passes"]:  # simplify and refine-shapes run several times
         rewrites[p["name"]] = rewrites.get(p["name"], 0) + p["rewrites"]
     notes = {p["name"]: p["note"] for p in summary["passes"] if p.get("note")}
     for name, count in rewrites.items():
         if count:
-            table.add_row(f"pass {name}", f"{count} rewrites")
+            table.add_row(f"pass {name}", counted(count, "rewrite"))
         elif name in notes:
             table.add_row(f"pass {name}", escape(notes[name]))
     for name in summary["dropped_passes"]:
         table.add_row(f"pass {name}", "[red]dropped: it broke the outputs or crashed[/red]")
-    nodes = summary["nodes"]
-    table.add_row("nodes", f"{nodes['before']} → {nodes['after']}")
-    table.add_row("backend", escape(summary["backend"]["name"]))
-    precision = summary["precision"]
+
+
+def _precision_rows(table: Table, precision: dict[str, Any]) -> None:
     nodes = precision.get("nodes", {})
     kept = {n: p.split(" ")[0] for n, p in nodes.items() if not p.startswith(precision["default"])}
     if precision["default"] != "fp32":
@@ -217,9 +234,9 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
     warning = (precision.get("calibration") or {}).get("warning")
     if warning:
         table.add_row("[yellow]warning[/yellow]", f"[yellow]{escape(warning)}[/yellow]")
-    for note in summary.get("notes") or []:  # options given and not used, and what was used
-        table.add_row("note", escape(note))
-    verification = summary["verification"]
+
+
+def _verification_rows(table: Table, verification: dict[str, Any] | None) -> None:
     if verification is None:
         table.add_row("verification", "[yellow]skipped (--no-verify)[/yellow]")
     else:
@@ -244,7 +261,9 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
             else:
                 text = f"max abs {o['max_abs']:.1e} ≤ {o['bound']:.1e}, max rel {o['max_rel']:.1e}"
             table.add_row(f"  output {o['name']}", text)
-    bench = summary["benchmark"]
+
+
+def _bench_rows(table: Table, bench: dict[str, Any] | None) -> None:
     memory = (bench or {}).get("peak_rss_mib")
     if memory:
         table.add_row(
@@ -277,11 +296,6 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
             table.add_row("chosen", escape(f"{bench['choice']}: {bench['choice_reason']}"))
         for name, why in bench.get("refused", {}).items():
             table.add_row(f"[yellow]refused {name}[/yellow]", escape(why))
-    if summary.get("advice"):
-        table.add_row("[yellow]next[/yellow]", f"[yellow]{escape(summary['advice'])}[/yellow]")
-    if summary.get("replaced"):
-        table.add_row("artifact", escape(f"replaced existing artifact {summary['artifact']}"))
-    console.print(table)
 
 
 VERDICT_STYLE = {"faster": "green", "slower": "red", "no different within noise": "yellow"}
