@@ -69,7 +69,7 @@ class CompileConfig:
     block_size: int = 32
     """int4: weights per quantization block (a power of two, 16 or more)."""
     inputs: str | None = None
-    """Reference inputs (.npz) for verification; None: synthesized."""
+    """Reference inputs (.npz) for verification (default: synthesized from the input specs)."""
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Shape of a synthesized input, INPUT=D0xD1x... (or DIM=N for a named dim), for dynamic
     dims Kiln cannot guess."""

@@ -4,7 +4,7 @@ cannot disagree on a default or drift apart in what they say.
 A verb names a record where a parameter's default would go:
 
     @command
-    def serve(models: ModelsArg = None, config: Any = options(ServeConfig)) -> None:
+    def bench(model: ModelArg, config: Any = options(BenchConfig), as_json: JsonOpt = False):
 
 and `command` gives Typer (which reads `inspect.signature`) one option per field instead: its
 default the field's, its help the field's docstring (an attribute docstring, as mkdocstrings
@@ -112,17 +112,12 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
     return verb
 
 
-def field_help(record: type, name: str) -> str:
-    """A field's docstring on one line ("" when it has none)."""
-    return _docs(record).get(name, "")
-
-
 def _option(group: str, path: str, spec: Options) -> inspect.Parameter:
     flag = spec.flags[path]
     owner, name = _owner(spec.record, path)
     kind = flag.type or typing.get_type_hints(owner)[name]
     default = spec.default(path) if flag.default is FIELD else flag.default
-    text = flag.help if flag.help is not None else field_help(owner, name)
+    text = flag.help if flag.help is not None else _docs(owner).get(name, "")
     if flag.choices and not all(choice in text for choice in flag.choices):
         text = f"{text} One of: {', '.join(flag.choices)}.".strip()
     if spec.override:
@@ -208,4 +203,4 @@ def _module_tree(module: str) -> ast.Module:
         return ast.Module(body=[], type_ignores=[])
 
 
-__all__ = ["FIELD", "Flag", "Options", "command", "field_help", "options"]
+__all__ = ["FIELD", "Flag", "Options", "command", "options"]
