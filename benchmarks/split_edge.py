@@ -48,9 +48,9 @@ from _results import Recorder, add_arguments
 from _results import row as figure
 
 import kiln
-from kiln.compiler.split_cuts import parse_bandwidth
 from kiln.hardware import cpu_info
 from kiln.ir.inputs import synthesize
+from kiln.split.cuts import parse_bandwidth
 from kiln.verify import cosine
 
 

@@ -23,11 +23,11 @@ from kiln.artifact import read_artifact
 from kiln.artifact.parts import PARTS_DIR
 from kiln.artifact.store import read_partitioned
 from kiln.backends import available_backends
-from kiln.compiler.partition_graph import find_cuts
-from kiln.compiler.partition_measure import cores
 from kiln.errors import KilnError
 from kiln.ir import load_model, stamp_origins
 from kiln.ir.inputs import synthesize
+from kiln.partition.graph import find_cuts
+from kiln.partition.measure import cores
 from kiln.runtime import PartitionedSession, SessionLike
 from kiln.verify import FP32_TOLERANCE, check_output
 

@@ -15,10 +15,10 @@ import kiln
 from kiln import zoo
 from kiln.artifact.parts import Pipeline
 from kiln.backends import available_backends
-from kiln.compiler.partition import beats
-from kiln.compiler.partition_chain import chain_cuts, place_chain
-from kiln.compiler.partition_graph import find_cuts, pieces
 from kiln.ir.inputs import synthesize
+from kiln.partition import beats
+from kiln.partition.chain import chain_cuts, place_chain
+from kiln.partition.graph import find_cuts, pieces
 from kiln.runtime.parts import PartitionedSession
 from kiln.verify import FP32_TOLERANCE, check_output
 

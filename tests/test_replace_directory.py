@@ -160,7 +160,7 @@ def test_compress_output_survives_a_crash_while_it_is_replaced(tmp_path, monkeyp
 
 
 def test_split_output_survives_a_crash_while_it_is_replaced(tmp_path, monkeypatch):
-    from kiln.compiler import split
+    from kiln.split import plan as split
 
     output = _artifact(tmp_path / "parts", "previous")
 

@@ -17,9 +17,9 @@ from test_serve import Server, _start, _stop
 
 import kiln
 from kiln.artifact import read_artifact
-from kiln.compiler.split_cuts import ALL_EDGE, ALL_SERVER, parse_bandwidth
 from kiln.errors import KilnError
 from kiln.runtime import RemoteSession, SessionLike
+from kiln.split.cuts import ALL_EDGE, ALL_SERVER, parse_bandwidth
 from kiln.verify import cosine
 
 MODEL = "zoo:resnet-tiny"
@@ -38,7 +38,7 @@ def whole() -> kiln.Session:
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory, module_home) -> kiln.compiler.split.SplitResult:
+def parts(tmp_path_factory, module_home) -> kiln.split.SplitResult:
     out = tmp_path_factory.mktemp("split") / "parts"
     return kiln.split(MODEL, at=CUT, output=out, codec="int8", overhead_ms=OVERHEAD_MS)
 

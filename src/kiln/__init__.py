@@ -18,7 +18,8 @@ _LAZY = {
     "KilnError": ("kiln.errors", "KilnError"),
     "Pipeline": ("kiln.pipeline", "Pipeline"),  # a pipeline function and its models, run
     "compile_pipeline": ("kiln.pipeline", "compile_pipeline"),
-    "split": ("kiln.compiler.split", "split"),  # an edge part and a server part (kiln split)
+    # an edge part and a server part (kiln split): the package, callable as its `split`
+    "split": ("kiln.split", None),
 }
 
 
@@ -68,12 +69,14 @@ def Session(  # noqa: N802 (named as the class it stands for, as in onnxruntime)
     return session
 
 
-def _load(module: str, name: str) -> Any:
-    """`module.name`, imported on first use, and by name: the packages that import `kiln` for
-    its __version__ must not count as importing what it loads (the import-linter layers)."""
+def _load(module: str, name: str | None) -> Any:
+    """`module.name` (None: the module), imported on first use, and by name: the packages that
+    import `kiln` for its __version__ must not count as importing what it loads (the
+    import-linter layers)."""
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    loaded = importlib.import_module(module)
+    return loaded if name is None else getattr(loaded, name)
 
 
 def __getattr__(name: str) -> Any:

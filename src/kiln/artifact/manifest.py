@@ -79,7 +79,7 @@ class Manifest:
     # A partitioned artifact's parts (kiln.artifact.parts.PartsSection as JSON); its backend
     # is then PARTS_BACKEND, each part recording its own.
     parts: dict[str, Any] | None = None
-    # One part of a `kiln split` (kiln.compiler.split): its role (edge or server), the cut, the
+    # One part of a `kiln split` (kiln.split): its role (edge or server), the cut, the
     # codec, the boundary tensors, the prediction — what `kiln.Session(remote=...)` checks.
     split: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION

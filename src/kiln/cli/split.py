@@ -62,7 +62,7 @@ def split(
 ) -> None:  # fmt: skip
     """Split MODEL between an edge device and a server: DIR/edge.kiln runs on the edge
     (kiln.Session(edge, remote=URL)), DIR/server.kiln is served with `kiln serve`."""
-    from kiln.compiler.split import split as split_model
+    from kiln.split import split as split_model
 
     with progress() as bar:
         task = bar.add_task(f"loading {model}")

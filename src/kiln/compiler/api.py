@@ -82,7 +82,7 @@ def compile(
     `output` is replaced; anything else there (a file, another directory, an artifact holding
     files of the user's) is refused before any work unless `force=True`. `partition="auto"`
     (or a placement, "image=openvino,text=ort") builds the model's independent branches as
-    parts on their own engines, run at once by kiln.Session (see kiln.compiler.partition).
+    parts on their own engines, run at once by kiln.Session (see kiln.partition).
     Raises KilnError, writing nothing, when the result cannot be verified."""
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
     if output is not None:
@@ -115,7 +115,7 @@ def compile_loaded(
     memory: bool | None = None,
 ) -> Artifact:
     """A loaded model compiled into `destination` as `config` says: the partitioned build
-    its `partition` asks for (kiln.compiler.partition), or one engine's build. Under
+    its `partition` asks for (kiln.partition), or one engine's build. Under
     `max_memory_mib` the fastest verified candidate that fits is kept, each measured by
     `measure` (kiln.compiler.memory; the caller hands it in, as the compiler does not run a
     Session). With `measure` given, `memory` (None: for models with MEMORY_FROM_MIB of
@@ -123,7 +123,7 @@ def compile_loaded(
     if max_memory_mib is not None:
         _check_budget(config, max_memory_mib, rounds, measure)
     if config.partition != NO_PARTITION:
-        from kiln.compiler.partition import compile_partitioned
+        from kiln.partition import compile_partitioned
 
         given, source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
         return compile_partitioned(

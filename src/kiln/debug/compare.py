@@ -287,9 +287,9 @@ def _feeds(
     given: Feeds | None = None,
 ) -> tuple[Feeds, str]:
     """The user's inputs, or synthesized ones; checked against both sides before any run."""
-    from kiln.ir.inputs import check_feeds, read_inputs
+    from kiln.ir.inputs import check_feeds, input_names, read_inputs
 
-    a, b = (_input_names(side.model) for side in sides)
+    a, b = (set(input_names(side.model)) for side in sides)
     if a != b:
         raise KilnError(
             f"{sides[0].spec} takes inputs {sorted(a)} and {sides[1].spec} {sorted(b)}: "
@@ -304,10 +304,6 @@ def _feeds(
     for side in sides:
         check_feeds(side.model, feeds, where=f"{source} (for {side.spec})")
     return feeds, source
-
-
-def _input_names(model: ir.Model) -> set[str]:
-    return {v.name for v in model.graph.inputs if v.name not in model.graph.initializers}
 
 
 def _pairs(original: ir.Model, a: Side, b: Side) -> tuple[list[tuple[str, str, str]], int]:

@@ -145,6 +145,13 @@ def model_inputs(model: ir.Model) -> dict[str, ir.Value]:
     return {str(v.name): v for v in graph.inputs if v.name not in graph.initializers}
 
 
+def input_names(model: ir.Model) -> list[str]:
+    """The names a caller feeds, in the graph's order: a graph input that is also an
+    initializer is a weight with a default, not a feed."""
+    graph = model.graph
+    return [v.name for v in graph.inputs if v.name and v.name not in graph.initializers]
+
+
 def feed_dims(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, int]:
     """The value these feeds give every symbolic input dim of `model`."""
     dims: dict[str, int] = {}

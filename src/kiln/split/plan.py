@@ -26,24 +26,23 @@ from kiln.artifact import Artifact
 from kiln.backends import get_backend, options_from_json
 from kiln.compiler.api import ModelLike, build, compile, load_source
 from kiln.compiler.reference import fit_original, reference_executable, reference_feeds
-from kiln.compiler.split_codec import Codec, applies, auto_codecs, decode, encode, parse_codec
-from kiln.compiler.split_cuts import (
-    ALL_EDGE,
-    Cut,
-    Prediction,
-    candidate_cuts,
-    model_inputs,
-    parse_bandwidth,
-    predict,
-    resolve_cut,
-)
-from kiln.compiler.split_times import edge_node_times, loopback_overhead_ms, whole_model_times
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
 from kiln.home import replace_directory
 from kiln.ir import stamp_origins
-from kiln.ir.inputs import check_feeds
+from kiln.ir.inputs import check_feeds, input_names
 from kiln.ir.subgraph import extract
+from kiln.split.codec import Codec, applies, auto_codecs, decode, encode, parse_codec
+from kiln.split.cuts import (
+    ALL_EDGE,
+    Prediction,
+    SplitCut,
+    candidate_cuts,
+    parse_bandwidth,
+    predict_cut,
+    resolve_cut,
+)
+from kiln.split.times import edge_node_times, loopback_overhead_ms, whole_model_times
 from kiln.timing import median_ms
 from kiln.verify import Budget, Verification, compare
 
@@ -113,7 +112,7 @@ class _Plan:
     inputs_from: str
     reference: list[list[np.ndarray]]
     tensors: list[dict[str, np.ndarray]]  # per feed set: candidate tensor → value
-    cuts: list[Cut]
+    cuts: list[SplitCut]
     edge_times: dict[str, float]
     server_times: dict[str, float]
     response_bytes: int
@@ -223,7 +222,7 @@ def _overhead(given: float | None) -> tuple[float, str]:
 
 
 def _plan(
-    loaded: Any, cuts: list[Cut], inputs: Any, edge_how: dict[str, Any], say: Say, runs: int
+    loaded: Any, cuts: list[SplitCut], inputs: Any, edge_how: dict[str, Any], say: Say, runs: int
 ) -> tuple[_Plan, float]:
     original = loaded.model
     feeds, source = _feeds(original, inputs)
@@ -260,7 +259,7 @@ def _feeds(model: ir.Model, inputs: Any) -> tuple[list[Feeds], str]:
 
 
 def _run_with_boundaries(
-    model: ir.Model, feeds: list[Feeds], cuts: list[Cut]
+    model: ir.Model, feeds: list[Feeds], cuts: list[SplitCut]
 ) -> tuple[list[list[np.ndarray]], list[dict[str, np.ndarray]]]:
     """The original's outputs on each feed set, and every candidate cut's tensors on it (one
     run of a copy that also outputs them)."""
@@ -284,7 +283,7 @@ def _run_with_boundaries(
 
 
 def _choose(
-    plan: _Plan, fixed: Cut | None, codec: Codec | None, say: Say
+    plan: _Plan, fixed: SplitCut | None, codec: Codec | None, say: Say
 ) -> tuple[Prediction, list[Prediction], list[dict[str, Any]]]:
     """The cut (fixed or the least predicted total) with the codec (given, or the fewest
     bytes within the budget): each (cut, codec) pair is tried in order of predicted total, its
@@ -328,7 +327,7 @@ def _choose(
     return chosen, table, trials
 
 
-def _useful(plan: _Plan, cut: Cut, codec: Codec) -> bool:
+def _useful(plan: _Plan, cut: SplitCut, codec: Codec) -> bool:
     """A lossy codec is a candidate only where it encodes something (an fp32 boundary)."""
     if codec.lossless:
         return True
@@ -338,8 +337,8 @@ def _useful(plan: _Plan, cut: Cut, codec: Codec) -> bool:
     return any(applies(codec, v.dtype, v.shape) for v in values)
 
 
-def _predict(plan: _Plan, cut: Cut, codec: Codec) -> Prediction:
-    return predict(
+def _predict(plan: _Plan, cut: SplitCut, codec: Codec) -> Prediction:
+    return predict_cut(
         cut, codec, plan.edge_times, plan.server_times, plan.tensors[0], plan.response_bytes,
         plan.link,
     )  # fmt: skip
@@ -347,7 +346,7 @@ def _predict(plan: _Plan, cut: Cut, codec: Codec) -> Prediction:
 
 def _table(
     plan: _Plan,
-    cuts: list[Cut],
+    cuts: list[SplitCut],
     codecs: list[Codec],
     failed: set[tuple[tuple[str, ...], str]],
     chosen: Prediction,
@@ -367,7 +366,7 @@ def _table(
     return rows
 
 
-def _trial(plan: _Plan, cut: Cut, codec: Codec) -> Verification:
+def _trial(plan: _Plan, cut: SplitCut, codec: Codec) -> Verification:
     """The pieces with the codec, run in ONNX Runtime (reference settings), end to end against
     the original's outputs on the reference inputs."""
     edge, server = pieces(plan.model, cut, codec, plan.tensors[0])
@@ -394,7 +393,7 @@ def _output_names(model: Any) -> list[str]:
 
 def _input_names(model: Any) -> list[str]:
     if isinstance(model, ir.Model):
-        return model_inputs(model)
+        return input_names(model)
     return list(model.input_names)
 
 
@@ -405,11 +404,11 @@ def _compare(plan: _Plan, got: list[list[np.ndarray]], codec: Codec) -> Verifica
 
 
 def pieces(
-    model: ir.Model, cut: Cut, codec: Codec, values: dict[str, np.ndarray]
+    model: ir.Model, cut: SplitCut, codec: Codec, values: dict[str, np.ndarray]
 ) -> tuple[ir.Model, ir.Model | None]:
     """The edge piece (ending with the encoding) and the server piece (beginning with the
     decoding) of `model` at `cut`; all on the edge has no server piece."""
-    inputs = model_inputs(model)
+    inputs = input_names(model)
     outputs = [v.name for v in model.graph.outputs]
     base = model.graph.name or "model"
     if cut.kind == ALL_EDGE:

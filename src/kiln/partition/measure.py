@@ -129,7 +129,7 @@ class Placement:
     work_ms: float = 0.0
 
 
-def predict(
+def predict_placement(
     assignment: dict[str, str],
     specs: Sequence[PartSpec],
     given: Sequence[str],
@@ -154,7 +154,8 @@ def placements(
     for choice in itertools.product(engines, repeat=len(names)):
         assignment = dict(zip(names, choice, strict=True))
         work = sum(measured.part_ms[n][e] for n, e in assignment.items())
-        out.append(Placement(assignment, predict(assignment, specs, given, measured), work))
+        predicted = predict_placement(assignment, specs, given, measured)
+        out.append(Placement(assignment, predicted, work))
     return sorted(out, key=lambda p: (p.predicted_ms, p.work_ms))
 
 

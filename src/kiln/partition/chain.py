@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from kiln.compiler.partition_graph import HEAVY, Cut, light_tensors
 from kiln.ir.subgraph import captured
+from kiln.partition.graph import HEAVY, PartCut, light_tensors
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,11 @@ class Chained:
 
     engines: list[str]  # per segment
     predicted_ms: float
-    parts: list[Cut]
+    parts: list[PartCut]
     part_engines: list[str]
 
 
-def chain_cuts(model: ir.Model) -> list[Cut]:
+def chain_cuts(model: ir.Model) -> list[PartCut]:
     """The model's segments in order (see the module docstring); one cut when there is no
     cut point."""
     graph = model.graph
@@ -56,7 +56,7 @@ def chain_cuts(model: ir.Model) -> list[Cut]:
 
 
 def place_chain(
-    segments: Sequence[Cut],
+    segments: Sequence[PartCut],
     part_ms: dict[str, dict[str, float]],
     handoff_ms: float,
     outputs: Sequence[str],
@@ -81,10 +81,10 @@ def place_chain(
 
 
 def merge_runs(
-    segments: Sequence[Cut], engines: Sequence[str], outputs: Sequence[str]
-) -> list[Cut]:
+    segments: Sequence[PartCut], engines: Sequence[str], outputs: Sequence[str]
+) -> list[PartCut]:
     """Neighbouring segments on one engine as one cut (`outputs`: the model's)."""
-    runs: list[list[Cut]] = []
+    runs: list[list[PartCut]] = []
     for index, segment in enumerate(segments):
         if index and engines[index] == engines[index - 1]:
             runs[-1].append(segment)
@@ -130,7 +130,7 @@ def _cut(
     segment: list[ir.Node],
     segments: list[list[ir.Node]],
     index: int,
-) -> Cut:
+) -> PartCut:
     """A segment as a cut: what it reads from earlier segments (a light tensor: the model
     inputs it comes from) in, what later segments or the user read out."""
 
@@ -151,7 +151,7 @@ def _cut(
     }  # fmt: skip
     outputs = {v.name for v in graph.outputs}
     outs = [v.name for n in segment for v in n.outputs if v.name in later or v.name in outputs]
-    return Cut(_name(segment, index), tuple(ins), tuple(outs), len(segment), branch=False)
+    return PartCut(_name(segment, index), tuple(ins), tuple(outs), len(segment), branch=False)
 
 
 def _roots(graph: ir.Graph, names: set[str], inputs: set[str]) -> set[str]:
@@ -170,7 +170,7 @@ def _roots(graph: ir.Graph, names: set[str], inputs: set[str]) -> set[str]:
     return found
 
 
-def _joined(run: list[Cut], segments: Sequence[Cut], outputs: set[str]) -> Cut:
+def _joined(run: list[PartCut], segments: Sequence[PartCut], outputs: set[str]) -> PartCut:
     """Neighbouring cuts as one: the inputs none of them makes, the outputs read after them
     or by the user."""
     made = {o for c in run for o in c.outputs}
@@ -179,7 +179,7 @@ def _joined(run: list[Cut], segments: Sequence[Cut], outputs: set[str]) -> Cut:
     read_after = {i for c in after for i in c.inputs}
     outs = [o for c in run for o in c.outputs if o in read_after or o in outputs]
     name = run[0].name if len(run) == 1 else f"{run[0].name}-{run[-1].name}"
-    return Cut(name, tuple(ins), tuple(dict.fromkeys(outs)), sum(c.nodes for c in run), False)
+    return PartCut(name, tuple(ins), tuple(dict.fromkeys(outs)), sum(c.nodes for c in run), False)
 
 
 def _name(segment: list[ir.Node], index: int) -> str:

@@ -15,9 +15,10 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln import units
-from kiln.compiler.split_codec import Codec
 from kiln.errors import KilnError
+from kiln.ir.inputs import input_names
 from kiln.ir.subgraph import extract
+from kiln.split.codec import Codec
 
 ALL_SERVER, ALL_EDGE, INNER = "all on server", "all on edge", "cut"
 
@@ -35,7 +36,7 @@ def parse_bandwidth(text: str | float) -> float:
 
 
 @dataclass(frozen=True)
-class Cut:
+class SplitCut:
     """Boundary tensors, what kind of cut, the node after which it falls (for people), and
     the original nodes that run on the edge."""
 
@@ -55,7 +56,7 @@ class Cut:
 class Prediction:
     """One candidate cut with one codec: the predicted times and bytes on the wire."""
 
-    cut: Cut
+    cut: SplitCut
     codec: Codec
     edge_ms: float
     server_ms: float
@@ -86,21 +87,16 @@ class Prediction:
         }
 
 
-def model_inputs(model: ir.Model) -> list[str]:
-    graph = model.graph
-    return [v.name for v in graph.inputs if v.name and v.name not in graph.initializers]
-
-
-def candidate_cuts(model: ir.Model) -> list[Cut]:
+def candidate_cuts(model: ir.Model) -> list[SplitCut]:
     """All on server, every single tensor that separates the graph (in graph order), all on
     edge."""
     graph = model.graph
     nodes = list(graph)
     dynamic = _dynamic_nodes(model)
-    inputs = model_inputs(model)
+    inputs = input_names(model)
     outputs = {v.name for v in graph.outputs}
     everything = frozenset(n.name for n in nodes if n.name)
-    cuts = [Cut(tuple(inputs), ALL_SERVER, "(the input)", frozenset())]
+    cuts = [SplitCut(tuple(inputs), ALL_SERVER, "(the input)", frozenset())]
     for node in nodes:
         if id(node) not in dynamic:
             continue
@@ -108,14 +104,14 @@ def candidate_cuts(model: ir.Model) -> list[Cut]:
             if value.name and value.name not in outputs and value.uses():
                 ancestors = _separates(value, dynamic, inputs, outputs)
                 if ancestors is not None:
-                    cuts.append(Cut((value.name,), INNER, node.name or "", ancestors))
-    cuts.append(Cut(tuple(sorted(outputs)), ALL_EDGE, "(the output)", everything))
+                    cuts.append(SplitCut((value.name,), INNER, node.name or "", ancestors))
+    cuts.append(SplitCut(tuple(sorted(outputs)), ALL_EDGE, "(the output)", everything))
     return cuts
 
 
 def _dynamic_nodes(model: ir.Model) -> set[int]:
     """Nodes that depend on a model input (the rest is constant: each side recomputes it)."""
-    live = set(model_inputs(model))
+    live = set(input_names(model))
     found: set[int] = set()
     for node in model.graph:  # topological order
         if any(v is not None and v.name in live for v in node.inputs) or _reads_outer(node, live):
@@ -173,7 +169,7 @@ def _ancestors(node: ir.Node) -> list[ir.Node]:
     return list(seen.values())
 
 
-def resolve_cut(model: ir.Model, at: str, cuts: list[Cut]) -> Cut:
+def resolve_cut(model: ir.Model, at: str, cuts: list[SplitCut]) -> SplitCut:
     """`--at`: a node name (its output), a tensor name, or tensors joined by commas."""
     names = [n.strip() for n in at.split(",") if n.strip()]
     if not names:
@@ -209,7 +205,7 @@ def _tensor_of(model: ir.Model, name: str) -> str:
     raise KilnError(f"--at {name}: '{name}' is neither a node nor a tensor of the model.")
 
 
-def _refuse_single(model: ir.Model, tensor: str, cuts: list[Cut]) -> None:
+def _refuse_single(model: ir.Model, tensor: str, cuts: list[SplitCut]) -> None:
     """A tensor that does not separate the graph: say what crosses it and where one could cut."""
     inner = [c for c in cuts if c.kind == INNER]
     nearby = ", ".join(c.tensors[0] for c in inner[:8]) or "none (cut at the input or output)"
@@ -221,17 +217,17 @@ def _refuse_single(model: ir.Model, tensor: str, cuts: list[Cut]) -> None:
     )
 
 
-def _multi_cut(model: ir.Model, tensors: tuple[str, ...]) -> Cut:
+def _multi_cut(model: ir.Model, tensors: tuple[str, ...]) -> SplitCut:
     """Several tensors named together: extract checks that they separate the graph."""
     outputs = [v.name for v in model.graph.outputs]
     server = extract(model, list(tensors), outputs)  # raises when a path goes around them
     on_server = {n.name for n in server.graph}
     edge = frozenset(n.name for n in model.graph if n.name and n.name not in on_server)
-    return Cut(tensors, INNER, ",".join(tensors), edge)
+    return SplitCut(tensors, INNER, ",".join(tensors), edge)
 
 
-def predict(
-    cut: Cut,
+def predict_cut(
+    cut: SplitCut,
     codec: Codec,
     edge_times: dict[str, float],
     server_times: dict[str, float],

@@ -27,8 +27,9 @@ HEAVY = frozenset({
 
 
 @dataclass(frozen=True)
-class Cut:
-    """A candidate part: the tensors it starts from and those it hands on."""
+class PartCut:
+    """A part cut out of the model (a branch, the join, or a segment of a chain): the tensors
+    it starts from and those it hands on."""
 
     name: str
     inputs: tuple[str, ...]
@@ -37,7 +38,7 @@ class Cut:
     branch: bool  # an independent branch (False: the join)
 
 
-def find_cuts(model: ir.Model) -> list[Cut]:
+def find_cuts(model: ir.Model) -> list[PartCut]:
     """The model's branches and its join, in dependency order; one cut when the model has no
     independent branches (every node short of the outputs reads every input's branch)."""
     graph = model.graph
@@ -48,21 +49,21 @@ def find_cuts(model: ir.Model) -> list[Cut]:
     groups = _branches([deps[id(n)] for n in weighty if deps[id(n)]], inputs)
     if len(groups) < 2:
         outputs = tuple(v.name for v in graph.outputs)
-        return [Cut(JOIN, tuple(inputs), outputs, len(graph), branch=False)]
+        return [PartCut(JOIN, tuple(inputs), outputs, len(graph), branch=False)]
     owner = {id(n): _group_of(d, groups) for n, d in ((n, deps[id(n)]) for n in graph)}
     cuts = []
     for index, group in enumerate(groups):
         nodes = [n for n in graph if owner[id(n)] == index]
         outs = _handed_on(graph, nodes, owner, index)
         ins = tuple(i for i in inputs if i in group and _read_by(i, nodes))
-        cuts.append(Cut(_name(nodes, f"branch{index}"), ins, outs, len(nodes), branch=True))
+        cuts.append(PartCut(_name(nodes, f"branch{index}"), ins, outs, len(nodes), branch=True))
     join = [n for n in graph if owner[id(n)] == -1 and deps[id(n)]]
     if join:
         made = {o for c in cuts for o in c.outputs}
         read = _read_from_outside(join)
         ins = tuple(sorted(read & (made | set(inputs)), key=_order(inputs, cuts)))
         outs = tuple(v.name for v in graph.outputs if v.name not in made)
-        cuts.append(Cut(JOIN, ins, outs, len(join), branch=False))
+        cuts.append(PartCut(JOIN, ins, outs, len(join), branch=False))
     return _unique_names(cuts)
 
 
@@ -94,7 +95,7 @@ def _has_body(node: ir.Node) -> bool:
                for a in node.attributes.values())  # fmt: skip
 
 
-def pieces(model: ir.Model, cuts: list[Cut]) -> dict[str, ir.Model]:
+def pieces(model: ir.Model, cuts: list[PartCut]) -> dict[str, ir.Model]:
     """Each cut's piece of the model (provenance metadata kept)."""
     name = model.graph.name or "model"
     return {c.name: extract(model, c.inputs, c.outputs, f"{name}_{c.name}")
@@ -163,7 +164,7 @@ def _read_from_outside(nodes: list[ir.Node]) -> set[str]:
     return {v.name for n in nodes for v in n.inputs if v is not None and v.name not in made}
 
 
-def _order(inputs: list[str], cuts: list[Cut]):
+def _order(inputs: list[str], cuts: list[PartCut]):
     """Sort key: model inputs first, then the branches' outputs in branch order."""
     rank = {name: i for i, name in enumerate(inputs)}
     for cut in cuts:
@@ -191,11 +192,11 @@ def _head(name: str) -> str:
     return ""
 
 
-def _unique_names(cuts: list[Cut]) -> list[Cut]:
+def _unique_names(cuts: list[PartCut]) -> list[PartCut]:
     seen: set[str] = set()
     out = []
     for index, cut in enumerate(cuts):
         name = cut.name if cut.name not in seen else f"{cut.name}{index}"
         seen.add(name)
-        out.append(Cut(name, cut.inputs, cut.outputs, cut.nodes, cut.branch))
+        out.append(PartCut(name, cut.inputs, cut.outputs, cut.nodes, cut.branch))
     return out

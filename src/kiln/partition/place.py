@@ -38,18 +38,6 @@ from kiln.artifact.parts import PARTS_DIR, PartSpec, PartsSection, Pipeline, sta
 from kiln.artifact.store import Artifact, write_partitioned
 from kiln.backends import available_backends, get_backend
 from kiln.compiler.candidate import CompileResult, compile_candidate
-from kiln.compiler.partition_chain import chain_cuts, merge_runs, place_chain
-from kiln.compiler.partition_graph import Cut, find_cuts, pieces
-from kiln.compiler.partition_measure import (
-    Measured,
-    Placement,
-    cores,
-    describe,
-    measure_parts,
-    option_overrides,
-    placements,
-    thread_shares,
-)
 from kiln.compiler.reference import (
     copy_model,
     fit_inputs,
@@ -64,6 +52,18 @@ from kiln.ir import stamp_origins
 from kiln.ir.inputs import default_dims, feed_dims, read_inputs
 from kiln.ir.ladder import Guess
 from kiln.ir.load import LoadedModel, fingerprint, load_any
+from kiln.partition.chain import chain_cuts, merge_runs, place_chain
+from kiln.partition.graph import PartCut, find_cuts, pieces
+from kiln.partition.measure import (
+    Measured,
+    Placement,
+    cores,
+    describe,
+    measure_parts,
+    option_overrides,
+    placements,
+    thread_shares,
+)
 from kiln.passes.simplify import count_nodes
 from kiln.timing import (
     FASTER,
@@ -78,7 +78,7 @@ from kiln.verify import Verification, compare, max_abs_diff
 
 Say = Callable[[str], None]
 Feeds = dict[str, np.ndarray]
-# kiln.compiler.api.save_result, handed in by its caller (the api imports this module)
+# kiln.compiler.api.save_result, handed in by its caller (the api imports this package)
 Save = Callable[..., Artifact]
 PARTITIONED = "partitioned"
 AUTO_ROUNDS = 5
@@ -205,7 +205,7 @@ class Chain:
 
     loaded: LoadedModel
     config: CompileConfig
-    segments: list[Cut]
+    segments: list[PartCut]
     given: list[Feeds] | None
     given_source: str
 
@@ -285,7 +285,7 @@ def _placed_by_hand(
 def _chain_placement(
     loaded: LoadedModel,
     config: CompileConfig,
-    segments: list[Cut],
+    segments: list[PartCut],
     explicit: dict[str, tuple[str, str | None]],
 ) -> list[tuple[str, str]]:
     """(engine, precision) per segment from a placement naming segments by name or by their
@@ -311,7 +311,7 @@ def _run_starts(labels: list[str]) -> list[int]:
 
 
 def _placed_specs(
-    parts: list[Cut],
+    parts: list[PartCut],
     placed: list[tuple[str, str]],
     config: CompileConfig,
     total: int,
@@ -387,7 +387,7 @@ def _check(config: CompileConfig) -> None:
 
 
 def _check_placement(
-    loaded: LoadedModel, cuts: list[Cut], explicit: dict[str, tuple[str, str | None]]
+    loaded: LoadedModel, cuts: list[PartCut], explicit: dict[str, tuple[str, str | None]]
 ) -> None:
     """An explicit placement names parts the model has; before any compile."""
     if not explicit:
@@ -415,7 +415,7 @@ def _input_names(model: ir.Model) -> list[str]:
 
 
 def _specs(
-    cuts: list[Cut],
+    cuts: list[PartCut],
     config: CompileConfig,
     explicit: dict[str, tuple[str, str | None]],
     total: int,
