@@ -19,16 +19,11 @@ neighbours on one engine become one part; the rest is as for branches. Pieces ar
 reference one at a time: an unfused piece's arena holds a long sequence's attention scores.
 """
 
+from kiln.partition.build import PartitionedBuild
+from kiln.partition.choose import KEEP_MARGIN, beats, rounds_faster
 from kiln.partition.graph import PartCut, find_cuts, pieces
-from kiln.partition.place import (
-    KEEP_MARGIN,
-    PartitionedBuild,
-    beats,
-    build_partitioned,
-    compile_partitioned,
-    rounds_faster,
-    save_chosen,
-)
+from kiln.partition.place import build_partitioned, compile_partitioned
+from kiln.partition.write import save_chosen
 
 __all__ = [
     "KEEP_MARGIN",
