@@ -14,8 +14,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ DOCS = ROOT / "docs"
 SKIP = "<!-- skip-test -->"
 SLOW = "<!-- test: slow -->"
 RUNNABLE = ("bash", "python")
+PAGE_TIMEOUT_S = 540  # under pytest-timeout's 600, so that the page's processes are stopped
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 
 
@@ -177,11 +180,41 @@ def test_page_code_blocks_run(page: Path, tmp_path: Path) -> None:
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
     relative = page.relative_to(DOCS).as_posix()
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "driver.py"), relative, str(tmp_path / "blocks.json")],
-        cwd=work, env=env, capture_output=True, text=True, timeout=540,
+    driver = [sys.executable, str(tmp_path / "driver.py"), relative, str(tmp_path / "blocks.json")]
+    # A session of its own: a server a block starts in the background, or one left in the
+    # foreground past the deadline, is stopped with everything else the page started.
+    proc = subprocess.Popen(
+        driver, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    try:
+        out, err = proc.communicate(timeout=PAGE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{relative}: its blocks ran past {PAGE_TIMEOUT_S} s (a server in the foreground? "
+            f"mark its block {SKIP}, or start it in the background)\n{out[-3000:]}"
+        )
+    finally:
+        _stop_group(proc.pid)
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+
+
+def _stop_group(group: int) -> None:
+    """SIGTERM to every process of the page's session, then SIGKILL to what is left."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
 
 def test_code_blocks_are_found_and_skipped_as_marked() -> None:
