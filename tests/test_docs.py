@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TEST_PEAKS
+
+from kiln.hardware.peaks import cache_path, save_peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -43,9 +46,15 @@ def _require_mkdocs() -> None:
 def site(tmp_path_factory) -> Path:
     _require_mkdocs()
     out = tmp_path_factory.mktemp("site")
+    # Built before any test's own KILN_HOME exists: a home of its own, peaks cached (the
+    # screenshots' `kiln profile` would otherwise measure them).
+    home = tmp_path_factory.mktemp("docs-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KILN_HOME", str(home))
+        save_peaks(cache_path(), TEST_PEAKS)
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-        cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        cwd=ROOT, env={**os.environ, "KILN_HOME": str(home), "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True, text=True, timeout=540,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]

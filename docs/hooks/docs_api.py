@@ -7,6 +7,7 @@ every build, those names are found in LAZY (a name missing there fails the build
 from __future__ import annotations
 
 import importlib
+import inspect
 
 PACKAGES = {
     "kiln": "The package: compile a model, open a session, the records of a compile.",
@@ -44,6 +45,10 @@ def _defined(module: object, package: str, name: str) -> str:
     if package == "kiln.train" and name not in vars(module):
         raise LookupError(f"kiln.train.{name} loads lazily: name where it is defined in LAZY")
     value = getattr(module, name)
+    if inspect.ismodule(value):  # a package callable as its namesake function (kiln.split)
+        value = getattr(value, name, value)
+    if inspect.ismodule(value):
+        return value.__name__
     return f"{value.__module__}.{value.__qualname__}"
 
 
