@@ -106,7 +106,7 @@ def main() -> None:
     from rich.text import Text
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stop)  # `kiln serve` installs its own for a graceful drain
+        signal.signal(signum, _stop)  # kiln.serve.serving.run installs its own: a graceful drain
     try:
         app()
     except KilnError as exc:
