@@ -64,7 +64,8 @@ def trace_of(array: Any) -> Trace | None:
 def remember(array: np.ndarray, trace: Trace) -> np.ndarray:
     """Tag `array` with `trace` for as long as it lives."""
     key = id(array)
-    _TABLE[key] = (weakref.ref(array, lambda _, key=key: _TABLE.pop(key, None)), trace)
+    drop = lambda _, key=key, table=_TABLE: table.pop(key, None)  # noqa: E731 (at exit too)
+    _TABLE[key] = (weakref.ref(array, drop), trace)
     return array
 
 

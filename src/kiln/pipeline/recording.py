@@ -19,6 +19,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.pipeline.function import PipelineFunction, stage_failed, user_error
+from kiln.pipeline.ops import Trace, remember, trace_of
 
 Feeds = dict[str, np.ndarray]
 
@@ -32,6 +33,10 @@ class Call:
     feeds: Feeds
     outputs: list[np.ndarray]
     seconds: float
+    # Kiln ops (ops.py) seen around the call, what fold.py folds: per feed, the array its
+    # chain started from and the chain; per output, every chain the glue built on it.
+    pre: dict[str, tuple[np.ndarray, tuple]] = field(default_factory=dict)
+    post: dict[str, list[tuple]] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,9 +87,16 @@ class RecordedModel:
         start = time.perf_counter()
         outputs = self.session.run(output_names, feeds, *args)
         seconds = time.perf_counter() - start
-        self._recording.calls.append(
-            Call(self.name, self._query(), kept, [np.asarray(o) for o in outputs], seconds)
-        )
+        call = Call(self.name, self._query(), kept, [np.asarray(o) for o in outputs], seconds)
+        self._recording.calls.append(call)
+        for name, value in feeds.items():
+            trace = trace_of(value)
+            if trace is not None:
+                call.pre[name] = (np.array(trace.root, copy=True), trace.steps)
+        names = output_names or [o.name for o in self.session.get_outputs()]
+        for name, value in zip(names, outputs, strict=False):
+            if isinstance(value, np.ndarray) and trace_of(value) is None:
+                remember(value, Trace(value, sink=call.post.setdefault(name, [])))
         return outputs
 
     def __getattr__(self, name: str) -> Any:  # get_inputs, get_outputs, ... as the session has

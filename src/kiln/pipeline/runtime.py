@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from kiln.errors import KilnError
+from kiln.pipeline.fold import fold_sessions
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
 from kiln.pipeline.pipeline_artifact import is_pipeline, read_pipeline
 from kiln.pipeline.recording import call_function
@@ -42,6 +44,8 @@ class Pipeline:
         try:
             for name, model in models.items():
                 self.sessions[name] = _open(model)
+            if self.manifest is not None:  # stages with a fold kept run it (fold.py)
+                self.sessions = fold_sessions(self.sessions, self.manifest, Path(function))
         except BaseException:
             self.close()
             raise
