@@ -99,10 +99,12 @@ def _verbs(group, context, path: str):
 
 def test_config_reference_has_every_field(site):
     from kiln.config import CompileConfig
+    from kiln.serve.config import ServeConfig
     from kiln.train.config import TrainConfig
+    from kiln.tune.plan import TuneConfig
 
     html = (site / "reference/config/index.html").read_text()
-    for record in (CompileConfig, TrainConfig):
+    for record in (CompileConfig, TuneConfig, ServeConfig, TrainConfig):
         for field in dataclasses.fields(record):
             assert f"<code>{field.name}</code>" in html, f"{record.__name__}.{field.name}"
 

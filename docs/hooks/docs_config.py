@@ -1,6 +1,6 @@
 """The configuration reference, generated from the config records: every field of
-`CompileConfig` and `TrainConfig` (and the records `TrainConfig` nests), with its type, its
-default and what its class docstring says of it.
+`CompileConfig`, `TuneConfig`, `ServeConfig` and `TrainConfig` (and the records `TrainConfig`
+nests), with its type, its default and what its docstrings say of it.
 
 A field's text comes, first found: from `field(metadata={"help": ...})`; from a string literal
 right below the field; from the class docstring's entry naming it (`name  text`, or
@@ -21,6 +21,8 @@ from docs_markdown import inline, paragraphs
 
 RECORDS = [
     ("kiln.config", "CompileConfig"),
+    ("kiln.tune.plan", "TuneConfig"),
+    ("kiln.serve.config", "ServeConfig"),
     ("kiln.train.config", "TrainConfig"),
     ("kiln.train.config", "LossScale"),
     ("kiln.train.config", "Checkpointing"),
