@@ -12,6 +12,8 @@ pipeline's final output.
    reference time, each stage's lossy candidate tried with the others at their current
    choice; kept only while the pipeline's metric over the whole data set stays within
    `max_drop` of the reference's. Every trial is kept with its metric and the stage's time.
+   Then the glue's Kiln ops around each stage are folded into its chosen artifact where the
+   result is the same and measures faster (fold.py); each stage's verdict is kept.
 4. The artifact: a directory with `pipeline.json` (pipeline_artifact.py), each stage's chosen
    `.kiln`, and the function's module file, so that it runs elsewhere.
 """

@@ -252,36 +252,47 @@ def fold_stages(
 def _fold_stage(where: Path, calls: list[Call], measure: Measure) -> dict[str, Any]:
     """One stage's fold: found, built, verified on its recorded calls, timed."""
     from kiln.artifact import MODEL_FILE
-    from kiln.runtime import Session
 
     fold = find_fold(calls)
     out: dict[str, Any] = {"kept": False, **fold.to_json()}
     if not fold.pre and not fold.post:
         return out | {"reason": "no chain of Kiln ops made its feeds or took its outputs"}
     matched = [c for c in calls if fold.matches(c)]
+    out["calls"] = len(matched)
     try:
         roots = {n: matched[0].pre[n][0] for n in fold.pre}
         onnx.save(build_folded(onnx.load(where / MODEL_FILE), fold, roots), where / FOLDED_FILE)
-    except (ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
-        return out | {"reason": f"the chain could not be folded: {exc}"}
-    own, folded = Session(str(where)), Session(str(where / FOLDED_FILE))
-    try:
-        eager, fast = _runners(own, folded, fold)
-        problem = next((p for c in matched if (p := _differs(eager(c), fast(c)))), None)
-        sample = matched[:: max(1, len(matched) // 8)][:8]
-        result = None if problem else measure(lambda: [eager(c) for c in sample],
-                                              lambda: [fast(c) for c in sample])  # fmt: skip
-    finally:
-        own.close(), folded.close()
+        problem, result = _check(where, fold, matched, measure)
+    except (ValueError, OSError, KilnError) as exc:
+        problem, result = f"the chain could not be folded: {exc}", None
     if result is None or result.verdict != FASTER:
-        (where / FOLDED_FILE).unlink()
+        (where / FOLDED_FILE).unlink(missing_ok=True)
     if result is None:
-        return out | {"calls": len(matched), "reason": f"not the same as the eager ops: {problem}"}
-    out |= {"calls": len(matched), "speedup": round(result.value, 3), "verdict": result.verdict}
+        return out | {"reason": problem}
+    out |= {"speedup": round(result.value, 3), "verdict": result.verdict}
     if result.verdict != FASTER:
         return out | {"reason": f"not faster than the eager ops ({result.value:.2f}x, "
                                 f"{result.verdict})"}  # fmt: skip
     return out | {"kept": True, "reason": f"{result.value:.2f}x faster than the eager ops"}
+
+
+def _check(
+    where: Path, fold: Fold, matched: list[Call], measure: Measure
+) -> tuple[str | None, Speedup | None]:
+    """The folded model against the eager path on every matched call, then timed: a problem
+    in words, or the speedup."""
+    from kiln.runtime import Session
+
+    own, folded = Session(str(where)), Session(str(where / FOLDED_FILE))
+    try:
+        eager, fast = _runners(own, folded, fold)
+        problem = next((p for c in matched if (p := _differs(eager(c), fast(c)))), None)
+        if problem:
+            return f"not the same as the eager ops: {problem}", None
+        sample = matched[:: max(1, len(matched) // 8)][:8]
+        return None, measure(lambda: [eager(c) for c in sample], lambda: [fast(c) for c in sample])
+    finally:
+        own.close(), folded.close()
 
 
 def _runners(own: Any, folded: Any, fold: Fold) -> tuple[Callable, Callable]:

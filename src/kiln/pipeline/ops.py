@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kiln.pipeline.ops_onnx import Step, chain_model, nms_model, onnx_nodes
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """A folded model already computed what `steps` would make of this array (`value`);
     `recover` gives the array itself, should the glue do anything else with it."""
 
@@ -43,8 +42,7 @@ class Pending:
     recover: Callable[[], np.ndarray]
 
 
-@dataclass(frozen=True)
-class Trace:
+class Trace(NamedTuple):
     """Where an op's result came from: the array its chain started from, and the steps."""
 
     root: np.ndarray
@@ -108,8 +106,15 @@ def apply_steps(x: np.ndarray, steps: Sequence[Step]) -> np.ndarray:
 
 
 def _floats(values: Any) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    if isinstance(values, int | float):
+        return (), (float(values),)
     array = np.asarray(values, np.float32)
     return tuple(array.shape), tuple(float(v) for v in array.ravel())
+
+
+@lru_cache(maxsize=64)
+def _array(values: tuple[tuple[int, ...], tuple[float, ...]]) -> np.ndarray:
+    return np.asarray(values[1], np.float32).reshape(values[0])
 
 
 def normalize(x: Any, mean: Any, std: Any, scale: float = 1.0) -> np.ndarray:
@@ -119,8 +124,7 @@ def normalize(x: Any, mean: Any, std: Any, scale: float = 1.0) -> np.ndarray:
 
 
 def _normalize(x: np.ndarray, mean: Any, std: Any, scale: float) -> np.ndarray:
-    m, s = (np.asarray(v[1], np.float32).reshape(v[0]) for v in (mean, std))
-    return (x.astype(np.float32) * np.float32(scale) - m) / s
+    return (x.astype(np.float32) * np.float32(scale) - _array(mean)) / _array(std)
 
 
 def to_layout(x: Any, src: str, dst: str) -> np.ndarray:

@@ -93,7 +93,7 @@ class RecordedModel:
             trace = trace_of(value)
             if trace is not None:
                 call.pre[name] = (np.array(trace.root, copy=True), trace.steps)
-        names = output_names or [o.name for o in self.session.get_outputs()]
+        names = output_names or [o.name for o in getattr(self.session, "get_outputs", list)()]
         for name, value in zip(names, outputs, strict=False):
             if isinstance(value, np.ndarray) and trace_of(value) is None:
                 remember(value, Trace(value, sink=call.post.setdefault(name, [])))
