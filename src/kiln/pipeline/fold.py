@@ -27,6 +27,7 @@ Guarantee at run time (`FoldedModel`, the stage's session as the glue sees it):
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -204,15 +205,23 @@ def _batch(session: Any, requests: list) -> list:
     return [session.run(None, feeds) for feeds in requests]
 
 
+def open_folded(stage: Path) -> Any:
+    """The folded graph beside the stage's model, on the stage's engine with its options (the
+    fixed dims aside: the folded graph's inputs are the chains' roots)."""
+    from kiln.runtime import Session
+
+    backend = json.loads((stage / "manifest.json").read_text())["backend"]
+    options = {k: v for k, v in backend["options"].items() if k != "dim_overrides"}
+    return Session(str(stage / FOLDED_FILE), backend=backend["name"], options=options)
+
+
 def fold_sessions(sessions: dict[str, Any], manifest: Mapping[str, Any], root: Path) -> dict:
     """The pipeline artifact's sessions, each stage whose fold was kept wrapped in its
     FoldedModel (the folded graph beside the stage's model in its artifact)."""
-    from kiln.runtime import Session
-
     wrapped = dict(sessions)
     for name, record_ in manifest.get("folds", {}).items():
         if record_.get("kept"):
-            folded = Session(str(root / manifest["stages"][name]["artifact"] / FOLDED_FILE))
+            folded = open_folded(root / manifest["stages"][name]["artifact"])
             wrapped[name] = FoldedModel(sessions[name], folded, Fold.from_json(record_))
     return wrapped
 
@@ -283,7 +292,7 @@ def _check(
     in words, or the speedup."""
     from kiln.runtime import Session
 
-    own, folded = Session(str(where)), Session(str(where / FOLDED_FILE))
+    own, folded = Session(str(where)), open_folded(where)
     try:
         eager, fast = _runners(own, folded, fold)
         problem = next((p for c in matched if (p := _differs(eager(c), fast(c)))), None)
@@ -333,8 +342,8 @@ def _end_to_end(fn: Callable[..., Any], stages: Mapping[str, Any], name: str, fo
     from kiln.runtime import Session
 
     sessions = {n: Session(str(s.candidates[s.choice])) for n, s in stages.items()}
-    where = Path(stages[name].candidates[stages[name].choice]) / FOLDED_FILE
-    folded = FoldedModel(sessions[name], Session(str(where)), fold)
+    where = Path(stages[name].candidates[stages[name].choice])
+    folded = FoldedModel(sessions[name], open_folded(where), fold)
     try:
         plain = record(fn, sessions, inputs).results
         got = record(fn, {**sessions, name: folded}, inputs).results
