@@ -9,20 +9,21 @@ the chain of at least half of them. The folded model (the stage's chosen artifac
 the chains' ONNX forms, ops_onnx.py) is verified on every recorded call it matches against the
 eager chain and the stage's own artifact — integer outputs exactly, floats within the fp32
 tolerance of `kiln.verify` — then timed against that eager path in kiln.timing's interleaved
-rounds, kept only where it is faster beyond noise, and finally the whole function is run over
-the data with the fold in place and must give the results it gives without it.
+rounds, kept only where it is faster beyond noise; where an output is folded, the whole
+function is then run over the data with the fold in place and must score as it does without.
 
 Guarantee at run time (`FoldedModel`, the stage's session as the glue sees it):
 
 - A call whose every folded feed carries exactly the recorded chain (checked per call, from the
   ops' side table) runs the folded model on the arrays those chains started from; any other
   call runs the stage's own artifact with the feeds as given. A pre-processing fold therefore
-  never changes what a call computes beyond the fp32 tolerance verified.
-- A folded output is handed back as a stand-in that the recorded chain's ops turn into the
-  folded model's result; any other Kiln op on it first recovers the real output (the stage's
-  own artifact run again on the call's feeds). Reading the stand-in with plain numpy is not
-  seen: a post-processing fold rests on the glue reading that output only through Kiln ops,
-  which the end-to-end run over the recorded data checks and no more.
+  never changes what a call computes beyond the fp32 tolerance verified (provided the array a
+  chain started from is not changed in place between the chain and the call).
+- A folded output is handed back as a stand-in (an empty array) that the recorded chain's ops
+  turn into the folded model's result; any other Kiln op on it first recovers the real output
+  (the stage's own artifact run again on the call's feeds). Plain numpy on the stand-in reads
+  an empty array: a post-processing fold rests on the glue reading that output only through
+  Kiln ops, which the end-to-end run over the recorded data checks, and no more.
 """
 
 from __future__ import annotations
