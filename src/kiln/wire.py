@@ -214,12 +214,7 @@ def from_contents(where: str, datatype: str, values: Any) -> np.ndarray:
     widened integers (INT8 in int_contents) must be within the datatype's range."""
     field, held = CONTENTS_FIELDS[datatype]
     if datatype == BYTES:
-        try:
-            return object_array([item.decode("utf-8") for item in values])
-        except UnicodeDecodeError as exc:
-            raise ProtocolError(
-                f"{where}: an element is not UTF-8 text ({exc.reason}); ONNX strings are UTF-8"
-            ) from None
+        return object_array([text_or_bytes(item) for item in values])
     wide = np.array(values, dtype=held)
     dtype = DATATYPES[datatype]
     if wide.size and dtype.kind in "iu" and dtype != held:
@@ -279,7 +274,8 @@ def _bytes_from_json(where: str, data: Any) -> np.ndarray:
 
 
 def bytes_from_binary(where: str, data: memoryview, count: int) -> np.ndarray:
-    """Length-prefixed elements (4-byte little-endian length, then the bytes), UTF-8 decoded."""
+    """Length-prefixed elements (4-byte little-endian length, then the bytes), each as text
+    where it is UTF-8 (`text_or_bytes`)."""
     items: list[str] = []
     offset = 0
     # Stops past `count` elements: a lying shape cannot make it walk a huge body for nothing.
@@ -293,15 +289,31 @@ def bytes_from_binary(where: str, data: memoryview, count: int) -> np.ndarray:
                 f"{where}: element {len(items)} declares {length} bytes, but only "
                 f"{len(data) - offset} of its binary_data_size remain"
             )
-        try:
-            items.append(str(data[offset : offset + length], "utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ProtocolError(
-                f"{where}: element {len(items)} is not UTF-8 text ({exc.reason}); ONNX strings "
-                "are UTF-8"
-            ) from None
+        items.append(text_or_bytes(data[offset : offset + length]))
         offset += length
     return object_array(items)
+
+
+def text_or_bytes(item: bytes | memoryview) -> str | bytes:
+    """A BYTES element as text where it is UTF-8 (what ONNX string inputs take), else as the
+    bytes it is (an encoded image for a pipeline): a model that takes text refuses those."""
+    try:
+        return str(item, "utf-8")
+    except UnicodeDecodeError:
+        return bytes(item)
+
+
+def not_text(array: np.ndarray, what: str) -> str | None:
+    """Why `array` (a BYTES tensor as decoded here) cannot feed an ONNX string input: the
+    first element that is not UTF-8 text; None if all are."""
+    for index, item in enumerate(array.flat):
+        if isinstance(item, bytes):
+            try:
+                item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                why = f"element {index} is not UTF-8 text ({exc.reason})"
+                return f"{what}: {why}; ONNX strings are UTF-8"
+    return None
 
 
 def object_array(items: list[Any]) -> np.ndarray:

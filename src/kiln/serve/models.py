@@ -96,6 +96,7 @@ class ServedModel:
         self.inputs = {spec["name"]: _shaped(spec, settings.shapes) for spec in session.inputs}
         self.output_names = list(session.output_names)
         self.vocabularies = vocabularies(session)
+        self.text_inputs = [a.name for a in session.get_inputs() if a.type == "tensor(string)"]
         self.platform, self.backend, self.kind = _engine(session.get_providers())
         if settings.engine is not None:  # the config's name for what runs (Python backend)
             self.platform, self.backend = settings.engine
@@ -523,6 +524,8 @@ def _engine(providers: list[str]) -> tuple[str, str, str]:
     several engines at once, which no Triton backend does: Kiln's runtime runs it."""
     gpu = any(p.endswith(_GPU_PROVIDERS) for p in providers)
     kind = "KIND_GPU" if gpu else "KIND_CPU"
+    if any(p.startswith("kiln:") for p in providers):  # Kiln's own runtime (a pipeline)
+        return "", "kiln", kind
     openvino = [p for p in providers if p.startswith("OpenVINO")]
     if openvino and len(openvino) < len(providers):
         return "", "kiln", kind

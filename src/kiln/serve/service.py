@@ -25,7 +25,7 @@ from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.metrics import TimedFeeds
 from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import InferRequest, RequestTooLarge
-from kiln.wire import ProtocolError, clip, datatype_of
+from kiln.wire import ProtocolError, clip, datatype_of, not_text
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 # The protocol extensions served: each one a client may rely on.
@@ -193,6 +193,10 @@ def _checked(served: ServedModel, request: InferRequest) -> TimedFeeds:
     datatypes, shapes), then the model's own (dims within its limits), before queueing — a
     request the engine would fail on must neither run nor fail the batch it would join."""
     check_inputs(request.inputs, served.inputs)
+    for name in served.text_inputs:  # ONNX strings are text: bytes that are not are refused
+        why = not_text(request.inputs[name], f"input '{name}'")
+        if why:
+            raise Refused(400, why)
     check_batch(request.inputs, served)
     check_ids(request.inputs, served.vocabularies)
     feeds = TimedFeeds(served.session.check_feeds(request.inputs))

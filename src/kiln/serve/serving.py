@@ -85,6 +85,8 @@ def run(
 
 def _model_set(config: ServeConfig, repository: Any) -> Any:
     """The models served, each opened as a kiln.Session with its batcher's settings."""
+    from kiln.pipeline.pipeline_artifact import is_pipeline
+    from kiln.pipeline.served import PipelineSession
     from kiln.runtime import Session  # seconds of engine imports: after the quick checks
     from kiln.serve.models import BatchSettings, ModelSet
 
@@ -93,6 +95,8 @@ def _model_set(config: ServeConfig, repository: Any) -> Any:
         return BatchSettings(batch, delay, config.max_queue)
 
     def open_session(source: str, backend: str | None = None) -> Any:
+        if is_pipeline(source):  # one model: bytes in, each query's result as JSON out
+            return PipelineSession(source)
         return Session(source, buckets=config.buckets, warmup=config.warmup,
                        adaptive=config.adaptive, keep_requests=256 if config.feedback else 0,
                        backend=backend)  # fmt: skip
