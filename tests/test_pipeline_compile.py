@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_helpers import kiln_cli
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
@@ -164,3 +165,35 @@ def test_bad_input_is_one_line_and_nothing_is_written(case, change, words) -> No
         compile_pipeline(absolute(here["spec"]), models, absolute(here["data"]), out,
                          metric=absolute(here["metric"]))  # fmt: skip
     assert not out.exists()
+
+
+def test_kiln_optimize_compiles_a_pipeline_from_the_command_line(case, monkeypatch, capsys):
+    root = case["root"]
+    out = root / "cli.kiln"
+    models = [f"--model={name}={path}" for name, path in case["models"].items()]
+    code, stdout, _ = kiln_cli(
+        monkeypatch, capsys, "optimize", case["spec"], *models, "--data", case["data"],
+        "--precision", "auto", "--streams", "4", "-o", str(out), "--json",
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads(stdout)
+    assert summary["stages"] == {"embed": "fp32", "cls": "int8"}  # exact: embed's int8 fails
+    assert summary["streams"] == 4 and summary["metric"]["final"] == 1.0
+    assert (out / "pipeline.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model", "embed=embed.onnx"], "--data"),
+        (["--model", "embed", "--data", "x"], "NAME=PATH"),
+        (["--model", "embed=a.onnx", "--model", "embed=b.onnx", "--data", "x"], "given twice"),
+        (["--data", "glue.py:inputs"], "gives none for embed"),
+    ],
+)
+def test_kiln_optimize_refuses_a_bad_pipeline_in_one_line(case, monkeypatch, capsys, args, words):
+    monkeypatch.chdir(case["root"])
+    code, _, err = kiln_cli(monkeypatch, capsys, "optimize", "glue.py:describe", *args,
+                            "-o", "bad.kiln")  # fmt: skip
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not (case["root"] / "bad.kiln").exists()

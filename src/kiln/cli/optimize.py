@@ -9,6 +9,7 @@ import typer
 
 from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress, speed_advice
 from kiln.cli.flags import Flag, command, options
+from kiln.cli.pipeline import DataOpt, ModelsOpt, StreamsOpt, is_pipeline_call, optimize_pipeline
 from kiln.config import ENGINES, CompileConfig
 from kiln.errors import KilnError, counted
 
@@ -97,7 +98,8 @@ def optimize(
     skip: SkipOpt = [], show_pipeline: ShowOpt = False,  # noqa: B006
     config_file: ConfigOpt = None, force: ForceOpt = False, rounds: RoundsOpt = 5,
     runs: RunsOpt = 10, max_memory: MaxMemoryOpt = None, memory: MemoryOpt = None,
-    as_json: JsonOpt = False,
+    as_json: JsonOpt = False, models: ModelsOpt = [], data: DataOpt = None,  # noqa: B006
+    streams: StreamsOpt = 1,
 ) -> None:  # fmt: skip
     """Compile MODEL into a verified artifact and time it against ONNX Runtime as-is.
 
@@ -105,7 +107,10 @@ def optimize(
     reference inputs. A pass that breaks the outputs is found by bisection and dropped. The
     speedup comes with its spread over rounds and a verdict (faster, no different within
     noise, slower); --backend auto --precision auto tries every engine and precision.
+    With --model and --data, MODEL is a pipeline function (MODULE:FUNCTION) over its models.
     """
+    if is_pipeline_call(model, models, data):
+        return optimize_pipeline(model, models, data, streams, config, output, force, as_json)
     from kiln.passes import default_pipeline
 
     at_least(rounds=(rounds, 0), runs=(runs, 1))
@@ -138,6 +143,12 @@ def optimize(
         artifact = compile_loaded(loaded, config, destination, rounds=rounds, runs=runs,
                                   progress=say, force=force, max_memory_mib=budget,
                                   measure=_measure_memory, memory=memory)  # fmt: skip
+    _report(artifact, replaced, config, model, as_json)
+
+
+def _report(artifact: Any, replaced: bool, config: CompileConfig, model: str,
+            as_json: bool) -> None:  # fmt: skip
+    """The artifact's summary with the advice its verdict calls for: JSON, or the table."""
     summary = _optimize_summary(artifact, artifact.manifest.benchmark, replaced)
     verdict = (summary["benchmark"] or {}).get("verdict")
     summary["advice"] = speed_advice(

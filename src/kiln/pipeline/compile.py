@@ -36,7 +36,7 @@ from kiln.home import output_problem
 from kiln.pipeline.data import Metric, load_data, load_metric
 from kiln.pipeline.fold import fold_stages
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
-from kiln.pipeline.pipeline_artifact import write_pipeline
+from kiln.pipeline.pipeline_artifact import is_pipeline, write_pipeline
 from kiln.pipeline.recording import Recording, call_function, record
 
 Say = Callable[[str], None]
@@ -81,15 +81,23 @@ def compile_pipeline(
     max_drop: float = 0.0,
     backend: str = "ort",
     precisions: Sequence[str] = ("int8",),
+    streams: int = 1,
+    force: bool = False,
     say: Say | None = None,
 ) -> Path:
     """Compile the pipeline `function` over `models` ({name: ONNX path}), judged on `data`
-    (see data.py) by `metric`; write the pipeline artifact `output`. Returns its path."""
+    (see data.py) by `metric`: a lossy precision of `precisions` is kept for a stage only while
+    the metric stays within `max_drop` of the fp32 pipeline's. `streams`: how many streams it
+    is meant to serve at once (recorded: the default of `kiln bench` and the server). Write
+    the pipeline artifact `output` (replacing a pipeline artifact there; anything else only
+    with `force`); returns its path."""
     say = say or (lambda line: None)
     spec = function if isinstance(function, str) else ""
     fn = load_function(function) if isinstance(function, str) else function
     check_models(fn, list(models), spec)
-    _check_inputs(models, output, max_drop)
+    _check_inputs(models, output, max_drop, force)
+    if streams < 1:
+        raise KilnError(f"--streams {streams}: give 1 or more.")
     metric_name, score = load_metric(metric)
     inputs = load_data(data) if not isinstance(data, list | tuple) else load_data(list(data))
     say(f"recording the reference over {len(inputs)} inputs ...")
@@ -110,17 +118,23 @@ def compile_pipeline(
             "search": {"order": _order(reference, stages), "trials": [t.to_json() for t in trials],
                        "seconds": round(seconds, 3), "space": _space(stages)},
             "folds": folds,
+            "streams": streams,
         }  # fmt: skip
         return write_pipeline(Path(output), fn, stages, record_)
 
 
-def _check_inputs(models: Mapping[str, Any], output: Any, max_drop: float) -> None:
+def _check_inputs(models: Mapping[str, Any], output: Any, max_drop: float, force: bool) -> None:
     for name, path in models.items():
         if not Path(path).is_file():
             raise KilnError(f"--model {name}={path}: no such file.")
     problem = output_problem(Path(output), directory=True)
     if problem:
         raise KilnError(f"-o {output}: {problem}")
+    if Path(output).exists() and not is_pipeline(output) and not force:
+        raise KilnError(
+            f"-o {output}: something that is not a pipeline artifact is there; choose another "
+            "path, or give --force to replace it."
+        )
     if not 0 <= max_drop < 1:
         raise KilnError(f"--max-drop {max_drop}: give a drop of the metric in [0, 1).")
 

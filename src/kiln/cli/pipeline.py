@@ -1,0 +1,129 @@
+"""`kiln optimize MODULE:FUNCTION --model NAME=PATH ... --data ...`: a pipeline compiled.
+
+The flags `kiln optimize` shares with a one-model compile keep their meaning where it carries
+over: --backend is each stage's engine; --precision the lossy precision tried per stage
+(fp32, the default: none; auto: int8), each judged on the pipeline's final results;
+--metric (exact unless given: cosine means nothing for a pipeline's results) and --max-drop
+the end-to-end budget.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kiln.cli.console import console, emit_json, progress
+from kiln.config import CompileConfig
+from kiln.errors import KilnError
+
+ModelsOpt = Annotated[
+    list[str],
+    typer.Option(
+        "--model",
+        help="NAME=PATH: a model of the pipeline function MODEL (MODULE:FUNCTION), given to it "
+        "as the keyword argument NAME; once per model.",
+        rich_help_panel="Pipelines",
+    ),
+]
+DataOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--data",
+        help="A pipeline's data: a directory (each file's path handed to the function in "
+        "turn) or MODULE:FUNCTION returning an iterable of inputs. The reference run over it "
+        "records each model's real feeds (its calibration set and shapes) and judges every "
+        "lossy choice on the pipeline's final results.",
+        rich_help_panel="Pipelines",
+    ),
+]
+StreamsOpt = Annotated[
+    int,
+    typer.Option(
+        "--streams",
+        help="How many streams the pipeline serves at once (recorded: kiln bench's and the "
+        "server's default).",
+        rich_help_panel="Pipelines",
+    ),
+]
+LOSSY = {"fp32": (), "auto": ("int8",)}
+
+
+def is_pipeline_call(model: str | None, models: list[str], data: str | None) -> bool:
+    return bool(models) or data is not None
+
+
+def optimize_pipeline(
+    spec: str | None, models: list[str], data: str | None, streams: int,
+    config: CompileConfig, output: Path | None, force: bool, as_json: bool,
+) -> None:  # fmt: skip
+    """Compile the pipeline and print what each stage's choice cost and won."""
+    from kiln.pipeline import compile_pipeline, parse_models
+
+    if not spec or ":" not in spec or spec.startswith("zoo:"):
+        raise KilnError(
+            "kiln optimize with --model compiles a pipeline: give its function as MODEL, "
+            "MODULE:FUNCTION (e.g. ocr.py:read_text)."
+        )
+    if data is None:
+        raise KilnError("a pipeline is recorded and judged on its data: give --data DIR or "
+                        "--data MODULE:FUNCTION.")  # fmt: skip
+    metric = "exact" if config.metric == CompileConfig().metric else config.metric
+    lossy = LOSSY.get(config.precision, (config.precision,))
+    out = output or Path(f"{spec.rpartition(':')[2]}.kiln")
+    with progress() as bar:
+        task = bar.add_task(f"recording {spec}")
+        path = compile_pipeline(
+            spec, parse_models(models), data, out, metric=metric, max_drop=config.max_drop,
+            backend=config.engine, precisions=lossy, streams=streams, force=force,
+            say=lambda line: bar.update(task, description=line.strip()),
+        )  # fmt: skip
+    summary = pipeline_summary(json.loads((path / "pipeline.json").read_text()), path)
+    if as_json:
+        return emit_json(summary)
+    _print(summary)
+
+
+def pipeline_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    reference = manifest["reference"]
+    return {
+        "artifact": str(path),
+        "stages": {n: s["precision"] for n, s in manifest["stages"].items()},
+        "metric": manifest["metric"],
+        "reference": {k: reference[k] for k in ("inputs", "seconds", "model_seconds",
+                                                 "glue_seconds", "calls")},
+        "search": manifest["search"],
+        "folds": manifest.get("folds", {}),
+        "streams": manifest.get("streams", 1),
+    }  # fmt: skip
+
+
+def _print(summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    reference, metric = summary["reference"], summary["metric"]
+    table = Table(title=f"kiln optimize → {summary['artifact']}")
+    for column in ("stage", "calls", "reference time", "choice", "end-to-end trials"):
+        table.add_column(column)
+    trials: dict[str, list[str]] = {}
+    for t in summary["search"]["trials"]:
+        verdict = "kept" if t["kept"] else f"rejected: {t['reason']}"
+        trials.setdefault(t["stage"], []).append(
+            f"{t['precision']}: {metric['name']} {t['metric']:.4g}, "
+            f"{t['baseline_ms']:.1f} → {t['stage_ms']:.1f} ms, {verdict}"
+        )
+    for name, choice in summary["stages"].items():
+        spent = reference["model_seconds"].get(name, 0.0)
+        refused = summary["search"]["space"][name]["refused"]
+        notes = trials.get(name, []) + [f"{p}: refused by its own check" for p in refused]
+        calls = str(reference["calls"].get(name, 0))
+        shown = "\n".join(notes) or "none tried"
+        table.add_row(name, calls, f"{1e3 * spent:.1f} ms", choice, shown)
+    table.caption = (
+        f"{reference['inputs']} inputs; glue {1e3 * reference['glue_seconds']:.1f} ms; "
+        f"{metric['name']} {metric['final']:.4g} against the fp32 pipeline's "
+        f"{metric['reference']:.4g} (allowed drop {metric['max_drop']})"
+    )
+    console.print(table)
