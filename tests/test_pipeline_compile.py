@@ -197,3 +197,14 @@ def test_kiln_optimize_refuses_a_bad_pipeline_in_one_line(case, monkeypatch, cap
                             "-o", "bad.kiln")  # fmt: skip
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert not (case["root"] / "bad.kiln").exists()
+
+
+def test_kiln_run_writes_a_pipelines_results_as_json_lines(case, compiled, monkeypatch, capsys):
+    out = case["root"] / "results.jsonl"
+    code, _, err = kiln_cli(monkeypatch, capsys, "run", str(compiled), "--data", case["data"],
+                            "--streams", "3", "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    inputs = list(load_function(case["data"])())
+    with Pipeline(str(compiled)) as pipe:
+        assert lines == [json.loads(json.dumps(pipe(x))) for x in inputs]

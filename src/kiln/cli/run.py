@@ -13,20 +13,38 @@ from kiln.errors import KilnError
 
 def run(
     artifact: Annotated[Path, typer.Argument(help="A NAME.kiln artifact directory.")],
-    inputs: Annotated[Path, typer.Option("--inputs", help=".npz with one array per input.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write outputs (.npz).")],
+    inputs: Annotated[
+        Path | None, typer.Option("--inputs", help=".npz with one array per input.")
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Where to write outputs (.npz; a pipeline's: .jsonl)."),
+    ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="A pipeline artifact's inputs: DIR or MODULE:FUNCTION."),
+    ] = None,
+    streams: Annotated[int, typer.Option(help="A pipeline's streams at once.")] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Run an artifact on inputs from an .npz file and write its outputs to another."""
+    """Run an artifact on inputs from an .npz file and write its outputs to another; or a
+    pipeline artifact over --data, each input's result as one JSON line."""
     import io
 
     import numpy as np
 
     from kiln.home import atomic_write_bytes
     from kiln.ir.inputs import read_inputs
+    from kiln.pipeline.pipeline_artifact import is_pipeline
     from kiln.runtime import Session
 
+    if output is None:
+        raise KilnError("kiln run needs -o: where to write the outputs.")
     check_output(output)  # before loading and running: a bad -o costs nothing
+    if is_pipeline(artifact):
+        return _run_pipeline(artifact, data, output, streams, as_json)
+    if inputs is None:
+        raise KilnError("kiln run needs --inputs: an .npz with one array per input.")
     session = Session(artifact)
     feeds = read_inputs(str(inputs), session.interface)
     outputs = session.run(None, feeds)
@@ -55,3 +73,19 @@ def run(
         )
     else:
         console.print(f"wrote {len(outputs)} outputs to {output}", highlight=False, markup=False)
+
+
+def _run_pipeline(artifact: Path, data: str | None, output: Path, streams: int,
+                  as_json: bool) -> None:  # fmt: skip
+    from kiln.pipeline.running import run_over
+
+    if data is None:
+        raise KilnError(
+            f"{artifact} is a pipeline: give its inputs with --data DIR|MODULE:FUNCTION."
+        )
+    count = run_over(artifact, data, output, streams)
+    if as_json:
+        emit_json({"artifact": str(artifact), "data": data, "output": str(output),
+                   "results": count, "streams": streams})  # fmt: skip
+    else:
+        console.print(f"wrote {count} results to {output}", highlight=False, markup=False)

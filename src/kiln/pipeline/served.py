@@ -68,7 +68,7 @@ class PipelineSession:
         answers, start = [], 0
         for feeds in requests:
             count = len(_items(feeds))
-            encoded = [_json(r) for r in results[start : start + count]]
+            encoded = [to_json(r) for r in results[start : start + count]]
             answers.append([np.array(encoded, dtype=object)])
             start += count
         return answers
@@ -110,7 +110,8 @@ def _query(item: Any) -> bytes:
     return item.encode("utf-8", "surrogatepass") if isinstance(item, str) else bytes(item)
 
 
-def _json(result: Any) -> bytes:
+def to_json(result: Any) -> bytes:
+    """A result as JSON: numpy arrays as lists, numpy scalars as numbers."""
     return json.dumps(result, default=_plain, ensure_ascii=False).encode()
 
 
