@@ -29,11 +29,6 @@ def run(
 ) -> None:
     """Run an artifact on inputs from an .npz file and write its outputs to another; or a
     pipeline artifact over --data, each input's result as one JSON line."""
-    import io
-
-    import numpy as np
-
-    from kiln.home import atomic_write_bytes
     from kiln.ir.inputs import read_inputs
     from kiln.pipeline.pipeline_artifact import is_pipeline
     from kiln.runtime import Session
@@ -49,30 +44,30 @@ def run(
     feeds = read_inputs(str(inputs), session.interface)
     outputs = session.run(None, feeds)
     named = dict(zip(session.output_names, outputs, strict=True))
+    _write_npz(output, named)
+    if as_json:
+        shown = [{"name": name, "dtype": str(getattr(value, "dtype", "sequence")),
+                  "shape": list(getattr(value, "shape", [len(value)]))}
+                 for name, value in named.items()]  # fmt: skip
+        emit_json({"artifact": str(artifact), "inputs": str(inputs), "output": str(output),
+                   "outputs": shown})  # fmt: skip
+    else:
+        console.print(f"wrote {len(outputs)} outputs to {output}", highlight=False, markup=False)
+
+
+def _write_npz(output: Path, named: dict) -> None:
+    import io
+
+    import numpy as np
+
+    from kiln.home import atomic_write_bytes
+
     data = io.BytesIO()
     np.savez(data, **named)
     try:
         atomic_write_bytes(output, data.getvalue())
     except OSError as exc:
         raise KilnError(f"{output}: could not write the outputs ({exc.strerror or exc}).") from None
-    if as_json:
-        emit_json(
-            {
-                "artifact": str(artifact),
-                "inputs": str(inputs),
-                "output": str(output),
-                "outputs": [
-                    {
-                        "name": name,
-                        "dtype": str(getattr(value, "dtype", "sequence")),
-                        "shape": list(getattr(value, "shape", [len(value)])),
-                    }
-                    for name, value in named.items()
-                ],
-            }
-        )
-    else:
-        console.print(f"wrote {len(outputs)} outputs to {output}", highlight=False, markup=False)
 
 
 def _run_pipeline(artifact: Path, data: str | None, output: Path, streams: int,
