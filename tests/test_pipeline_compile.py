@@ -42,6 +42,9 @@ def inputs():
         x[0, i % 4] += 12.0
         yield x
 
+def inputs_peer(x):
+    return {"label": -1}
+
 def not_a_number(references, outputs):
     return "high"
 
@@ -208,3 +211,24 @@ def test_kiln_run_writes_a_pipelines_results_as_json_lines(case, compiled, monke
     inputs = list(load_function(case["data"])())
     with Pipeline(str(compiled)) as pipe:
         assert lines == [json.loads(json.dumps(pipe(x))) for x in inputs]
+
+
+def test_kiln_bench_measures_a_pipeline_on_streams_against_the_plain_function(
+    case, compiled, monkeypatch, capsys
+):
+    code, stdout, err = kiln_cli(
+        monkeypatch, capsys, "bench", str(compiled), "--data", case["data"], "--streams", "1,3",
+        "--against-pipeline", f"{case['root'] / 'glue.py'}:inputs_peer", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert result["metric"] == "exact" and result["queries"] == 12
+    for n in ("1", "3"):
+        ways = result["streams"][n]
+        for way in ("kiln", "plain", "peer"):
+            assert ways[way]["queries"] == 12 and ways[way]["p99_ms"] >= ways[way]["p50_ms"] > 0
+        assert ways["plain"]["metric"] == 1.0  # the fp32 pipeline itself
+        assert ways["kiln"]["metric"] == 1.0  # the choices kept every result
+        assert ways["peer"]["metric"] == 0.0  # the peer answers otherwise
+        assert ways["kiln"]["stages"]["embed"]["calls"] == 12
+        assert ways["speedup_vs_plain"] > 0

@@ -18,6 +18,7 @@ from kiln.cli.console import (
     speed_advice,
 )
 from kiln.cli.flags import Flag, command, options
+from kiln.cli.pipeline import DataOpt, PeerOpt, StreamCountsOpt, bench_pipeline_verb
 from kiln.errors import KilnError
 
 ModelArg = Annotated[
@@ -46,8 +47,9 @@ BENCH_FLAGS = options(BenchConfig, flags={
 
 @command
 def bench(
-    model: ModelArg, config: Any = BENCH_FLAGS, output: OutputOpt = None, as_json: JsonOpt = False
-) -> None:
+    model: ModelArg, config: Any = BENCH_FLAGS, output: OutputOpt = None, as_json: JsonOpt = False,
+    data: DataOpt = None, streams: StreamCountsOpt = "1,4,16", against_pipeline: PeerOpt = None,
+) -> None:  # fmt: skip
     """Kiln against other engines, interleaved in one process: P50/P90/P99, jitter, throughput.
 
     Each engine's P50 is the median of its per-round P50s; its speedup is the first --against
@@ -57,11 +59,14 @@ def bench(
     probes between the rounds), and each engine's CQI is its fraction of the measured peak
     × (1 − jitter). Steadiness: each engine's jitter over the steadiest other engine's, with
     its bootstrap interval — steadiest, tied (no different within noise) or less steady.
+    A pipeline artifact is measured on --data at each of --streams (see --data).
     """
     from kiln.bench.config import run
     from kiln.report.terminal import print_bench
 
     check_output(output)  # before the benchmark, not after it: its results are not lost
+    if Path(model, "pipeline.json").is_file():
+        return bench_pipeline_verb(model, data, streams, against_pipeline, output, as_json)
     with progress() as bar:
         task = bar.add_task("preparing")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731

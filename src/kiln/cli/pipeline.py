@@ -48,6 +48,25 @@ StreamsOpt = Annotated[
         rich_help_panel="Pipelines",
     ),
 ]
+StreamCountsOpt = Annotated[
+    str,
+    typer.Option(
+        "--streams",
+        help="A pipeline artifact's stream counts, e.g. 1,4,16: at each, every input of --data "
+        "is answered with that many streams, each taking the next input when its last is "
+        "answered (MLPerf's MultiStream rule), pre- and post-processing timed.",
+        rich_help_panel="Pipelines",
+    ),
+]
+PeerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--against-pipeline",
+        help="A peer pipeline to measure beside a pipeline artifact: MODULE:FUNCTION of one "
+        "input, run with one thread per stream.",
+        rich_help_panel="Pipelines",
+    ),
+]
 LOSSY = {"fp32": (), "auto": ("int8",)}
 
 
@@ -126,4 +145,65 @@ def _print(summary: dict[str, Any]) -> None:
         f"{metric['name']} {metric['final']:.4g} against the fp32 pipeline's "
         f"{metric['reference']:.4g} (allowed drop {metric['max_drop']})"
     )
+    console.print(table)
+
+
+def bench_pipeline_verb(
+    artifact: str, data: str | None, streams: str, against: str | None, output: Path | None,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """`kiln bench` of a pipeline artifact: the MultiStream figures, printed or as JSON."""
+    from kiln.pipeline.bench import bench_pipeline
+
+    if data is None:
+        raise KilnError(f"{artifact} is a pipeline: give the inputs to answer, --data DIR or "
+                        "--data MODULE:FUNCTION.")  # fmt: skip
+    counts = _counts(streams)
+    with progress() as bar:
+        task = bar.add_task(f"benchmarking {artifact}")
+        result = bench_pipeline(artifact, data, counts, against,
+                                say=lambda line: bar.update(task, description=line))  # fmt: skip
+    if output is not None:
+        from kiln.home import atomic_write_json
+
+        try:
+            atomic_write_json(output, result)
+        except OSError as exc:
+            raise KilnError(
+                f"-o {output}: could not write the results ({exc.strerror or exc})."
+            ) from None
+    if as_json:
+        return emit_json(result)
+    _print_bench(result)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise KilnError(f"--streams {text}: give stream counts of 1 or more, e.g. 1,4,16.")
+    return counts
+
+
+def _print_bench(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{result['queries']} queries per stream count; metric {result['metric']} "
+                        "against the fp32 pipeline")  # fmt: skip
+    for column in ("streams", "way", "queries/s", "P50 ms", "P99 ms", "metric", "vs plain"):
+        table.add_column(column)
+    for n, ways in result["streams"].items():
+        for way in ("kiln", "plain", "peer"):
+            if way not in ways:
+                continue
+            w = ways[way]
+            ratio = (
+                ""
+                if way != "kiln"
+                else f"{ways['speedup_vs_plain']}x qps, P99 {ways['p99_vs_plain']}x"
+            )
+            table.add_row(n, way, f"{w['queries_per_s']:.2f}", f"{w['p50_ms']:.1f}",
+                          f"{w['p99_ms']:.1f}", f"{w['metric']:.4g}", ratio)  # fmt: skip
     console.print(table)
