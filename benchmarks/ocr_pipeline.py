@@ -112,3 +112,14 @@ def read_text(image: Any, *, det: Any, cls: Any, rec: Any) -> list | None:
 def lines(result: list | None) -> list[str]:
     """The recognised text of a result, line by line."""
     return [str(text) for _box, text, _score in result or []]
+
+
+def lines_equal(references: list, outputs: list) -> float:
+    """The pipeline metric: the share of recognised lines equal to the reference's, over all
+    images (a line missing or extra counts as unequal)."""
+    equal = total = 0
+    for reference, output in zip(references, outputs, strict=True):
+        want, got = lines(reference), lines(output)
+        equal += sum(a == b for a, b in zip(want, got, strict=False))
+        total += max(len(want), len(got))
+    return equal / total if total else 1.0
