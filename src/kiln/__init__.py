@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
-    "compile": ("kiln.compiler", "compile"),
     "CompileConfig": ("kiln.config", "CompileConfig"),
     "KilnError": ("kiln.errors", "KilnError"),
     "Pipeline": ("kiln.pipeline", "Pipeline"),  # a pipeline function and its models, run
@@ -69,6 +68,26 @@ def Session(  # noqa: N802 (named as the class it stands for, as in onnxruntime)
     return session
 
 
+def _compile() -> Any:
+    """`kiln.compile`: kiln.compiler's compile with kiln.partition's builder handed in (the
+    compiler may not import the layer above it); its signature and help are the compiler's."""
+    import functools
+    import inspect
+
+    compile_ = _load("kiln.compiler", "compile")
+    builder = _load("kiln.partition", "compile_partitioned")
+
+    @functools.wraps(compile_)
+    def compile(*args: Any, **kwargs: Any) -> Any:  # kiln.compile, as documented
+        return compile_(*args, partitioned=builder, **kwargs)
+
+    signature = inspect.signature(compile_)
+    compile.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in signature.parameters.values() if p.name != "partitioned"]
+    )
+    return compile
+
+
 def _load(module: str, name: str | None) -> Any:
     """`module.name` (None: the module), imported on first use, and by name: the packages that
     import `kiln` for its __version__ must not count as importing what it loads (the
@@ -80,6 +99,9 @@ def _load(module: str, name: str | None) -> Any:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "compile":
+        value = globals()["compile"] = _compile()
+        return value
     if name not in _LAZY:
         raise AttributeError(f"module 'kiln' has no attribute '{name}'")
     value = _load(*_LAZY[name])
@@ -88,7 +110,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted([*globals(), *_LAZY, "compile"])
 
 
 __all__ = [

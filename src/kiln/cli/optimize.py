@@ -120,6 +120,7 @@ def optimize(
     from kiln.artifact.store import check_destination, replaces_existing
     from kiln.compiler import candidates
     from kiln.compiler.api import compile_loaded, load_source, memory_budget
+    from kiln.partition import compile_partitioned
 
     if config_file is not None:
         config, model = _recorded(config, config_file, skip, max_memory, model)
@@ -142,7 +143,8 @@ def optimize(
         replaced = replaces_existing(destination)
         artifact = compile_loaded(loaded, config, destination, rounds=rounds, runs=runs,
                                   progress=say, force=force, max_memory_mib=budget,
-                                  measure=_measure_memory, memory=memory)  # fmt: skip
+                                  measure=_measure_memory, memory=memory,
+                                  partitioned=compile_partitioned)  # fmt: skip
     _report(artifact, replaced, config, model, as_json)
 
 

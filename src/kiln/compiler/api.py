@@ -61,6 +61,7 @@ def compile(
     force: bool = False,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
+    partitioned: PartsBuilder | None = None,
     **settings: Any,
 ) -> Artifact:
     """Compile a model into a verified artifact directory.
@@ -82,7 +83,8 @@ def compile(
     `output` is replaced; anything else there (a file, another directory, an artifact holding
     files of the user's) is refused before any work unless `force=True`. `partition="auto"`
     (or a placement, "image=openvino,text=ort") builds the model's independent branches as
-    parts on their own engines, run at once by kiln.Session (see kiln.partition).
+    parts on their own engines, run at once by kiln.Session (see kiln.partition): that build
+    is `partitioned`'s, which `kiln.compile` hands in (kiln.partition sits above the compiler).
     Raises KilnError, writing nothing, when the result cannot be verified."""
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
     if output is not None:
@@ -92,7 +94,8 @@ def compile(
     check_destination(destination, force)
     try:
         return compile_loaded(loaded, config, destination, inputs=inputs, pipeline=pipeline,
-                              rounds=rounds, runs=runs, progress=progress, force=force)  # fmt: skip
+                              rounds=rounds, runs=runs, progress=progress, force=force,
+                              partitioned=partitioned)  # fmt: skip
     except BaseException:
         if output is None:  # the temporary directory made for it
             shutil.rmtree(destination.parent, ignore_errors=True)
@@ -113,9 +116,11 @@ def compile_loaded(
     max_memory_mib: float | None = None,
     measure: Measure | None = None,
     memory: bool | None = None,
+    partitioned: PartsBuilder | None = None,
 ) -> Artifact:
     """A loaded model compiled into `destination` as `config` says: the partitioned build
-    its `partition` asks for (kiln.partition), or one engine's build. Under
+    its `partition` asks for (by `partitioned`, kiln.partition's builder), or one engine's
+    build. Under
     `max_memory_mib` the fastest verified candidate that fits is kept, each measured by
     `measure` (kiln.compiler.memory; the caller hands it in, as the compiler does not run a
     Session). With `measure` given, `memory` (None: for models with MEMORY_FROM_MIB of
@@ -123,10 +128,14 @@ def compile_loaded(
     if max_memory_mib is not None:
         _check_budget(config, max_memory_mib, rounds, measure)
     if config.partition != NO_PARTITION:
-        from kiln.partition import compile_partitioned
-
+        if partitioned is None:
+            raise KilnError(
+                f"partition={config.partition!r} builds parts on several engines: call "
+                "kiln.compile (or kiln optimize), which hands the compiler kiln.partition's "
+                "builder."
+            )
         given, source = _given_inputs(loaded, inputs if inputs is not None else config.inputs)
-        return compile_partitioned(
+        return partitioned(
             loaded, config, destination, given, source, save_result, rounds=rounds, runs=runs,
             progress=progress, force=force,
         )  # fmt: skip
@@ -147,6 +156,9 @@ def compile_loaded(
     return save_result(result, destination, bench, force=force)
 
 
+# kiln.partition's compile_partitioned (loaded, config, destination, given inputs, their
+# source, save, **settings): handed in, as the compiler may not import the layer above it.
+PartsBuilder = Callable[..., Artifact]
 # A candidate's memory in MiB, measured by the caller: "peak_mib", "load_mib", "steady_mib",
 # and "process_mib", the measuring process's own high-water mark (see kiln.compiler.memory).
 Measure = Callable[[CompileResult], Mapping[str, float]]
