@@ -1,7 +1,11 @@
 """RapidOCR's OCR pipeline on many streams: Kiln's pipeline runtime against RapidOCR as its
 users run it, MLPerf MultiStream-shaped, with pre- and post-processing timed.
 
-    python benchmarks/pipeline_ocr.py [--streams 1,4,16] [--images 24] [--json out.json]
+    kiln optimize benchmarks/ocr_pipeline.py:read_text --model det=... --model cls=... \
+        --model rec=... --data MODULE:FUNCTION --metric benchmarks/ocr_pipeline.py:lines_equal \
+        --precision auto --max-drop 0.01 -o ocr.kiln    (the models: ocr_pipeline.MODELS)
+    python benchmarks/pipeline_ocr.py [--artifact ocr.kiln] [--streams 1,4,16] [--images 24] \
+        [--json out.json]
 
 The pipeline is benchmarks/ocr_pipeline.py:read_text — RapidOCR 1.4.4's own glue over the
 wheel's PP-OCRv4 detector, orientation classifier and recogniser. The images are made here,
@@ -11,9 +15,10 @@ count, each stream takes the next image when its last is answered; three ways ru
 images:
 - `rapidocr`: `RapidOCR()` as its users run it — one engine per worker thread, or one shared
   by all (the faster of the two is kept, both are in the file);
-- `plain_artifacts`: the same function over the same per-stage models opened as
-  `kiln.Session`, one thread per stream, no pipeline runtime (the runtime's share, isolated);
-- `kiln`: `kiln.pipeline.Pipeline.map(streams=N)`, each model's calls pooled across streams.
+- `plain_artifacts`: the same function over the same per-stage models (the artifact's
+  stages, or without --artifact the wheel's models) opened as `kiln.Session`, one thread per
+  stream, no pipeline runtime (the runtime's share, isolated);
+- `kiln`: `kiln.Pipeline(artifact).map(streams=N)`, each model's calls pooled across streams.
 Per way: queries answered, P50/P90/P99 per query (and how many queries back the P99),
 queries/s; `lines_equal` (share of images whose text lines equal RapidOCR's) and `cer` (the
 character error rate against RapidOCR's text). The default run takes about 5 minutes on
@@ -145,8 +150,11 @@ def kiln_way(images, streams, reference, pipe) -> dict[str, Any]:
     return out
 
 
-def measure(images: list[np.ndarray], counts: list[int]) -> dict[str, Any]:
-    from ocr_pipeline import MODELS
+def measure(images: list[np.ndarray], counts: list[int], artifact: Path | None) -> dict[str, Any]:
+    """Each way at each stream count. `artifact`: the OCR pipeline compiled by Kiln (its
+    stages' artifacts run both under Kiln's runtime and from the plain function); None: the
+    wheel's models as they are, opened as kiln.Session (the runtime's share alone)."""
+    from ocr_pipeline import MODELS, read_text
     from rapidocr_onnxruntime import RapidOCR
 
     import kiln
@@ -154,11 +162,14 @@ def measure(images: list[np.ndarray], counts: list[int]) -> dict[str, Any]:
 
     engine = RapidOCR()
     reference = [engine(image)[0] for image in images]
-    sessions = {name: kiln.Session(str(path)) for name, path in MODELS.items()}
-    from ocr_pipeline import read_text
-
+    if artifact is not None:
+        stages = {name: artifact / "stages" / f"{name}.kiln" for name in MODELS}
+    else:
+        stages = dict(MODELS)
+    sessions = {name: kiln.Session(str(path)) for name, path in stages.items()}
+    pipe_source: Any = (str(artifact), None) if artifact is not None else (read_text, sessions)
     out: dict[str, Any] = {}
-    with Pipeline(read_text, sessions) as pipe:
+    with Pipeline(*pipe_source) as pipe:
         for n in counts:
             print(f"{n} streams ...", file=sys.stderr, flush=True)
             ways = {
@@ -183,6 +194,15 @@ def measure(images: list[np.ndarray], counts: list[int]) -> dict[str, Any]:
     return out
 
 
+def _choices(artifact: Path | None) -> dict[str, Any] | None:
+    """What the compiled pipeline chose per stage, and its metric, from its pipeline.json."""
+    if artifact is None:
+        return None
+    manifest = json.loads((artifact / "pipeline.json").read_text())
+    return {"stages": {n: s["precision"] for n, s in manifest["stages"].items()},
+            "metric": manifest["metric"]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,12 +210,18 @@ def main() -> None:
     parser.add_argument("--streams", default="1,4,16", help="stream counts (default 1,4,16)")
     parser.add_argument("--images", type=int, default=24, help="images per stream count")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--artifact", type=Path,
+        help="the OCR pipeline compiled by `kiln optimize benchmarks/ocr_pipeline.py:read_text "
+        "... -o OCR.kiln` (default: the wheel's models as they are)",
+    )  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args()
     recorder = Recorder("pipeline_ocr")
     counts = [int(n) for n in args.streams.split(",")]
-    streams = measure(make_images(args.images), counts)
-    document = {"machine": recorder.machine, "streams": streams}
+    streams = measure(make_images(args.images), counts, args.artifact)
+    document = {"machine": recorder.machine, "streams": streams,
+                "artifact": _choices(args.artifact)}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     rows = []
