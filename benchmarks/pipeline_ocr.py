@@ -1,9 +1,10 @@
 """RapidOCR's OCR pipeline on many streams: Kiln's pipeline runtime against RapidOCR as its
 users run it, MLPerf MultiStream-shaped, with pre- and post-processing timed.
 
-    kiln optimize benchmarks/ocr_pipeline.py:read_text --model det=... --model cls=... \
-        --model rec=... --data MODULE:FUNCTION --metric benchmarks/ocr_pipeline.py:lines_equal \
-        --precision auto --max-drop 0.01 -o ocr.kiln    (the models: ocr_pipeline.MODELS)
+    kiln optimize benchmarks/ocr_pipeline.py:read_text \
+        --model det=... --model cls=... --model rec=...    (the models: ocr_pipeline.MODELS)
+        --data benchmarks/pipeline_ocr.py:images --metric benchmarks/ocr_pipeline.py:lines_equal \
+        --precision auto --max-drop 0.01 -o ocr.kiln
     python benchmarks/pipeline_ocr.py [--artifact ocr.kiln] [--streams 1,4,16] [--images 24] \
         [--json out.json]
 
@@ -66,6 +67,11 @@ def make_images(count: int, seed: int = 0) -> list[np.ndarray]:
         pixels += np.random.default_rng(len(images)).normal(0, rng.choice((0, 8, 16)), pixels.shape)
         images.append(np.clip(pixels, 0, 255).astype(np.uint8))
     return images
+
+
+def images() -> list[np.ndarray]:
+    """The default data set, for `kiln optimize ... --data benchmarks/pipeline_ocr.py:images`."""
+    return make_images(24)
 
 
 def levenshtein(a: str, b: str) -> int:
