@@ -121,8 +121,8 @@ class CompileConfig:
         _check_recipe(self)
         if self.static and self.engine == "ort":
             raise KilnError(
-                "--static applies to OpenVINO: ONNX Runtime ran bert-base slower with its dims "
-                "fixed (0.92x on an AVX-512 EPYC); use --backend openvino or auto."
+                "--static applies to OpenVINO: ONNX Runtime runs no faster with its dims fixed "
+                "(docs/contributing/engine-notes.md); use --backend openvino or auto."
             )
         partition_placement(self.partition)  # a bad placement is refused before any work
         if self.recipe is not None:  # a recipe runs on the original graph: no passes

@@ -88,7 +88,8 @@ def interleave(
 
     Each block starts with `settle` untimed runs: the first run after another engine's block
     pays for that engine's threads still spinning on the cores and for the caches it left —
-    on a 2-core EPYC one run in a hundred, exactly a P99, up to 1.9x the P50 (resnet50). The
+    about one run in a hundred, exactly a P99, and well above the P50 ("Measuring on a shared
+    machine" in docs/contributing/engine-notes.md). The
     blocks are there to share the machine's drift, not to time the switch; what alternating
     sessions cost each other is measured apart (benchmarks/steady.py)."""
     names = list(runners)

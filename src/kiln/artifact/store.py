@@ -30,7 +30,7 @@ DATA_FILE = "model.onnx.data"
 # Weights above this size go to the external data file: model.onnx stays small to inspect,
 # and ONNX Runtime memory-maps the weights in place rather than holding the parsed file, its
 # tensors and their copies: a 64 MiB MLP peaked at 320 MiB inline, 78 MiB external (kiln
-# optimize --memory, 2026-12-03).
+# optimize --memory).
 EXTERNAL_THRESHOLD = 1 << 20
 
 

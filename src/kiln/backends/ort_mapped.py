@@ -1,8 +1,9 @@
 """ONNX Runtime sessions on a large in-memory model whose weights still lie in their file.
 
 A compile opens several sessions on one model (the reference, each candidate, the baselines it
-is timed against), and ONNX Runtime reads a copy of the weights into each: a 2.5 GiB
-external-data model peaked at 2.1x its weights while compiling. Here every session uses the
+is timed against), and ONNX Runtime reads a copy of the weights into each, so a compile's
+peak grows with them to a multiple of the weights (benchmarks/compile_memory.py measures
+it). Here every session uses the
 weights on one memory map of their file (`SessionOptions.add_initializer` takes the buffer
 without copying), so they are resident once, shared by every session. ONNX Runtime still
 checks each external reference before it sees the override, so the model handed to it points

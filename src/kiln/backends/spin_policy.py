@@ -1,16 +1,16 @@
 """Who shares this process with a spinning ONNX Runtime pool.
 
 ONNX Runtime's intra-op pool spins for a while after each run, on the cores the next run of
-anything else in the process needs (2-core AVX-512 EPYC, run by run: two ORT fp32 artifacts
-kept 0.52× / 0.78× of their speed alone; an OpenVINO int8 bert-base beside a spinning ORT fp32
-one 0.62×, beside a spinning bert-tiny 0.58×; 0.96–1.01× with the ORT pool stopped after each
-run). Alone, a spinning pool has the steadier tail. So a pool Kiln opens spins while nothing
+anything else in the process needs: run by run beside a spinning pool, another artifact loses
+much of its speed, and nearly none with the pool stopped after each run (the Threads note in
+docs/contributing/engine-notes.md; benchmarks/two_sessions.py measures it). Alone, a spinning
+pool has the steadier tail. So a pool Kiln opens spins while nothing
 else runs in the process and stops after each run once company arrives: another ORT
 executable, an executable of another engine that a `kiln.Session` opens (not the peers and
 candidates Kiln opens only to time them, in blocks, never run by run), or a server
 (`share_process`). Small models' pools are the exception among themselves: two sub-millisecond
-models alternating kept 0.99× spinning and 0.90× stopped, so a small pool stops only beside a
-large one, another engine or a server.
+models alternating lose less to each other's spinning than to stopping, so a small pool stops
+only beside a large one, another engine or a server.
 """
 
 from __future__ import annotations

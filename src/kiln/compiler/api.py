@@ -285,7 +285,8 @@ def build(
 
 def _passes_cost_time(config: CompileConfig, bench: dict) -> bool:
     """Kiln's default passes left the one fp32 candidate slower than the original under ONNX
-    Runtime as-is, beyond noise (bert-base on an AVX-512 Xeon: 0.95×)."""
+    Runtime as-is, beyond noise (a fused op can be slower than the ops it replaces:
+    docs/contributing/engine-notes.md)."""
     default = not config.is_auto and config.pipeline is None and config.precision == "fp32"
     return default and bench.get("verdict") == "slower"
 

@@ -8,15 +8,13 @@ cheapest in time first, each kept only when it lowered the peak, until it fits; 
 option sets tried are timed interleaved against the engine's own, so the record says what each
 saved and what it cost in latency.
 
-Measured here (ONNX Runtime 1.32; peak RSS over opening and 10 runs, above the interpreter and
-the engine's library): bert-base fp32 (418 MiB of weights, kept in the artifact's external file,
-which ONNX Runtime memory-maps) peaks at 434 MiB with ONNX Runtime's defaults and 430–436 MiB
-with any of these options, because every weight page is read once either way; prepacking off
-keeps the load to 12 MiB (345 with it) and the weights in the page cache rather than the
-process's own memory, at 1.30× the latency (1.09–1.36 over 5 rounds). An 80 MiB MLP: 105 → 91
-MiB with prepacking off; a 128 MiB one at batch 2000: 203 → 171 MiB with the memory pattern off.
-OpenVINO: `release_mapped` (on by default) gives back the mapped weight pages its CPU plugin
-has copied: bert-base fp32 812 -> 470 MiB, NNCF int8 355 -> 254 MiB
+What an option saves depends on the model, which is why each is measured rather than assumed
+(the figures: "Memory-saving options" in docs/contributing/engine-notes.md). ONNX Runtime
+memory-maps the weights an artifact keeps in its external file and reads every page once
+whatever the options, so a transformer's peak barely moves; prepacking off keeps its weights in
+the page cache rather than the process's own memory, at a cost in latency. Smaller models gain
+from prepacking off, and large batches from the memory pattern off. OpenVINO: `release_mapped`
+(on by default) gives back the mapped weight pages its CPU plugin has copied
 (benchmarks/openvino_memory.py).
 """
 

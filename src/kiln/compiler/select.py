@@ -63,11 +63,12 @@ def candidates(config: CompileConfig) -> list[CompileConfig]:
 
 def static_twins(config: CompileConfig, own: list[CompileConfig]) -> list[CompileConfig]:
     """Engine auto with dims the user pinned (`shapes`): each OpenVINO candidate also compiled
-    static at the verified dims, timed like the rest rather than assumed: static ran
-    bert-base-4k at 4,096 tokens 1.09× faster in every round (AMD EPYC, OpenVINO 2026.4) and
-    bert-base at 128 within noise of dynamic. Without pinned dims the verified ones are Kiln's
-    guess, no shape to specialise for. Unquantized candidates only: a quantized twin would
-    calibrate all over again (kiln tune searches `openvino.static` at every precision)."""
+    static at the verified dims, timed like the rest rather than assumed: static can win at
+    long sequences and be within noise of dynamic at short ones (benchmarks/long_seq.py; the
+    dynamic dims note in docs/contributing/engine-notes.md). Without pinned dims the verified
+    ones are Kiln's guess, no shape to specialise for. Unquantized candidates only: a quantized
+    twin would calibrate all over again (kiln tune searches `openvino.static` at every
+    precision)."""
     if config.engine != AUTO or config.static or not config.shapes:
         return []
     return [c.replace(static=True) for c in own

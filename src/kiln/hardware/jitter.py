@@ -1,7 +1,8 @@
 """The host's jitter floor: how much a fixed amount of work varies from run to run here, now.
 
 A jitter Kiln prints means little alone: on a shared machine even a pure-Python loop of
-fixed work has a tail (≈ 0.2 on a quiet 2-core EPYC; far more while others run). So the
+fixed work has a tail, even on a quiet machine, and far more while others run ("Measuring on
+a shared machine" in docs/contributing/engine-notes.md). So the
 floor is measured with fixed-work probes (a pure-Python loop and an fp32 numpy matmul, each
 sized to about 1 ms here) in interleaved windows (the probes take turns, so both see the same
 moments of the machine), with the same statistics as every engine's jitter (`kiln.timing.
@@ -141,8 +142,9 @@ class FloorSampler:
     def window(self, runs: int) -> None:
         """Time `runs` runs of each probe, the order rotating from window to window, each
         after SETTLE_S of untimed runs: a window follows an engine's round, whose thread pool
-        may still spin on the cores for milliseconds (inside kiln bench the python-loop's
-        first runs after ONNX Runtime read a jitter of 0.83 where it reads 0.11 alone)."""
+        may still spin on the cores for milliseconds (inside kiln bench the python loop's
+        first runs after ONNX Runtime read several times the jitter it reads alone: "Measuring
+        on a shared machine" in docs/contributing/engine-notes.md)."""
         shift = len(self.samples[self.probes[0].name]) % len(self.probes)
         for probe in self.probes[shift:] + self.probes[:shift]:
             _settle(probe.run, self.clock)

@@ -210,7 +210,7 @@ def _gemm_gflops(precision: str, threads: int) -> float | None:
     real model's layer is (engines pre-pack constant weights), in the fastest of the engines
     that have kernels of that precision and of a few sizes: a profile puts either engine's
     kernels under this roof, and a layer whose operands sit in cache runs faster than a GEMM
-    too big for it (on a 2-core EPYC with 8 MiB of L3: 70 GFLOP/s at n = 256, 36 at 1024).
+    too big for it ("Measuring on a shared machine" in docs/contributing/engine-notes.md).
     None if no engine runs it in that precision."""
     engines = ("openvino",) if precision == "bf16" else ("ort", "openvino")
     sizes = _GEMM_SIZES if threads <= 8 else tuple(2 * n for n in _GEMM_SIZES)

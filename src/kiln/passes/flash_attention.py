@@ -11,11 +11,11 @@ model compiled for at least `FLASH_ROWS` tokens (its static length, or the size 
 gives it: the zoo's, or the compile's `--shape`) is wrapped; a short one would pay the If
 for nothing.
 
-Measured, not assumed: on an AMD EPYC with AVX-512 (onnxruntime 1.32, 2 threads) one bert-base
-layer at 4,096 tokens ran 1.18× as fast through the flash branch, at 1,024 1.08×; on an AVX2
-EPYC 1.02×. So the pass first times the two at the model's width and heads at `FLASH_ROWS`
-(`kiln.passes.fused_op_pays.flash_attention_slower`) and leaves the graph alone, saying so,
-where the flash branch is slower there in every round (its lead grows with the length).
+Measured, not assumed: how much the flash branch gains depends on the CPU and grows with the
+length (the Attention note in docs/contributing/engine-notes.md; benchmarks/flash_attention.py
+times it on an artifact). So the pass first times the two at the model's width and heads at
+`FLASH_ROWS` (`kiln.passes.fused_op_pays.flash_attention_slower`) and leaves the graph alone,
+saying so, where the flash branch is slower there in every round.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """Does ONNX Runtime run a fused op faster than the ops it replaces, here? Measured, not assumed.
 
-A fusion into a contrib op is a bet on that op's CPU kernel. On an Intel Xeon with AVX-512
-(onnxruntime 1.32, 2 threads) `SkipLayerNormalization` over 128 × 768 took 0.31 ms where the
-Add, Add and LayerNormalization it replaces took 0.09 (3.3×; 4.7× at 512 rows): bert-base
-has 24 of them, and the fusion alone left Kiln's artifact 0.95× ORT as-is. So the fusion
-pass asks first: both forms are built at the model's width, compiled as Kiln compiles for ORT
-(all of ORT's own optimizations but its SkipLayerNormFusion, which would fuse the unfused form
-too; its default threads) and timed interleaved (`ROUNDS` × `RUNS`, about 0.1 s); the fusion
-runs unless the fused form is slower in every round. Remembered per width for the process.
+A fusion into a contrib op is a bet on that op's CPU kernel: `SkipLayerNormalization` can run
+several times slower than the Add, Add and LayerNormalization it replaces, enough to leave
+bert-base's artifact slower than ORT as-is ("A fused op is a bet on its kernel" in
+docs/contributing/engine-notes.md). So the fusion pass asks first: both forms are built at
+the model's width, compiled as Kiln compiles for ORT (all of ORT's own optimizations but its
+SkipLayerNormFusion, which would fuse the unfused form too; its default threads) and timed
+interleaved (`ROUNDS` × `RUNS`, about 0.1 s); the fusion runs unless the fused form is slower
+in every round. Remembered per width for the process.
 
 `KILN_FUSED_OPS=fuse` in the environment skips the measurement and fuses wherever a rule
 matches: the same graph on every machine (the tests run so).
 
 Where the fusion is declined, the compiler also turns ORT's own SkipLayerNormFusion off in the
 artifact's session options (`OrtOptions.disabled_optimizers`): given the shapes Kiln's graphs
-state, ORT would otherwise make the same fusion itself (bert-base: 0.94× ORT as-is with it,
-1.01× without).
+state, ORT would otherwise make the same fusion itself, and lose the same time.
 """
 
 from __future__ import annotations
@@ -126,7 +125,7 @@ def flash_attention_slower(heads: int, width: int) -> str | None:
     """None unless ORT's mask-free MultiHeadAttention (its CPU flash path), with the packed
     projection and Split before it, is slower than its Attention at `FLASH_ROWS` tokens in every
     round; else why the flash branch is not taken. Not slower at its shortest is enough: its
-    lead grows with the length (bert-base, one layer: 1.04–1.08× at 1,024, 1.18× at 4,096)."""
+    lead grows with the length (benchmarks/flash_attention.py)."""
     if os.environ.get(ENV, "measure") == "fuse":
         return None
     ratio = _flash_over_attention(heads, width)

@@ -4,9 +4,9 @@ Exporters write `K^T` for `Q · K^T` as one Transpose from [batch, seq, heads, d
 [batch, heads, dim, seq] (perm 0, 2, 3, 1). OpenVINO's CPU plugin folds Q's and V's head
 split (perm 0, 2, 1, 3) into its fused attention kernel, and a trailing (0, 1, 3, 2) into the
 MatMul as transpose_b, but not the one-step (0, 2, 3, 1) on an int8 K: NNCF's int8 bert-base
-ran it as twelve reference-kernel transposes, 0.36 of 17.5 ms a run. Written as two, both
-fold: 1.02× over the NNCF recipe (1.008–1.030 in six processes, AVX-512 EPYC,
-OpenVINO 2026.4), outputs bit-identical.
+runs it as twelve reference-kernel transposes. Written as two, both fold: a small gain over the
+NNCF recipe, outputs bit-identical (the key Transpose note in
+docs/contributing/engine-notes.md).
 
 Kiln applies it to its OpenVINO int8 graphs after NNCF (`kiln.precision.quantizers`), never
 to the hand-run peers `kiln bench` measures.

@@ -75,8 +75,9 @@ class BucketSet:
 
 def executable_cap(model: ir.Model, shared: bool) -> int:
     """How many bucket executables stay loaded: their estimated memory (a weight copy each,
-    about 2x the weights for OpenVINO as measured on BERT-base; an eighth of that when the
-    weights are shared) within a quarter of the machine's memory; between 2 and 32."""
+    taken as twice the weights, about what an OpenVINO executable of bert-base holds:
+    benchmarks/openvino_memory.py; an eighth of that when the weights are shared) within a
+    quarter of the machine's memory; between 2 and 32."""
     weights = weight_bytes(model)
     each = max(weights // 8 if shared else weights * 2, 16 << 20)
     try:

@@ -244,9 +244,10 @@ _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 class InferFirst:
     """Answers `POST .../infer` (the routes above) ahead of FastAPI's router, with the same
     `_infer` and the same refusals: routing through every route, solving the endpoint's
-    parameters and the exception middleware took about two thirds of a lone resnet-tiny
-    request's time inside the app (py-spy on a 2-core EPYC), more than decoding, running and
-    encoding it. Everything else goes on to the app."""
+    parameters and the exception middleware cost a lone small request more of its time inside
+    the app than decoding, running and encoding it ("Serving" in
+    docs/contributing/engine-notes.md; benchmarks/serve_compare.py times a lone request).
+    Everything else goes on to the app."""
 
     def __init__(self, app: ASGIApp, models: ModelSet, limit: int, body_timeout_s: float) -> None:
         self.app, self.models, self.limit, self.timeout = app, models, limit, body_timeout_s
