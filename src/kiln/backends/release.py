@@ -117,9 +117,9 @@ def collect_garbage() -> bool:
     """Free what only reference cycles keep alive, then `trim_heap`. An onnx_ir model is a web
     of cycles (a node names its graph, a value its producer), so a discarded copy — every
     candidate and every accuracy-guard trial of a compile is one, with all its weights — stays
-    resident until the collector's rare full pass: a precision search at 512 tokens climbed
-    from 5.2 to 11.5 GiB before one ran. Tens of milliseconds: called between compiles,
-    never per request."""
+    resident until the collector's rare full pass, and a precision search's memory climbs
+    with every trial until then (the onnx-ir note in docs/contributing/engine-notes.md). Tens
+    of milliseconds: called between compiles, never per request."""
     gc.collect()
     return trim_heap()
 
