@@ -30,11 +30,12 @@ NameOpt = Annotated[
 ]
 VersionOpt = Annotated[int, typer.Option("--version", help="Model version directory.")]
 RuntimeOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         help="native: Triton's ONNX Runtime or OpenVINO backend with Kiln's engine "
         "settings; kiln: Kiln's runtime (buckets, verified swaps) in Triton's "
-        "Python backend."
+        "Python backend, the only one that runs a pipeline artifact. Default: native for a "
+        "model, kiln for a pipeline."
     ),
 ]
 KserveOpt = Annotated[
@@ -77,7 +78,7 @@ ForceOpt = Annotated[
 
 def export(
     artifact: ArtifactArg, triton: TritonOpt = None, name: NameOpt = None,
-    version: VersionOpt = 1, runtime: RuntimeOpt = "native", kserve: KserveOpt = None,
+    version: VersionOpt = 1, runtime: RuntimeOpt = None, kserve: KserveOpt = None,
     storage_uri: StorageUriOpt = None, image: ImageOpt = None, measure_s: MeasureSOpt = 3.0,
     force: ForceOpt = False, json_: JsonOpt = False,
 ) -> None:  # fmt: skip
@@ -85,7 +86,15 @@ def export(
     REPO/NAME/VERSION/, ready for `tritonserver --model-repository REPO`; with --kserve,
     the InferenceService that serves REPO on KServe."""
     from kiln.deploy import export_kserve, export_triton
+    from kiln.pipeline.pipeline_artifact import is_pipeline
 
+    pipeline = is_pipeline(artifact)
+    if pipeline and kserve is not None:
+        raise KilnError(
+            f"{artifact} is a pipeline artifact: --kserve sizes a replica of one model; "
+            "export the pipeline with --triton REPO alone."
+        )
+    runtime = runtime or ("kiln" if pipeline else "native")
     if triton is None:
         where = " (--kserve serves the repository --triton writes)" if kserve else ""
         raise KilnError(

@@ -36,8 +36,15 @@ from kiln.artifact.store import (
 )
 from kiln.deploy.config import KILN, NATIVE, RUNTIMES, triton_backend, triton_config
 from kiln.deploy.pbtxt import config_text
+from kiln.deploy.triton_pipeline import (
+    check_pipeline,
+    fill_pipeline,
+    pipeline_config,
+    pipeline_header,
+)
 from kiln.errors import KilnError
 from kiln.home import atomic_write_text, output_problem, replace_directory
+from kiln.pipeline.pipeline_artifact import is_pipeline
 
 CONFIG_FILE = "config.pbtxt"
 ARTIFACT_DIR = "artifact.kiln"  # as python_model.ARTIFACT, which cannot import Kiln
@@ -98,15 +105,28 @@ def export_triton(
     _check_name(name, given=True)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise KilnError(f"version {version!r}: Triton's versions are whole numbers from 1.")
-    source = read_source(artifact, runtime)
+    if is_pipeline(artifact):  # the user's function over its stages: Kiln's runtime only
+        check_pipeline(artifact, runtime)
+        backend, config, notes, requires = "python", pipeline_config(name), [], ""
+        header = pipeline_header(artifact)
+
+        def fill(into: Path) -> None:
+            fill_pipeline(into, artifact)
+    else:
+        source = read_source(artifact, runtime)
+        backend = triton_backend(source.manifest, runtime)
+        config, notes, requires = triton_config(source, name, runtime)
+        header = _header(source, backend, runtime, notes, requires)
+
+        def fill(into: Path) -> None:
+            _fill(into, source, runtime)
+
     repository = Path(repository)
-    backend = triton_backend(source.manifest, runtime)
     _check_destination(repository, name, version, force)
-    config, notes, requires = triton_config(source, name, runtime)
-    text = config_text(config, header=_header(source, backend, runtime, notes, requires))
+    text = config_text(config, header=header)
     if not _config_to_write(repository / name, version, text, force):
         text = None  # the config serving the other versions serves this one as it is
-    _install(repository, name, version, lambda into: _fill(into, source, runtime), text)
+    _install(repository, name, version, fill, text)
     return TritonExport(repository, name, version, runtime, backend, config, notes, requires)
 
 
