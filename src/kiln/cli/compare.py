@@ -19,6 +19,7 @@ from kiln.cli.console import (
     part_path,
     progress,
 )
+from kiln.cli.pipeline import DataOpt, compare_pipeline_verb
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
@@ -31,7 +32,10 @@ SIDE_HELP = (
 
 
 ReferenceArg = Annotated[str, typer.Argument(help=f"The reference. {SIDE_HELP}")]
-ComparedArg = Annotated[str, typer.Argument(help=f"What is compared with it. {SIDE_HELP}")]
+ComparedArg = Annotated[
+    str | None,
+    typer.Argument(help=f"What is compared with it. {SIDE_HELP} Left out for a pipeline artifact."),
+]
 MetricOpt = Annotated[
     str,
     typer.Option(
@@ -56,26 +60,26 @@ ModelExplorerOpt = Annotated[
 
 
 def compare(
-    a: ReferenceArg, b: ComparedArg, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
+    a: ReferenceArg, b: ComparedArg = None, inputs: InputsOpt = None, shape: ShapeOpt = [],  # noqa: B006
     metric: MetricOpt = "auto", max_drop: MaxDropOpt = None, output: OutputOpt = None,
-    model_explorer: ModelExplorerOpt = None, as_json: JsonOpt = False,
+    model_explorer: ModelExplorerOpt = None, data: DataOpt = None, as_json: JsonOpt = False,
 ) -> None:  # fmt: skip
     """Run A and B on the same inputs and compare every tensor they share, layer by layer.
 
     Rows follow the original graph; the first divergence is the earliest layer beyond the
     budget whose inputs still agree. Fused kernels stay fused: only tensors both sides compute
-    are compared."""
+    are compared. A pipeline artifact with --data: which stage's choice changed its results."""
     from kiln.artifact.parts import is_partitioned
     from kiln.debug import compare as compare_models
     from kiln.ir.inputs import parse_shapes
 
+    if b is None or data is not None or Path(a, "pipeline.json").is_file():
+        return compare_pipeline_verb(a, b, data, metric, as_json)
     check_output(output, "-o")
     _check_directory(model_explorer)
     if is_partitioned(a):
-        raise KilnError(
-            f"{a} is a partitioned artifact: give it as B, after the model it was built from "
-            f"(kiln compare MODEL {a})."
-        )
+        raise KilnError(f"{a} is a partitioned artifact: give it as B, after the model it was "
+                        f"built from (kiln compare MODEL {a}).")  # fmt: skip
     if is_partitioned(b):
         if model_explorer is not None:
             raise KilnError(

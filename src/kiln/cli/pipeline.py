@@ -207,3 +207,114 @@ def _print_bench(result: dict[str, Any]) -> None:
             table.add_row(n, way, f"{w['queries_per_s']:.2f}", f"{w['p50_ms']:.1f}",
                           f"{w['p99_ms']:.1f}", f"{w['metric']:.4g}", ratio)  # fmt: skip
     console.print(table)
+
+
+PipelineStreamsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--streams",
+        help="A pipeline artifact's streams at once (default: the count it was compiled for).",
+        rich_help_panel="Pipelines",
+    ),
+]
+
+
+def _check_pipeline(artifact: str, data: str | None, verb: str) -> str:
+    """The data of a pipeline verb, after the path and --data are checked."""
+    from kiln.pipeline.pipeline_artifact import is_pipeline
+
+    if not is_pipeline(artifact):
+        raise KilnError(f"{artifact} is not a pipeline artifact: --data and --streams are for "
+                        f"one (kiln {verb} OUT.kiln --data ..., OUT.kiln from kiln optimize "
+                        "MODULE:FUNCTION --model NAME=PATH ...).")  # fmt: skip
+    if data is None:
+        raise KilnError(f"{artifact} is a pipeline: give the inputs to run, --data DIR or "
+                        "--data MODULE:FUNCTION.")  # fmt: skip
+    return data
+
+
+def profile_pipeline_verb(
+    artifact: str, data: str | None, streams: int | None, trace: Path | None,
+    output: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """`kiln profile` of a pipeline artifact: each query split into glue, queueing and compute
+    per stage, the stages' batching and the findings; a Perfetto trace with --trace."""
+    from kiln.pipeline.profile import profile_pipeline
+
+    data = _check_pipeline(artifact, data, "profile")
+    if output is not None:
+        raise KilnError(f"{artifact} is a pipeline: its profile is printed, or --json, and its "
+                        "timeline written with --trace; drop -o.")  # fmt: skip
+    with progress() as bar:
+        task = bar.add_task(f"profiling {artifact}")
+        result = profile_pipeline(artifact, data, streams, trace,
+                                  say=lambda line: bar.update(task, description=line))  # fmt: skip
+    if as_json:
+        return emit_json(result)
+    _print_profile(result)
+    if trace is not None:
+        console.print(f"wrote trace {trace}", highlight=False, markup=False)
+
+
+def _print_profile(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    query = result["query"]
+    table = Table(title=f"{result['queries']} queries on {result['streams']} streams: median "
+                        f"{query['median_ms']:.2f} ms, P99 {query['p99_ms']:.2f} ms, "
+                        f"{result['queries_per_s']:.2f} queries/s")  # fmt: skip
+    for column in ("part", "median ms", "total ms", "share", "calls", "mean batch"):
+        table.add_column(column)
+    glue = result["split"]["glue"]
+    table.add_row("glue", f"{glue['median_ms']:.3f}", f"{glue['total_ms']:.1f}",
+                  f"{glue['share']:.0%}", "", "")  # fmt: skip
+    for name, parts in result["split"]["stages"].items():
+        stage = result["stages"][name]
+        for part, figures in parts.items():
+            table.add_row(f"{name} {part}", f"{figures['median_ms']:.3f}",
+                          f"{figures['total_ms']:.1f}", f"{figures['share']:.0%}",
+                          str(stage["calls"]), f"{stage['mean_batch']:.2f}")  # fmt: skip
+    console.print(table)
+    for line in result["findings"]:
+        console.print(f"• {line}", highlight=False, markup=False)
+
+
+def compare_pipeline_verb(
+    artifact: str, other: str | None, data: str | None, metric: str, as_json: bool
+) -> None:
+    """`kiln compare` of a pipeline artifact: which stage's choice changed the output."""
+    from kiln.pipeline.compare import compare_pipeline
+    from kiln.pipeline.pipeline_artifact import is_pipeline
+
+    if other is None and data is None and not is_pipeline(artifact):
+        raise KilnError("kiln compare needs B, what is compared with A (or A a pipeline artifact "
+                        "with --data).")  # fmt: skip
+    data = _check_pipeline(artifact, data, "compare")
+    if other is not None:
+        raise KilnError(f"{artifact} is a pipeline: it is compared with its own fp32 sources; "
+                        f"drop {other}.")  # fmt: skip
+    chosen = None if metric == "auto" else metric
+    with progress() as bar:
+        task = bar.add_task(f"comparing {artifact}")
+        result = compare_pipeline(artifact, data, chosen,
+                                  say=lambda line: bar.update(task, description=line))  # fmt: skip
+    if as_json:
+        return emit_json(result)
+    from rich.table import Table
+
+    table = Table(title=f"{result['metric']} against the fp32 pipeline: {result['chosen']:.4g} "
+                        f"with every choice, over {result['inputs']} inputs")  # fmt: skip
+    for column in ("stage", "choice", "metric with it at fp32", "results it changes",
+                   "first, its outputs' largest difference"):  # fmt: skip
+        table.add_column(column)
+    for name, s in result["stages"].items():
+        first = "\n".join(f"input {f['input']}: {_difference(f['max_abs_diff'])}"
+                          for f in s["first"])  # fmt: skip
+        table.add_row(name, s["precision"], f"{s['metric_with_it_at_fp32']:.4g}",
+                      str(s["changed"]), first)  # fmt: skip
+    console.print(table)
+    console.print(result["verdict"], highlight=False, markup=False)
+
+
+def _difference(value: float | None) -> str:
+    return "outputs of another shape" if value is None else f"{value:.3g}"

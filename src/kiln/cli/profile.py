@@ -16,6 +16,7 @@ from kiln.cli.console import (
     part_path,
     progress,
 )
+from kiln.cli.pipeline import DataOpt, PipelineStreamsOpt, profile_pipeline_verb
 from kiln.errors import KilnError
 
 ModelArg = Annotated[
@@ -49,12 +50,13 @@ TraceOpt = Annotated[
 def profile(
     model: ModelArg, backend: BackendOpt = None, batch: BatchOpt = 1, shape: ShapeOpt = [],  # noqa: B006
     runs: RunsOpt = 20, rounds: RoundsOpt = 5, output: OutputOpt = None, trace: TraceOpt = None,
-    as_json: JsonOpt = False,
+    data: DataOpt = None, streams: PipelineStreamsOpt = None, as_json: JsonOpt = False,
 ) -> None:  # fmt: skip
     """Where the time goes, op by op, against this machine's measured peaks.
 
     Latency (P50/P90/P99, jitter), per-kernel times mapped to the original nodes, a roofline
-    against measured peaks, and the bottlenecks with a Kiln action for each."""
+    against measured peaks, and the bottlenecks with a Kiln action for each. A pipeline
+    artifact: each query on --data split into glue, queueing and compute per stage."""
     from kiln.artifact.parts import is_partitioned
     from kiln.ir.inputs import parse_shapes
     from kiln.profile import profile_model
@@ -63,6 +65,8 @@ def profile(
     at_least(batch=(batch, 1), runs=(runs, 1), rounds=(rounds, 1))
     check_output(output, "-o")
     check_output(trace, "--trace")
+    if Path(model, "pipeline.json").is_file() or data is not None or streams is not None:
+        return profile_pipeline_verb(model, data, streams, trace, output, as_json)
     if is_partitioned(model):
         if backend is not None or shape:
             raise KilnError(
