@@ -118,26 +118,24 @@ def test_a_client_mistake_is_invalid_argument(server: Triton, compiled: Path,
     assert json.loads(answer) == expected[0]  # and the model still answers
 
 
-def test_native_runtime_is_refused_for_a_pipeline(compiled: Path, tmp_path: Path) -> None:
+def _kiln(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--runtime", "native"], "only Kiln's runtime runs"),
+    (["--kserve", "kserve"], "--kserve sizes a replica of one model"),
+])  # fmt: skip
+def test_what_cannot_run_a_pipeline_is_refused(compiled: Path, tmp_path: Path, flags: list[str],
+                                               reason: str) -> None:  # fmt: skip
     repo = tmp_path / "repo"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kiln",
-            "export",
-            str(compiled),
-            "--triton",
-            str(repo),
-            "--runtime",
-            "native",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    done = _kiln("export", str(compiled), "--triton", str(repo), *flags)
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "only Kiln's runtime runs" in done.stderr and not repo.exists()
+    assert reason in done.stderr and not repo.exists()
+
+
+def test_the_api_refuses_the_native_runtime_for_a_pipeline(compiled: Path, tmp_path: Path) -> None:
     with pytest.raises(KilnError, match="--runtime kiln"):
-        kiln.deploy.export_triton(compiled, repo)
-    assert not repo.exists()
+        kiln.deploy.export_triton(compiled, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()

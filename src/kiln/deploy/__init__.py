@@ -5,10 +5,11 @@ and the KServe files that serve that repository, sized from one measured replica
 
 Modules: `config` (the ModelConfig of an artifact), `pbtxt` (its config.pbtxt text),
 `triton` (the repository layout, written atomically), `python_model` (the model.py Triton
-runs; it runs only there), `kserve` (the InferenceService, ServingRuntime and Dockerfile),
-`wheel` (the wheel of this Kiln that Dockerfile installs), `measure` (one replica's memory,
-and the requests/s Kiln's runtime answers in-process, in a process of its own). The verb is
-`kiln.cli.export`.
+runs; it runs only there), `triton_pipeline` and `python_pipeline_model` (the same for a
+pipeline artifact, which only Kiln's runtime runs), `kserve` (the InferenceService,
+ServingRuntime and Dockerfile), `wheel` (the wheel of this Kiln that Dockerfile installs),
+`measure` (one replica's memory, and the requests/s Kiln's runtime answers in-process, in a
+process of its own). The verb is `kiln.cli.export`.
 """
 
 from kiln.deploy.kserve import KServeExport, export_kserve
