@@ -17,6 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.errors import KilnError
 from kiln.pipeline import Pipeline, compile_pipeline, load_function
+from kiln.pipeline import compile as pipeline_compile
+from kiln.timing import FASTER, SLOWER, Speedup
 
 pytestmark = pytest.mark.timeout(300)
 WIDTH = 64
@@ -63,6 +65,17 @@ def _matmul(path: Path, weight: np.ndarray) -> Path:
     )  # fmt: skip
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lossy_pays():
+    """The search's speed rule held fixed: these tests are about the metric's rule, on models
+    too small for int8 to pay. The speed rule has its own test below."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            pipeline_compile, "stage_speedup", lambda *_: Speedup(1.5, (1.2, 1.8), FASTER)
+        )
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +141,33 @@ def test_the_artifact_runs_as_the_plain_function_with_its_choices(case, compiled
         "cls": kiln.Session(str(compiled / "stages/cls.kiln")),
     }
     assert served == [describe(x, **sessions) for x in inputs]
+
+
+def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case, monkeypatch):
+    monkeypatch.setattr(pipeline_compile, "stage_speedup",
+                        lambda *_: Speedup(0.8, (0.7, 0.9), SLOWER))  # fmt: skip
+    out = case["root"] / "slow.kiln"
+    compile_pipeline(case["spec"], case["models"], case["data"], out,
+                     metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
+    manifest = json.loads((out / "pipeline.json").read_text())
+    assert {n: s["precision"] for n, s in manifest["stages"].items()} == {
+        "embed": "fp32", "cls": "fp32"}  # fmt: skip
+    for trial in manifest["search"]["trials"]:
+        assert trial["metric"] == 1.0 and not trial["kept"]
+        assert trial["reason"].startswith("slower: 0.80x") and trial["speed_verdict"] == SLOWER
+
+
+def test_the_stage_is_timed_against_its_choice_on_its_recorded_calls(case) -> None:
+    from kiln.pipeline.compile import Stage, stage_speedup
+    from kiln.pipeline.recording import record
+
+    sessions = {name: kiln.Session(path) for name, path in case["models"].items()}
+    inputs = list(load_function(case["data"])())
+    reference = record(load_function(case["spec"]), sessions, inputs)
+    artifact = kiln.compile(case["models"]["cls"], case["root"] / "cls-fp32.kiln", force=True)
+    stage = Stage("cls", case["models"]["cls"], {"fp32": artifact.path, "copy": artifact.path})
+    pace = stage_speedup(stage, "copy", reference)
+    assert pace.spread is not None and pace.spread[0] <= pace.value <= pace.spread[1]
 
 
 def test_a_metric_over_labels_lets_the_embedding_go_int8(case) -> None:

@@ -11,7 +11,9 @@ pipeline's final output.
 3. The choice across stages, searched greedily: stages in the order of their share of the
    reference time, each stage's lossy candidate tried with the others at their current
    choice; kept only while the pipeline's metric over the whole data set stays within
-   `max_drop` of the reference's. Every trial is kept with its metric and the stage's time.
+   `max_drop` of the reference's, and only where it is not slower than the choice it would
+   replace (timed interleaved on the stage's recorded calls): a lossy choice must pay. Every
+   trial is kept with its metric, the stage's time and the timing's verdict.
    Then the glue's Kiln ops around each stage are folded into its chosen artifact where the
    result is the same and measures faster (fold.py); each stage's verdict is kept.
 4. The artifact: a directory with `pipeline.json` (pipeline_artifact.py), each stage's chosen
@@ -38,9 +40,13 @@ from kiln.pipeline.fold import fold_stages
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
 from kiln.pipeline.pipeline_artifact import is_pipeline, write_pipeline
 from kiln.pipeline.recording import Recording, call_function, record
+from kiln.timing import SLOWER, Speedup, interleave, speedup
 
 Say = Callable[[str], None]
 CALIB_SAMPLES = 32  # recorded calls a stage calibrates on, spread over the run
+# A lossy candidate is timed against the stage's choice on this many of its recorded calls,
+# in this many interleaved rounds: enough for a verdict (kiln.timing), a few seconds a stage.
+TIMED_CALLS, TIMED_ROUNDS = 4, 3
 
 
 @dataclass
@@ -55,6 +61,8 @@ class Trial:
     stage_ms: float  # the stage's time over the whole data set, this trial
     baseline_ms: float  # the same at the choice it would replace
     reason: str = ""
+    speedup: float = 1.0  # the stage timed interleaved against that choice (stage_speedup)
+    speed_verdict: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in vars(self).items()}
@@ -225,19 +233,58 @@ def _search(
             trial = _run(fn, stages, choice, inputs)
             value = score(reference.results, trial.results)
             drop = top - value
-            kept = drop <= max_drop
+            pace = stage_speedup(stage, precision, reference)
+            reason = _rejection(drop, max_drop, pace)
+            kept = not reason
             trials.append(Trial(
                 name, precision, value, drop, kept,
                 1e3 * trial.model_seconds().get(name, 0.0),
                 1e3 * current.model_seconds().get(name, 0.0),
-                "" if kept else f"the metric fell {drop:.4g} (allowed {max_drop:.4g})",
+                reason, pace.value, pace.verdict,
             ))  # fmt: skip
-            verdict = "kept" if kept else "rejected"
-            say(f"  {name} {precision}: metric {value:.4g} (reference {top:.4g}) → {verdict}")
+            verdict = "kept" if kept else f"rejected: {reason}"
+            say(f"  {name} {precision}: metric {value:.4g} (reference {top:.4g}), "
+                f"{pace.value:.2f}x the stage's {stage.choice} → {verdict}")  # fmt: skip
             if kept:
                 stage.choice, current = precision, trial
                 break
     return trials, time.perf_counter() - start
+
+
+def _rejection(drop: float, max_drop: float, pace: Speedup) -> str:
+    """Why a lossy candidate is not kept ("" if it is): it moved the pipeline's results past
+    the budget, or it is slower than the choice it would replace — a lossy choice must pay."""
+    if drop > max_drop:
+        return f"the metric fell {drop:.4g} (allowed {max_drop:.4g})"
+    if pace.verdict == SLOWER:
+        return f"slower: {pace.value:.2f}x the stage's current choice"
+    return ""
+
+
+def stage_speedup(stage: Stage, precision: str, reference: Recording) -> Speedup:
+    """The stage at `precision` against its current choice, timed interleaved (kiln.timing)
+    on the feeds it received in the reference run (up to TIMED_CALLS of them, spread over it):
+    above 1, the candidate is faster."""
+    from kiln.runtime import Session
+
+    feeds = reference.feeds(stage.name)
+    sample = feeds[:: max(1, len(feeds) // TIMED_CALLS)][:TIMED_CALLS]
+    sessions = {p: Session(str(stage.candidates[p])) for p in (stage.choice, precision)}
+    try:
+        runners = {p: _replay(s, sample) for p, s in sessions.items()}
+        rounds = interleave(runners, rounds=TIMED_ROUNDS, runs=1, warmup=1)
+    finally:
+        for session in sessions.values():
+            session.close()
+    return speedup(rounds[stage.choice], rounds[precision])
+
+
+def _replay(session: Any, sample: list[dict[str, np.ndarray]]) -> Callable[[], None]:
+    def run() -> None:
+        for feeds in sample:
+            session.run(None, feeds)
+
+    return run
 
 
 def _run(fn: PipelineFunction, stages: Mapping[str, Stage], choice: Mapping[str, str],
