@@ -209,3 +209,19 @@ def test_bench_takes_the_batch_from_its_inputs(tmp_path):
     assert result["batch"] == 3
     for engine in result["engines"].values():  # samples per second count all three samples
         assert engine["throughput"] == pytest.approx(3e3 / engine["mean_ms"])
+
+
+def test_long_work_shows_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
+    # A batch job or `| tee` sees plain lines (the live bar is for terminals): here every
+    # description, with the throttle off.
+    out = tmp_path / "bert.kiln"
+    done = subprocess.run(
+        [sys.executable, "-c", "import kiln.cli.console as c; c.LogProgress.LOG_EVERY_S = 0.0; "
+         "import sys; from kiln.cli import main; sys.argv = ['kiln', 'optimize', "
+         f"'zoo:bert-tiny', '-o', {str(out)!r}, '--rounds', '0']; main()"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert any("loading zoo:bert-tiny" in line for line in lines), done.stderr
+    assert any("writing the artifact" in line for line in lines), done.stderr

@@ -30,18 +30,47 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tab
 AUTO_FLAGS = "--backend auto --precision auto"
 
 
-def progress() -> Progress:
-    """A spinner with a changing description on stderr, gone when the step ends."""
-    # markup=False: descriptions hold user paths; disabled off a terminal, where a bar is
-    # noise (and rich would leave a blank line on stderr).
+def progress() -> Progress | LogProgress:
+    """A spinner with a changing description on stderr, gone when the step ends; off a
+    terminal (a batch job, `| tee`, nohup), where a bar is noise, the descriptions as plain
+    lines instead (LogProgress)."""
+    if not err.is_terminal:
+        return LogProgress()
+    # markup=False: descriptions hold user paths
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),
         TimeElapsedColumn(),
         console=err,
         transient=True,
-        disable=not err.is_terminal,
     )
+
+
+class LogProgress:
+    """`progress()` for logs: each new description a plain line on stderr with the time
+    since the start, at most one every LOG_EVERY_S seconds (the newest wins; a short step
+    stays quiet), so a long compile shows it is alive without flooding the log."""
+
+    LOG_EVERY_S = 5.0
+
+    def __init__(self) -> None:
+        self._start = self._last = time.monotonic()
+
+    def __enter__(self) -> LogProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, **_: Any) -> int:
+        self.update(0, description=description)
+        return 0
+
+    def update(self, task: int, description: str | None = None, **_: Any) -> None:
+        now = time.monotonic()
+        if description and now - self._last >= self.LOG_EVERY_S:
+            self._last = now
+            print(f"[{now - self._start:6.0f} s] {description}", file=sys.stderr, flush=True)
 
 
 class PlainProgress:
