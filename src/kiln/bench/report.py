@@ -94,27 +94,11 @@ def run_bench(
 ) -> dict:
     """Every engine timed interleaved, with its drift from fp32 and (`memory`) its resident
     memory measured in a process of its own."""
-    from kiln.compiler.reference import fit_original
-    from kiln.ir.inputs import read_calibration, read_inputs
-    from kiln.ir.ladder import Guess
-
     engines = parse_engines(against)
     original, kiln_for, built, kiln_artifact = _kiln_runner(model, say, shapes, backend)
     dims = {**default_dims(original), **built.pop("dims", {})}  # an artifact's fitted dims
     dims |= dict.fromkeys(_leading_dims(original), batch)
-    # synthesized inputs fitted as kiln optimize fits them
-    fit = Guess(dict(shapes or {})) if inputs else fit_original(original, shapes, say, dims)
-    if inputs:
-        feeds = read_inputs(inputs, original)
-        batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
-    else:
-        feeds = synthesize(original, dims, shapes=fit.shapes, scalars=fit.scalars)
-    calibration = read_calibration(calib, original) if calib else None
-    if calibration is None and any(name.endswith("-int8") for name in engines):
-        calibration = [
-            synthesize(original, dims, seed=100 + i, shapes=fit.shapes, scalars=fit.scalars)
-            for i in range(CALIBRATION_SAMPLES)
-        ]  # the engines' own int8 tools calibrated on what the timed runs see
+    feeds, calibration, batch = _feeds(original, dims, shapes, inputs, calib, engines, batch, say)
     runners = {}
     for name in engines:
         say(f"preparing engine {name}")
@@ -165,6 +149,31 @@ def run_bench(
         "steadiness": steadiness(samples),
         "memory": MEMORY_NOTE if memory else "not measured (--no-memory)",
     }
+
+
+def _feeds(
+    original: ir.Model, dims: dict, shapes: dict | None, inputs: str | None, calib: str | None,
+    engines: list[str], batch: int, say: Callable[[str], None],
+) -> tuple[dict, list | None, int]:  # fmt: skip
+    """The timed runs' feeds (the user's, or synthesized as kiln optimize fits them), the
+    int8 engines' calibration samples and the batch a run is."""
+    from kiln.compiler.reference import fit_original
+    from kiln.ir.inputs import read_calibration, read_inputs
+    from kiln.ir.ladder import Guess
+
+    fit = Guess(dict(shapes or {})) if inputs else fit_original(original, shapes, say, dims)
+    if inputs:
+        feeds = read_inputs(inputs, original)
+        batch = _batch_of(original, feeds, batch)  # the inputs say how many samples a run is
+    else:
+        feeds = synthesize(original, dims, shapes=fit.shapes, scalars=fit.scalars)
+    calibration = read_calibration(calib, original) if calib else None
+    if calibration is None and any(name.endswith("-int8") for name in engines):
+        calibration = [
+            synthesize(original, dims, seed=100 + i, shapes=fit.shapes, scalars=fit.scalars)
+            for i in range(CALIBRATION_SAMPLES)
+        ]  # the engines' own int8 tools calibrated on what the timed runs see
+    return feeds, calibration, batch
 
 
 def _timed_with_floor(
