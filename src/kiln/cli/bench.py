@@ -16,10 +16,10 @@ from kiln.cli.console import (
     emit_json,
     progress,
     speed_advice,
+    write_results,
 )
 from kiln.cli.flags import Flag, command, options
 from kiln.cli.pipeline import DataOpt, PeerOpt, StreamCountsOpt, bench_pipeline_verb
-from kiln.errors import KilnError
 
 ModelArg = Annotated[
     str,
@@ -72,15 +72,7 @@ def bench(
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         result = run(model, config, say, " ".join(sys.argv))
     result["advice"] = _advice(result)
-    if output:
-        from kiln.home import atomic_write_json
-
-        try:
-            atomic_write_json(output, result)
-        except OSError as exc:
-            raise KilnError(
-                f"-o {output}: could not write the results ({exc.strerror or exc})."
-            ) from None
+    write_results(output, result)
     if as_json:
         emit_json(result)
     else:

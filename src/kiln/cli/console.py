@@ -90,6 +90,20 @@ class PlainProgress:
             print(self.render(state), file=sys.stderr, flush=True)
 
 
+def write_results(output: Path | None, result: Any) -> None:
+    """`-o FILE`: the results as JSON, written whole or not at all; one line if it cannot be."""
+    if output is None:
+        return
+    from kiln.home import atomic_write_json
+
+    try:
+        atomic_write_json(output, result)
+    except OSError as exc:
+        raise KilnError(
+            f"-o {output}: could not write the results ({exc.strerror or exc})."
+        ) from None
+
+
 def emit_json(data: Any) -> None:
     """`--json`: the data on stdout, numpy scalars written as floats."""
     sys.stdout.write(json.dumps(data, indent=2, default=float) + "\n")

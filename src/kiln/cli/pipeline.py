@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kiln.cli.console import console, emit_json, progress
+from kiln.cli.console import console, emit_json, progress, write_results
 from kiln.config import CompileConfig
 from kiln.errors import KilnError
 
@@ -163,15 +163,7 @@ def bench_pipeline_verb(
         task = bar.add_task(f"benchmarking {artifact}")
         result = bench_pipeline(artifact, data, counts, against,
                                 say=lambda line: bar.update(task, description=line))  # fmt: skip
-    if output is not None:
-        from kiln.home import atomic_write_json
-
-        try:
-            atomic_write_json(output, result)
-        except OSError as exc:
-            raise KilnError(
-                f"-o {output}: could not write the results ({exc.strerror or exc})."
-            ) from None
+    write_results(output, result)
     if as_json:
         return emit_json(result)
     _print_bench(result)
