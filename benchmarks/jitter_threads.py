@@ -33,10 +33,10 @@ from _results import Recorder, add_arguments, row  # benchmarks/ is the script's
 from threadpoolctl import threadpool_limits
 
 from kiln.hardware import cpu_info
-from kiln.hardware.jitter import numpy_matmul_probe, python_loop_probe, time_runs
+from kiln.hardware.jitter import numpy_matmul_probe, python_loop_probe
 from kiln.ir.inputs import synthesize
 from kiln.ir.load import load_model
-from kiln.timing import interleave, round_stats, tail_interval
+from kiln.timing import interleave, round_stats, tail_interval, time_runs
 
 
 def _ort(path: Path, threads: int) -> Callable[[], object]:

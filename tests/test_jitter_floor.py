@@ -17,9 +17,16 @@ from typer.testing import CliRunner
 from kiln.cli import app
 from kiln.hardware import FloorSampler, Peaks, jitter_floor, measured_peaks
 from kiln.hardware import peaks as peaks_module
-from kiln.hardware.jitter import Probe, probe_jitter, time_runs
+from kiln.hardware.jitter import Probe, probe_jitter
 from kiln.report.terminal import print_bench, print_doctor
-from kiln.timing import MIN_RUNS_FOR_P99, cqi, jitter_ratio_interval, round_stats, tail_interval
+from kiln.timing import (
+    MIN_RUNS_FOR_P99,
+    cqi,
+    jitter_ratio_interval,
+    round_stats,
+    tail_interval,
+    time_runs,
+)
 
 MS = 1_000_000  # nanoseconds
 # Peaks far above what a tiny model reaches on a CPU: its roofline fraction stays below 1.

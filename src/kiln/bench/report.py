@@ -16,7 +16,7 @@ from kiln import __version__
 from kiln.bench.engines import CALIBRATION_SAMPLES, ENGINES, engine_runner, parse_engines
 from kiln.errors import KilnError
 from kiln.hardware import FloorSampler, JitterFloor, Peaks, cpu_info
-from kiln.hardware.jitter import FLOOR_RUNS, PARALLEL_PROBE, TARGET_SECONDS, time_runs
+from kiln.hardware.jitter import FLOOR_RUNS, PARALLEL_PROBE, TARGET_SECONDS
 from kiln.ir.inputs import default_dims, feed_dims, synthesize
 from kiln.timing import (
     BOOTSTRAP_RESAMPLES,
@@ -28,6 +28,7 @@ from kiln.timing import (
     round_stats,
     speedups,
     tail_interval,
+    time_runs,
 )
 
 # The floor probes' run, bounded: below a millisecond the clock's own cost shows; above a

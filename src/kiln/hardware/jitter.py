@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiln.timing import MIN_RUNS_FOR_P99, round_stats, tail_interval
+from kiln.timing import MIN_RUNS_FOR_P99, round_stats, tail_interval, time_runs
 
 TARGET_SECONDS = 1e-3  # per probe run: long enough to time, short enough for 1,000 of them
 FLOOR_RUNS = 1000  # per probe: the issue's minimum for a jitter floor
@@ -148,7 +148,7 @@ class FloorSampler:
         shift = len(self.samples[self.probes[0].name]) % len(self.probes)
         for probe in self.probes[shift:] + self.probes[:shift]:
             _settle(probe.run, self.clock)
-            self.samples[probe.name].append(time_runs(probe.run, runs, self.clock))
+            self.samples[probe.name].append(time_runs(probe.run, runs, clock=self.clock))
 
     def result(self, seed: int = 0, measured: str = "") -> JitterFloor:
         works = {p.name: p.work for p in self.probes}
@@ -182,18 +182,6 @@ def probe_jitter(name: str, work: str, windows: list[list[float]], seed: int = 0
         jitter_interval=interval.jitter,
         p99_interval_ms=interval.p99_ms,
     )
-
-
-def time_runs(
-    run: Callable[[], object], count: int, clock: Clock = time.perf_counter_ns
-) -> list[float]:
-    """Seconds of each of `count` runs, each timed on its own with the nanosecond clock."""
-    out = []
-    for _ in range(count):
-        start = clock()
-        run()
-        out.append((clock() - start) / 1e9)
-    return out
 
 
 # ---------------------------------------------------------------------------- probes
@@ -274,6 +262,6 @@ def _best(run: Callable[[], object], clock: Clock) -> float:
     run()
     best, start, count = float("inf"), clock(), 0
     while count < _SIZING_RUNS or (clock() - start < _SIZING_SECONDS * 1e9 and count < 1000):
-        best = min(best, *time_runs(run, 1, clock))
+        best = min(best, *time_runs(run, 1, clock=clock))
         count += 1
     return best
