@@ -61,6 +61,12 @@ CONTENTS_FIELDS: dict[str, tuple[str, np.dtype | None]] = {
     BYTES: ("bytes_contents", None),
 }
 _BY_NUMPY = {dtype: name for name, dtype in DATATYPES.items()}
+# ONNX element types (onnx_ir DataType names) under their KServe v2 names.
+KSERVE_TYPES = {
+    "FLOAT": "FP32", "FLOAT16": "FP16", "DOUBLE": "FP64", "BFLOAT16": "BF16", "BOOL": "BOOL",
+    "STRING": "BYTES", "INT8": "INT8", "INT16": "INT16", "INT32": "INT32", "INT64": "INT64",
+    "UINT8": "UINT8", "UINT16": "UINT16", "UINT32": "UINT32", "UINT64": "UINT64",
+}  # fmt: skip
 # The JSON values each kind of element takes (bool is not an int here, as in Triton).
 _JSON_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "b": ((bool,), "true/false"),

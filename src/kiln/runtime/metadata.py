@@ -9,12 +9,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-# ONNX element types under their KServe v2 (Open Inference Protocol) names.
-KSERVE_TYPES = {
-    "FLOAT": "FP32", "FLOAT16": "FP16", "DOUBLE": "FP64", "BFLOAT16": "BF16", "BOOL": "BOOL",
-    "STRING": "BYTES", "INT8": "INT8", "INT16": "INT16", "INT32": "INT32", "INT64": "INT64",
-    "UINT8": "UINT8", "UINT16": "UINT16", "UINT32": "UINT32", "UINT64": "UINT64",
-}  # fmt: skip
+from kiln.wire import KSERVE_TYPES
 
 # ONNX Runtime reports a model without a model_version as this (INT64_MAX).
 _NO_VERSION = 2**63 - 1
