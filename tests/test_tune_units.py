@@ -4,6 +4,7 @@ constraints in the CLI's units, the search space's projection of foreign paramet
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
@@ -284,3 +285,29 @@ def test_the_tune_report_lists_every_trial_with_its_configuration_and_outcome():
     assert "picked, Pareto front" in table and "refused: int4 is not supported" in table
     assert "ort.precision=int8" in table and "optuna-dashboard sqlite:///x.db" in page
     assert "<td>ort.precision</td><td>fp32</td><td>int8</td>" in page  # the knobs table
+
+
+def test_two_models_of_one_file_name_are_two_studies(tmp_path):
+    from onnx import TensorProto, helper
+
+    from kiln.tune.study import plan_for
+
+    def model(folder: str, op: str) -> str:
+        graph = helper.make_graph(
+            [helper.make_node(op, ["x"], ["y"])], op,
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        )  # fmt: skip
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "net.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return str(path)
+
+    first, second = model("a", "Relu"), model("b", "Sigmoid")
+    settings = dict(
+        objectives=parse_objectives(["latency"]), constraints=[], base=CompileConfig(),
+        trials=2, timeout_s=None, study=None, url=f"sqlite:///{tmp_path / 'tune.db'}",
+    )  # fmt: skip
+    names = {plan_for(path, **settings).study for path in (first, second)}
+    assert len(names) == 2 and all(name.startswith("net-") for name in names)
+    assert plan_for(first, **settings).study == plan_for(first, **settings).study  # resumable

@@ -4,8 +4,10 @@ between signatures; the hardware class is the CPU fingerprint (model, ISA, cores
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import onnx_ir as ir
@@ -85,3 +87,17 @@ def check_signature(signature: dict[str, Any]) -> str | None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def content_digest(source: str) -> str:
+    """`-` and 8 hex digits of the SHA-256 of a model file (an artifact: its manifest, which
+    names its source's fingerprint); "" for a zoo model, whose name is its content."""
+    path = Path(source)
+    target = path / "manifest.json" if path.is_dir() else path
+    if not target.is_file():
+        return ""
+    digest = hashlib.sha256()
+    with target.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return f"-{digest.hexdigest()[:8]}"

@@ -29,7 +29,7 @@ from kiln.tune.bench import Measured, Refused, Workbench, batch_dim
 from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
 from kiln.tune.objectives import Constraint, Objective
-from kiln.tune.signature import hardware, model_signature
+from kiln.tune.signature import content_digest, hardware, model_signature
 from kiln.tune.space import (
     Space,
     choice_of,
@@ -579,6 +579,7 @@ def plan_for(
     if unknown:
         raise KilnError(f"unknown precision '{unknown[0]}'; use {', '.join(PRECISIONS)}.")
     name = Path(source).stem if not source.startswith("zoo:") else source[4:]
+    name += content_digest(source)  # two models of one file name are two studies
     objective = "+".join(o.name for o in objectives) + (f"-served{clients}" if clients else "")
     if shapes:  # another traffic is another study: its bucket sets answer other shapes
         digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()
