@@ -225,3 +225,21 @@ def test_long_work_shows_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
     lines = [line for line in done.stderr.splitlines() if line.startswith("[")]
     assert any("loading zoo:bert-tiny" in line for line in lines), done.stderr
     assert any("writing the artifact" in line for line in lines), done.stderr
+
+
+def test_a_process_a_library_forks_ends_quietly_on_ctrl_c():
+    # OpenVINO's telemetry sender is a forked child holding Kiln's signal handler: Ctrl-C
+    # (sent to the whole group) must end it without a traceback, as the default would.
+    code = (
+        "import os, signal, time\n"
+        "import kiln.cli as c\n"
+        "signal.signal(signal.SIGINT, c._stop)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(30); os._exit(0)\n"
+        "time.sleep(0.2)\n"
+        "os.kill(pid, signal.SIGINT)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "130" and "Traceback" not in done.stderr, done.stderr

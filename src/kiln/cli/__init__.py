@@ -7,6 +7,7 @@ Each verb keeps its heavy imports inside the command, so `kiln --help` stays fas
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import sys
 from typing import Annotated
@@ -98,13 +99,22 @@ for _info in (*app.registered_commands, *strategies.app.registered_commands):
         _info.help = _reflowed(_info.callback.__doc__)
 
 
+_MAIN_PID = os.getpid()
+
+
 def _stop(signum: int, _frame: object) -> None:
+    if os.getpid() != _MAIN_PID:
+        # A process a library forked (OpenVINO's telemetry sender) inherits this handler: it
+        # ends quietly, as the signal's default would end it, instead of printing a traceback.
+        os._exit(128 + signum)
     raise Stopped(signum)
 
 
 def main() -> None:
     from rich.text import Text
 
+    global _MAIN_PID
+    _MAIN_PID = os.getpid()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _stop)  # kiln.serve.serving.run installs its own: a graceful drain
     try:
