@@ -237,7 +237,6 @@ def test_a_process_a_library_forks_ends_quietly_on_ctrl_c():
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    time.sleep(30); os._exit(0)\n"
-        "time.sleep(0.2)\n"
         "os.kill(pid, signal.SIGINT)\n"
         "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
     )
