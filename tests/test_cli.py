@@ -234,9 +234,11 @@ def test_a_process_a_library_forks_ends_quietly_on_ctrl_c():
         "import os, signal, time\n"
         "import kiln.cli as c\n"
         "signal.signal(signal.SIGINT, c._stop)\n"
+        "ready, told = os.pipe()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    time.sleep(30); os._exit(0)\n"
+        "    os.write(told, b'1'); time.sleep(30); os._exit(0)\n"
+        "os.read(ready, 1)\n"  # the child runs Python: a signal now reaches its handler
         "os.kill(pid, signal.SIGINT)\n"
         "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
     )
