@@ -245,8 +245,13 @@ def findings(result: dict[str, Any]) -> list[str]:
         if queued >= QUEUE_SHARE and company:
             found.append(
                 f"stage {name}: {queued:.0%} of query time queued ({waited_ms:.2f} ms a call) "
-                f"with mean batch {batch:.1f} at {streams} streams → fewer streams or a "
-                f"shorter max delay (now {delay:g} ms: kiln.Pipeline(..., max_delay_ms=...))"
+                f"with mean batch {batch:.1f} at {streams} streams → fewer streams"
+                + (
+                    f" or a shorter max delay (now {delay:g} ms: kiln.Pipeline(..., "
+                    "max_delay_ms=...))"
+                    if delay > 0
+                    else ""
+                )
             )
         elif queued >= QUEUE_SHARE:
             found.append(

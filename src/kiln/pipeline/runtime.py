@@ -12,7 +12,7 @@ from kiln.pipeline.fold import fold_sessions
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
 from kiln.pipeline.pipeline_artifact import is_pipeline, read_pipeline
 from kiln.pipeline.recording import call_function
-from kiln.pipeline.streams import MAX_DELAY_S, StreamsRun, run_streams
+from kiln.pipeline.streams import StreamsRun, run_streams
 
 
 class Pipeline:
@@ -20,14 +20,16 @@ class Pipeline:
     callable, or `module:function`) over its models: each a path (ONNX or a Kiln artifact,
     opened as `kiln.Session`) or a session already open. Calling it
     runs one input as the plain function would; `map` runs many on `streams` threads with each
-    model's calls from all of them pooled into batches (streams.py)."""
+    model's calls from all of them pooled into batches (streams.py).
+    `max_delay_ms`: how long a stage waits for other streams' calls to join the first (0, the
+    default: none — the calls that queue while a batch runs form the next one)."""
 
     def __init__(
         self,
         function: PipelineFunction | str | os.PathLike,
         models: Mapping[str, str | os.PathLike | Any] | None = None,
         *,
-        max_delay_ms: float = 1e3 * MAX_DELAY_S,
+        max_delay_ms: float = 0.0,
     ) -> None:
         spec = function if isinstance(function, str) else ""
         self.manifest: dict[str, Any] | None = None

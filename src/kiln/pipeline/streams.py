@@ -11,6 +11,7 @@ at most one call per stage at once, because its function waits for the answer.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -24,9 +25,10 @@ from kiln.pipeline.function import PipelineFunction
 from kiln.pipeline.recording import call_function
 from kiln.runtime.batcher import Batcher, BatchRecord, Feeds
 
-# How long a stage waits for other streams' calls to join the first one. Short against a
-# model call (a millisecond or more): the batch it buys is worth the wait only under load.
-MAX_DELAY_S = 0.002
+# How long a stage waits for other streams' calls to join the first one: none by default, as
+# Triton's dynamic batcher — the calls that queue while a batch runs form the next one, and a
+# wait would be added to every call of a model that runs in a fraction of it.
+MAX_DELAY_S = 0.0
 
 
 @dataclass
@@ -80,6 +82,9 @@ class Stage:
             max_delay=max_delay if streams > 1 else 0.0,
             max_queue=max(streams, 1),
             observe=self.stats.observe,
+            # Batches side by side, one a core: calls of unequal shapes (a detector's images
+            # of other sizes) do not merge, and one worker would run them one at a time.
+            workers=max(1, min(streams, os.cpu_count() or 1)),
         )
         self.batcher.start()
 
