@@ -241,8 +241,26 @@ def test_an_artifact_is_replaced_and_says_so(tmp_path):
                                 cwd=tmp_path).stdout)  # fmt: skip
     assert first["replaced"] is False
     second = kiln_cli("optimize", MODEL, "-o", "r.kiln", "--rounds", "0", cwd=tmp_path).stdout
-    assert "replaced existing artifact" in second
+    assert "replaced the artifact at" in second
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.kiln"]  # no temporary left
+
+
+def test_the_model_being_compiled_is_never_the_output_even_forced(tmp_path):
+    model = tmp_path / "self.onnx"
+    onnx.save(zoo.build("resnet-tiny"), model)
+    before = model.read_bytes()
+    for target in (model, tmp_path):  # the model itself, or a directory holding it
+        line = refused("optimize", str(model), "-o", str(target), "--force", "--rounds", "0",
+                       cwd=tmp_path)  # fmt: skip
+        assert "the model being compiled" in line
+    assert model.read_bytes() == before
+
+
+def test_forcing_over_a_directory_says_a_directory_was_replaced(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "important.txt").write_text("keep\n")
+    done = kiln_cli("optimize", MODEL, "-o", "mine", "--force", "--rounds", "0", cwd=tmp_path)
+    assert "replaced the directory at mine" in done.stdout
 
 
 def test_an_artifact_holding_the_users_files_is_refused_unless_forced(tmp_path):

@@ -7,6 +7,7 @@ disk or a failed verification never leaves a partial artifact behind.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,23 +155,36 @@ def _write_atomically(destination: Path, fill: Callable[[Path], None], force: bo
 ARTIFACT_FILES = frozenset({"manifest.json", MODEL_FILE, DATA_FILE, "provenance.json", PARTS_DIR})
 
 
-def check_destination(destination: Path, force: bool = False) -> Path:
+def check_destination(destination: Path, force: bool = False, source: Any = None) -> Path:
     """Refuse, before any work, a destination that cannot receive an artifact: its directory
-    missing or not writable, or something there that is not a Kiln artifact of Kiln's own
-    files alone (unless `force`). Return its parent directory."""
+    missing or not writable, the model being compiled (`source`, a path) or a directory
+    holding it (even with `force`: it would be destroyed before it is read), or something there
+    that is not a Kiln artifact of Kiln's own files alone (unless `force`). Return its parent
+    directory."""
     destination = Path(destination)
     parent = destination.absolute().parent
     problem = output_problem(destination, directory=True)
     if problem:
         raise KilnError(f"{destination}: {problem}. Nothing was done; choose another -o path.")
+    if isinstance(source, str | os.PathLike) and Path(source).exists():
+        model, target = Path(source).resolve(), destination.resolve()
+        if model == target or target in model.parents:
+            raise KilnError(
+                f"-o {destination} is (or holds) the model being compiled, {source}: writing "
+                "there would destroy it. Choose another -o path."
+            )
     _refuse_non_artifact(destination, force)
     return parent
 
 
-def replaces_existing(destination: Path) -> bool:
-    """True when writing to `destination` replaces something already there."""
+def existing(destination: Path) -> str:
+    """What writing to `destination` replaces: "artifact", "directory", "file" or "" (nothing)."""
     destination = Path(destination)
-    return destination.exists() or destination.is_symlink()
+    if (destination / "manifest.json").is_file():
+        return "artifact"
+    if destination.is_dir() and not destination.is_symlink():
+        return "directory"
+    return "file" if destination.exists() or destination.is_symlink() else ""
 
 
 def _refuse_non_artifact(destination: Path, force: bool = False) -> None:

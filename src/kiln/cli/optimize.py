@@ -117,7 +117,7 @@ def optimize(
     pipeline = [s for s in default_pipeline() if s.name not in _check_skip(skip)]
     if show_pipeline:
         return _show_pipeline(pipeline, as_json)
-    from kiln.artifact.store import check_destination, replaces_existing
+    from kiln.artifact.store import check_destination, existing
     from kiln.compiler import candidates
     from kiln.compiler.api import compile_loaded, load_source, memory_budget
     from kiln.partition import compile_partitioned
@@ -133,14 +133,14 @@ def optimize(
     budget = memory_budget(max_memory) if max_memory is not None else None
     candidates(config)  # a missing engine or an unsupported precision fails before loading
     if output is not None:
-        check_destination(output, force)  # before loading: a bad -o costs nothing
+        check_destination(output, force, source=model)  # before loading: a bad -o costs nothing
     with progress() as bar:
         task = bar.add_task(f"loading {model}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         loaded = load_source(model)
         destination = output or Path(f"{loaded.name}.kiln")
-        check_destination(destination, force)
-        replaced = replaces_existing(destination)
+        check_destination(destination, force, source=model)
+        replaced = existing(destination)
         artifact = compile_loaded(loaded, config, destination, rounds=rounds, runs=runs,
                                   progress=say, force=force, max_memory_mib=budget,
                                   measure=_measure_memory, memory=memory,
@@ -148,7 +148,7 @@ def optimize(
     _report(artifact, replaced, config, model, as_json)
 
 
-def _report(artifact: Any, replaced: bool, config: CompileConfig, model: str,
+def _report(artifact: Any, replaced: str, config: CompileConfig, model: str,
             as_json: bool) -> None:  # fmt: skip
     """The artifact's summary with the advice its verdict calls for: JSON, or the table."""
     summary = _optimize_summary(artifact, artifact.manifest.benchmark, replaced)
@@ -264,11 +264,12 @@ def _pass_json(index: int, spec: Any) -> dict:
     }  # fmt: skip
 
 
-def _optimize_summary(artifact: Any, bench: dict | None, replaced: bool) -> dict:
+def _optimize_summary(artifact: Any, bench: dict | None, replaced: str) -> dict:
     manifest = artifact.manifest.to_json()
     return {
         "artifact": str(artifact.path),
-        "replaced": replaced,
+        "replaced": bool(replaced),
+        "replaced_what": replaced or None,  # artifact, directory or file
         "source": manifest["source"],
         "passes": manifest["passes"],
         "dropped_passes": manifest["dropped_passes"],

@@ -87,11 +87,11 @@ def compile(
     is `partitioned`'s, which `kiln.compile` hands in (kiln.partition sits above the compiler).
     Raises KilnError, writing nothing, when the result cannot be verified."""
     config = _config(config, backend, precision, inputs, shapes, verify, pipeline, settings)
-    if output is not None:
-        check_destination(Path(output), force)  # before an export that may take a while
+    if output is not None:  # before an export that may take a while
+        check_destination(Path(output), force, source=model)
     loaded = load_source(model, example_inputs, dynamic_shapes)
     destination = _destination(loaded, output)
-    check_destination(destination, force)
+    check_destination(destination, force, source=model)
     try:
         return compile_loaded(loaded, config, destination, inputs=inputs, pipeline=pipeline,
                               rounds=rounds, runs=runs, progress=progress, force=force,

@@ -202,7 +202,8 @@ def print_optimize(summary: dict[str, Any], console: Console) -> None:
     if summary.get("advice"):
         table.add_row("[yellow]next[/yellow]", f"[yellow]{escape(summary['advice'])}[/yellow]")
     if summary.get("replaced"):
-        table.add_row("artifact", escape(f"replaced existing artifact {summary['artifact']}"))
+        what = summary.get("replaced_what") or "artifact"
+        table.add_row("artifact", escape(f"replaced the {what} at {summary['artifact']}"))
     console.print(table)
 
 
