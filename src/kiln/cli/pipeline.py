@@ -124,14 +124,15 @@ def _print(summary: dict[str, Any]) -> None:
 
     reference, metric = summary["reference"], summary["metric"]
     table = Table(title=f"kiln optimize → {summary['artifact']}")
-    for column in ("stage", "calls", "reference time", "choice", "end-to-end trials"):
+    for column in ("stage", "calls", "time (all calls)", "choice", "end-to-end trials"):
         table.add_column(column)
     trials: dict[str, list[str]] = {}
     for t in summary["search"]["trials"]:
         verdict = "kept" if t["kept"] else f"rejected: {t['reason']}"
+        pace = f"{t['speedup']:.2f}× {t['speed_verdict']}" if t.get("speed_verdict") else ""
         trials.setdefault(t["stage"], []).append(
-            f"{t['precision']}: {metric['name']} {t['metric']:.4g}, "
-            f"{t['baseline_ms']:.1f} → {t['stage_ms']:.1f} ms, {verdict}"
+            f"{t['precision']}: {metric['name']} {t['metric']:.4g}; all calls "
+            f"{t['baseline_ms']:.1f} → {t['stage_ms']:.1f} ms ({pace}); {verdict}"
         )
     for name, choice in summary["stages"].items():
         spent = reference["model_seconds"].get(name, 0.0)
