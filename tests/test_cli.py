@@ -116,6 +116,13 @@ def test_bench_compares_engines_and_writes_json(tmp_path):
         # the P50 is the median of the rounds' P50s, each round's given for pairing engines
         assert engine["p50_ms"] == pytest.approx(statistics.median(engine["round_p50_ms"]))
         assert len(engine["round_p50_ms"]) == result["rounds"]
+    # An 80-column terminal (or a log) gets an engine a column: every figure shows whole.
+    narrow = Console(record=True, width=80)
+    print_bench(result, narrow)
+    lines = narrow.export_text().splitlines()
+    p50 = next(line for line in lines if line.startswith("│ P50 ms"))
+    assert all(ms(e["p50_ms"]) in p50 for e in result["engines"].values()), p50
+    assert max(len(line) for line in lines) <= 80
 
 
 def test_doctor_names_engines_and_cpu(tmp_path):

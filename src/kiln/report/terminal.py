@@ -251,7 +251,7 @@ def _verification_rows(table: Table, verification: dict[str, Any] | None) -> Non
                 "  accuracy budget",
                 escape(
                     f"{verification['metric']} {verification['score']:.5f} ≥ "
-                    f"{verification['threshold']:.5f} (worst held-out sample)"
+                    f"{verification['threshold']:.5f} (the worst sample judged)"
                 ),
             )
             if verification.get("note"):
@@ -341,41 +341,22 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
     console.print(
         f"[dim]{result['date']} · {machine['cpu']} · {machine['cores']} cores · {versions}[/dim]"
     )
-    table = Table(
-        "engine",
-        "P50 ms",
-        "P90 ms",
-        "P99 ms",
-        "jitter (× floor)",
-        "CQI (of peak)",
-        "samples/s",
-        f"× vs {escape(result['baseline'])}",
-        "per-round range",
-        "verdict",
-        "cosine vs fp32",
-        "peak MiB load / run",
-        "weights MiB",
-        title=f"kiln bench {escape(result['model'])} (batch {result['batch']}, "
-        f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)",
+    title = (
+        f"kiln bench {escape(result['model'])} (batch {result['batch']}, "
+        f"{result['rounds']} rounds × {result['runs_per_round']} runs, interleaved)"
     )
-    for name, e in result["engines"].items():
-        spread, verdict = e.get("speedup_spread"), e.get("verdict") or ""
-        style = VERDICT_STYLE.get(verdict)
-        table.add_row(
-            escape(name),
-            ms(e["p50_ms"]),
-            ms(e["p90_ms"]),
-            ms(e["p99_ms"]),
-            _over_floor(e),
-            _cqi(e),
-            f"{e['throughput']:.1f}",
-            f"{e['speedup_vs_baseline']:.2f}",
-            f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "unknown (< 3 rounds)",
-            f"[{style}]{escape(verdict)}[/{style}]" if style else escape(verdict),
-            f"{e['cosine_vs_fp32']:.5f}",
-            _peaks(e.get("peak_rss_mib")),
-            f"{e['weights_mib']:.1f}" if "weights_mib" in e else "—",
-        )
+    columns = ["P50 ms", "P90 ms", "P99 ms", "jitter (× floor)", "CQI (of peak)", "samples/s",
+               f"× vs {escape(result['baseline'])}", "per-round range", "verdict",
+               "cosine vs fp32", "peak MiB load / run", "weights MiB"]  # fmt: skip
+    rows = {name: _bench_cells(e) for name, e in result["engines"].items()}
+    if console.width >= WIDE_BENCH_COLUMNS:  # an engine a row
+        table = Table("engine", *columns, title=title)
+        for name, cells in rows.items():
+            table.add_row(escape(name), *cells)
+    else:  # a narrow terminal or a log: an engine a column, so that every figure shows whole
+        table = Table("", *(escape(name) for name in rows), title=title)
+        for i, column in enumerate(columns):
+            table.add_row(column, *(cells[i] for cells in rows.values()))
     console.print(table)
     console.print(
         "[dim]P50: median of the per-round P50s; × = the baseline's P50 ÷ the engine's; the "
@@ -390,6 +371,25 @@ def print_bench(result: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]Memory: {escape(result['memory'])}.[/dim]")
     if result.get("advice"):
         console.print(f"[yellow]{escape(result['advice'])}[/yellow]")
+
+
+# Below this many columns the bench table turns: an engine a column (13 columns of figures
+# cannot show whole in an 80-column terminal).
+WIDE_BENCH_COLUMNS = 160
+
+
+def _bench_cells(e: dict[str, Any]) -> list[str]:
+    """One engine's figures, in the table's column order."""
+    spread, verdict = e.get("speedup_spread"), e.get("verdict") or ""
+    style = VERDICT_STYLE.get(verdict)
+    return [
+        ms(e["p50_ms"]), ms(e["p90_ms"]), ms(e["p99_ms"]), _over_floor(e), _cqi(e),
+        f"{e['throughput']:.1f}", f"{e['speedup_vs_baseline']:.2f}",
+        f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "unknown (< 3 rounds)",
+        f"[{style}]{escape(verdict)}[/{style}]" if style else escape(verdict),
+        f"{e['cosine_vs_fp32']:.5f}", _peaks(e.get("peak_rss_mib")),
+        f"{e['weights_mib']:.1f}" if "weights_mib" in e else "—",
+    ]  # fmt: skip
 
 
 def _over_floor(engine: dict[str, Any]) -> str:
