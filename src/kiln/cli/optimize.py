@@ -245,8 +245,9 @@ def _print_partition(summary: dict, out: Any) -> None:
         out.print(f"  placement {record['placement']}{figures}", highlight=False, markup=False)
     for part, times in (record.get("part_ms") or {}).items():
         shown = ", ".join(f"{engine} {ms:.2f} ms" for engine, ms in times.items())
-        threads = (record.get("threads") or {}).get(part)
-        out.print(f"  part {part} ({counted(threads, 'thread')}): {shown}", highlight=False,
+        threads = (record.get("threads") or {}).get(part)  # none for a chain's segments
+        shares = f" ({counted(threads, 'thread')})" if threads else ""
+        out.print(f"  part {part}{shares}: {shown}", highlight=False,
                   markup=False)  # fmt: skip
 
 
