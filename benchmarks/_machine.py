@@ -5,53 +5,22 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from kiln.hardware import cpu_info
 
-# The widest matrix instructions decide what a CPU can do for a model: the first one present
-# names the class (AMX tiles, then bf16 dot products, int8 dot products, plain AVX-512, AVX2).
-_ISA_CLASSES = (
-    ("amx_tile", "amx"),
-    ("avx512_bf16", "avx512bf16"),
-    ("avx512_vnni", "avx512vnni"),
-    ("avx512f", "avx512"),
-    ("avx2", "avx2"),
-    ("sve", "sve"),
-    ("asimd", "neon"),
-)
-_FAMILIES = (
-    ("epyc", "amd-epyc"),
-    ("ryzen", "amd-ryzen"),
-    ("xeon", "intel-xeon"),
-    ("core", "intel-core"),
-    ("neoverse", "arm-neoverse"),
-    ("graviton", "aws-graviton"),
-)
 # Other processes keeping more than this share of one core busy make the host "shared":
 # their work competes with the timed runs for cores, caches and memory bandwidth.
 SHARED_BUSY_CORES = 0.2
-
-
-def cpu_class(model: str, features: list[str]) -> str:
-    """`amd-epyc-avx512bf16`, `intel-xeon-amx`: the CPU family and its widest matrix ISA."""
-    lowered = model.lower()
-    family = next((name for key, name in _FAMILIES if key in lowered), None)
-    if family is None:
-        words = re.findall(r"[a-z0-9]+", lowered)[:2]
-        family = "-".join(words) or platform.machine().lower() or "cpu"
-    isa = next((name for flag, name in _ISA_CLASSES if flag in features), "generic")
-    return f"{family}-{isa}"
 
 
 def machine() -> dict[str, Any]:
     cpu = cpu_info()
     return {
         "cpu": cpu.model,
-        "cpu_class": cpu_class(cpu.model, cpu.features),
+        "cpu_class": cpu.cpu_class,
         "cores": cpu.logical_cores,
         "features": cpu.features,
         "platform": platform.platform(),

@@ -16,9 +16,10 @@ RESULTS = sorted((BENCHMARKS / "results").glob("*/*.json"))
 if str(BENCHMARKS) not in sys.path:  # as when a benchmark runs: its directory comes first
     sys.path.insert(0, str(BENCHMARKS))
 
-import _machine  # noqa: E402
 import _results  # noqa: E402
 import render  # noqa: E402
+
+from kiln.hardware.cpu import class_of  # noqa: E402
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -54,7 +55,7 @@ def test_the_schema_refuses_a_row_without_a_unit_and_a_bad_spread() -> None:
 def test_results_are_filed_under_the_cpu_family_and_its_widest_matrix_isa(
     model: str, features: list[str], expected: str
 ) -> None:
-    assert _machine.cpu_class(model, features) == expected
+    assert class_of(model, features) == expected
 
 
 def test_check_passes_on_the_repository(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -32,6 +33,38 @@ INTERESTING_FLAGS = [
 WIDE_INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
+# The widest matrix instructions decide what a CPU can do for a model: the first one present
+# names the class (AMX tiles, then bf16 dot products, int8 dot products, plain AVX-512, AVX2).
+_ISA_CLASSES = (
+    ("amx_tile", "amx"),
+    ("avx512_bf16", "avx512bf16"),
+    ("avx512_vnni", "avx512vnni"),
+    ("avx512f", "avx512"),
+    ("avx2", "avx2"),
+    ("sve", "sve"),
+    ("asimd", "neon"),
+)
+_FAMILIES = (
+    ("epyc", "amd-epyc"),
+    ("ryzen", "amd-ryzen"),
+    ("xeon", "intel-xeon"),
+    ("core", "intel-core"),
+    ("neoverse", "arm-neoverse"),
+    ("graviton", "aws-graviton"),
+)
+
+
+def class_of(model: str, features: list[str]) -> str:
+    """`amd-epyc-avx512bf16`, `intel-xeon-amx`: the CPU family and its widest matrix ISA."""
+    lowered = model.lower()
+    family = next((name for key, name in _FAMILIES if key in lowered), None)
+    if family is None:
+        words = re.findall(r"[a-z0-9]+", lowered)[:2]
+        family = "-".join(words) or platform.machine().lower() or "cpu"
+    isa = next((name for flag, name in _ISA_CLASSES if flag in features), "generic")
+    return f"{family}-{isa}"
+
+
 @dataclass(frozen=True)
 class CpuInfo:
     model: str
@@ -44,7 +77,12 @@ class CpuInfo:
     caches: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "class": self.cpu_class}
+
+    @property
+    def cpu_class(self) -> str:
+        """The name results are filed under, e.g. `amd-epyc-avx512bf16` (class_of)."""
+        return class_of(self.model, self.features)
 
     @property
     def int8_dot_saturates(self) -> bool:

@@ -142,6 +142,8 @@ def print_doctor(info: dict[str, Any], console: Console) -> None:
     table.add_row("kiln", info["kiln"])
     table.add_row("platform", info["platform"])
     table.add_row("cpu", cpu["model"])
+    if cpu.get("class"):  # the class benchmark results are filed under (docs/benchmarks/)
+        table.add_row("cpu class", cpu["class"])
     table.add_row("cores", f"{cpu['physical_cores']} physical, {cpu['logical_cores']} logical")
     table.add_row("ISA features", " ".join(cpu["features"]) or "(none of interest)")
     for name, desc in info["engines"].items():
