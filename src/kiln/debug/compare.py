@@ -71,7 +71,7 @@ class LayerBudget:
     def describe(self) -> str:
         if self.metric == "max-abs":
             return f"max abs ≤ {FP32_TOLERANCE:g} · scale (Kiln's fp32 tolerance)"
-        return f"cosine ≥ {self.min_cosine:.4g}"
+        return f"cosine ≥ {self.min_cosine:.10g}"  # 0.99999, not a rounded 1
 
 
 def _check_budget(metric: str, max_drop: float | None) -> None:
