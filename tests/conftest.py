@@ -13,6 +13,9 @@ from kiln.passes.fused_op_pays import ENV as FUSED_OPS_ENV
 # (kiln.passes.fused_op_pays), so fusion counts do not depend on this CPU. Subprocesses inherit
 # it. tests/test_fused_op_pays.py sets "measure" where it tests the measured decision.
 os.environ[FUSED_OPS_ENV] = "fuse"
+# The verbs' progress lines off a terminal stay off, so that stderr is the one-line error the
+# tests read; tests/test_cli.py turns them on where it tests them.
+os.environ["KILN_PROGRESS"] = "off"
 
 # Every test's KILN_HOME starts with peaks cached, at fixed plausible values: the verbs that
 # place work on a roofline (`kiln bench`'s CQI, `kiln profile`) would otherwise measure this

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -227,6 +228,7 @@ def test_long_work_shows_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
          "import sys; from kiln.cli import main; sys.argv = ['kiln', 'optimize', "
          f"'zoo:bert-tiny', '-o', {str(out)!r}, '--rounds', '0']; main()"],
         capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "KILN_PROGRESS"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("[")]

@@ -3,6 +3,7 @@ of its own (baseline, each phase's peak above it, steady after)."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import numpy as np
@@ -22,8 +23,11 @@ def test_each_phase_has_its_own_peak_above_the_baseline():
         held.append(np.ones(40 * MIB, np.uint8))
         del passing
 
-    def run() -> None:  # 20 MiB more for a moment
-        np.ones(20 * MIB, np.uint8)
+    def run() -> None:  # 20 MiB more for a moment, in pages of its own: a heap a big
+        # process left free (the test runner's, forked) could hold it without growing
+        block = mmap.mmap(-1, 20 * MIB)
+        np.frombuffer(block, np.uint8)[:] = 1
+        block.close()
 
     got = measure_phases({"load": load, "run": run})
     assert set(got) == {"peak_rss_mib", "steady_rss_mib", "baseline_mib",

@@ -7,6 +7,7 @@ A leaf: it imports nothing from Kiln but its error type, `kiln.home`'s output ch
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -30,12 +31,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tab
 AUTO_FLAGS = "--backend auto --precision auto"
 
 
+PROGRESS_ENV = "KILN_PROGRESS"
+
+
 def progress() -> Progress | LogProgress:
     """A spinner with a changing description on stderr, gone when the step ends; off a
     terminal (a batch job, `| tee`, nohup), where a bar is noise, the descriptions as plain
     lines instead (LogProgress)."""
     if not err.is_terminal:
-        return LogProgress()
+        # KILN_PROGRESS=off: nothing at all (a caller that reads stderr as the error alone)
+        return LogProgress(quiet=os.environ.get(PROGRESS_ENV, "").lower() == "off")
     # markup=False: descriptions hold user paths
     return Progress(
         SpinnerColumn(),
@@ -53,8 +58,9 @@ class LogProgress:
 
     LOG_EVERY_S = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, quiet: bool = False) -> None:
         self._start = self._last = time.monotonic()
+        self._quiet = quiet
 
     def __enter__(self) -> LogProgress:
         return self
@@ -68,7 +74,7 @@ class LogProgress:
 
     def update(self, task: int, description: str | None = None, **_: Any) -> None:
         now = time.monotonic()
-        if description and now - self._last >= self.LOG_EVERY_S:
+        if description and not self._quiet and now - self._last >= self.LOG_EVERY_S:
             self._last = now
             print(f"[{now - self._start:6.0f} s] {description}", file=sys.stderr, flush=True)
 
