@@ -5,6 +5,7 @@ winners in the strategy library and warm-starts similar models from them."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -235,7 +236,7 @@ def test_a_pt2_is_tuned_and_verified_on_its_saved_example(tmp_path):
     torch.export.save(program, tmp_path / "m.pt2")
     result = tune(plan(str(tmp_path / "m.pt2"), trials=1), tmp_path / "m.kiln",
                   say=lambda _m: None)  # fmt: skip
-    assert result.study.startswith("m-latency")
+    assert re.match(r"m-[0-9a-f]{8}-latency-", result.study), result.study  # the file, its digest
     manifest = json.loads((tmp_path / "m.kiln" / "manifest.json").read_text())
     assert manifest["verification"]["ok"] and manifest["source"]["path"].endswith("m.pt2")
 
