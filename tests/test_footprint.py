@@ -16,18 +16,20 @@ MIB = 2**20
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and clear_refs")
 def test_each_phase_has_its_own_peak_above_the_baseline():
-    held: list[np.ndarray] = []
+    held: list[mmap.mmap] = []
+
+    def pages(mib: int) -> mmap.mmap:  # memory of its own, touched: a heap a big process
+        block = mmap.mmap(-1, mib * MIB)  # left free (the forked test runner's) is not
+        np.frombuffer(block, np.uint8)[:] = 1
+        return block
 
     def load() -> None:  # 160 MiB at once, of which 40 stay
-        passing = np.ones(120 * MIB, np.uint8)
-        held.append(np.ones(40 * MIB, np.uint8))
-        del passing
+        passing = pages(120)
+        held.append(pages(40))
+        passing.close()
 
-    def run() -> None:  # 20 MiB more for a moment, in pages of its own: a heap a big
-        # process left free (the test runner's, forked) could hold it without growing
-        block = mmap.mmap(-1, 20 * MIB)
-        np.frombuffer(block, np.uint8)[:] = 1
-        block.close()
+    def run() -> None:  # 20 MiB more for a moment
+        pages(20).close()
 
     got = measure_phases({"load": load, "run": run})
     assert set(got) == {"peak_rss_mib", "steady_rss_mib", "baseline_mib",
