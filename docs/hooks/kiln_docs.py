@@ -63,22 +63,17 @@ def _page_of(item: Any) -> str | None:
 
 
 def on_files(files: Files, config: Any) -> Files:
-    """The screenshots taken now replace the committed copies in the built site."""
+    """The screenshots, taken now, into the built site (they are not kept in git)."""
     global _shots_dir
     if _shots_dir is None:
         _shots_dir = Path(tempfile.mkdtemp(prefix="kiln-docs-shots-"))
         try:
-            taken = docs_screenshots.take(_shots_dir)
+            docs_screenshots.take(_shots_dir)
         except Exception as exc:
             raise PluginError(f"the docs' screenshots failed: {exc}") from exc
-        if taken is None:
-            log.debug("no Chromium: the committed screenshots are used")
     for path in docs_screenshots.SHOTS.values():
         fresh = _shots_dir / path
         if fresh.is_file():
-            committed = files.get_file_from_path(path)
-            if committed is not None:
-                files.remove(committed)
             files.append(File.generated(config, path, abs_src_path=str(fresh)))
     return files
 
