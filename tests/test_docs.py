@@ -5,7 +5,7 @@ blocks of the quickstart and the how-to pages run.
 A page's ```bash blocks run with `bash -e` in a fresh directory, its ```python blocks in one
 interpreter, all in page order; a block preceded on the line before its fence by
 `<!-- skip-test -->` is left out, and a page holding `<!-- test: slow -->` runs under
-`-m slow`. Without MkDocs the build test skips, except under CI=true, where it fails."""
+`-m slow`. Without MkDocs (a test dependency) the build test fails."""
 
 from __future__ import annotations
 
