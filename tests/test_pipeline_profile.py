@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 from cli_helpers import kiln_cli
-from onnx import TensorProto, helper, numpy_helper
+from test_pipeline_compile import GLUE, WIDTH, _matmul
 
 from kiln.pipeline import compile as pipeline_compile
 from kiln.pipeline import compile_pipeline
@@ -22,39 +20,6 @@ from kiln.pipeline.profile import findings, profile_pipeline
 from kiln.timing import FASTER, Speedup
 
 pytestmark = pytest.mark.timeout(300)
-WIDTH = 64
-
-GLUE = '''
-import numpy as np
-
-def describe(x, *, embed, cls):
-    """A label from `cls` (int8 keeps the argmax) and the embedding to five decimals (int8
-    changes them)."""
-    (logits,) = cls.run(None, {"x": x})
-    (y,) = embed.run(None, {"x": x})
-    return {"label": int(logits.argmax()), "embedding": np.round(y, 5).tolist()}
-
-def labels(references, outputs):
-    return float(np.mean([r["label"] == o["label"] for r, o in zip(references, outputs)]))
-
-def inputs():
-    rng = np.random.default_rng(1)
-    for i in range(12):
-        x = rng.standard_normal((1, 64)).astype(np.float32)
-        x[0, i % 4] += 12.0
-        yield x
-'''
-
-
-def _matmul(path: Path, weight: np.ndarray) -> str:
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], path.stem,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", WIDTH])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", weight.shape[1]])],
-        [numpy_helper.from_array(weight, "w")],
-    )  # fmt: skip
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +33,8 @@ def case(tmp_path_factory) -> dict:
     identity[:4, :4] = np.eye(4)
     noise = 0.01 * rng.standard_normal((WIDTH, 4)).astype(np.float32)
     models = {
-        "embed": _matmul(root / "embed.onnx", rng.standard_normal((WIDTH, WIDTH), np.float32)),
-        "cls": _matmul(root / "cls.onnx", identity + noise),
+        "embed": str(_matmul(root / "embed.onnx", rng.standard_normal((WIDTH, WIDTH), np.float32))),
+        "cls": str(_matmul(root / "cls.onnx", identity + noise)),
     }
     data = f"{root / 'glue.py'}:inputs"
     faster = Speedup(1.5, (1.2, 1.8), FASTER)
