@@ -109,6 +109,51 @@ def test_a_hostile_layer_forced_into_int8_is_named(tmp_path):
     assert result["budget"]["metric"] == "cosine"
 
 
+def cancelling_model(path, offset: float = 40.0) -> None:
+    """shift (+offset) → mm1 → cancel (− what the offset alone gives): mm1's output is mostly
+    the offset's share, so int8 mm1 keeps its cosine while cancel, exact in fp32, leaves its
+    rounding error and little of the signal."""
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    w1 = np.random.default_rng(0).normal(0, 0.2, (64, 64)).astype(np.float32)
+    shift = np.full(64, offset, np.float32)
+    nodes = [
+        h.make_node("Add", ["x", "shift"], ["shifted"], name="shift"),
+        h.make_node("MatMul", ["shifted", "w1"], ["a"], name="mm1"),
+        h.make_node("Sub", ["a", "common"], ["y"], name="cancel"),
+    ]
+    inits = [nh.from_array(w1, "w1"), nh.from_array(shift, "shift"),
+             nh.from_array(shift @ w1, "common")]  # fmt: skip
+    x = h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])
+    y = h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 64])
+    graph = h.make_graph(nodes, "cancelling", [x], [y], inits)
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+
+
+def test_an_fp32_layer_carrying_int8_error_past_the_budget_blames_the_int8_layer(tmp_path):
+    cancelling_model(tmp_path / "m.onnx")
+    calib = np.random.default_rng(1).normal(0, 1, (8, 16, 64)).astype(np.float32)
+    np.savez(tmp_path / "calib.npz", x=calib)
+    built = kiln_cli("optimize", "m.onnx", "--precision", "int8", "--calib", "calib.npz",
+                     "--max-drop", "0.99", "--rounds", "0", "-o", "m.kiln", "--shape", "x=16x64",
+                     cwd=tmp_path)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    result = kiln_cli("compare", "m.onnx", "m.kiln", "--shape", "x=16x64", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    rows = {row["node"]: row for row in data["layers"]}
+    # the budget breaks at cancel, which runs in fp32 on both sides and only carries error
+    assert not rows["cancel"]["ok"] and rows["cancel"]["b"]["precision"] == "fp32"
+    assert rows["mm1"]["ok"] and rows["mm1"]["b"]["precision"] == "int8"
+    assert data["first_divergence"] == "mm1"
+    assert data["first_divergence_row"]["shows_at"]["node"] == "cancel"
+    from kiln.report.compare import headline
+
+    said = headline(data)
+    assert said.startswith("first divergence: mm1") and "cancel" in said
+
+
 def test_a_compiled_side_keeps_its_fusions_and_no_insides_are_invented():
     result = compare("zoo:bert-tiny", "zoo:bert-tiny@ort:int8").to_json()
     assert result["b"]["precision"] == "int8" and result["first_divergence"] is None

@@ -67,8 +67,10 @@ def compare(
     """Run A and B on the same inputs and compare every tensor they share, layer by layer.
 
     Rows follow the original graph; the first divergence is the earliest layer beyond the
-    budget whose inputs still agree. Fused kernels stay fused: only tensors both sides compute
-    are compared. A pipeline artifact with --data: which stage's choice changed its results."""
+    budget whose inputs still agree, or, when B runs that layer at A's precision, the
+    lower-precision layer before it whose error it carries. Fused kernels stay fused: only
+    tensors both sides compute are compared. A pipeline artifact with --data: which stage's
+    choice changed its results."""
     from kiln.artifact.parts import is_partitioned
     from kiln.debug import compare as compare_models
     from kiln.ir.inputs import parse_shapes

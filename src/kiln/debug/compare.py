@@ -18,6 +18,9 @@ lower to cosine ≥ 0.99.
 
 The **first divergence** is the earliest row that breaks the budget while every compared tensor
 it is computed from still keeps it: the layer that broke, not one that inherited the damage.
+When side B runs that row in side A's own precision, it computes what A computes and only
+carries error handed to it; the first divergence is then the lower-precision layer upstream
+whose error jumps most, and `shows_at` names the row where the budget broke.
 
 Engines fuse kernels of their own too (ONNX Runtime's QDQ kernels, OpenVINO's Conv+ReLU and its
 int8 pipeline); a tensor exposed as an output must be materialised, which can keep such a fusion
@@ -388,17 +391,19 @@ def _confirmation(
     budget: LayerBudget,
     feeds: Feeds,
 ) -> str:
-    """Re-run both sides with only the first divergence and the tensors it is computed from
-    exposed, and say whether it still breaks the budget while they keep it."""
-    inputs = compared_inputs(original, {r["tensor"] for r in rows}).get(first["tensor"], set())
-    few = [p for p in pairs if p[0] == first["tensor"] or p[0] in inputs]
+    """Re-run both sides with only the row where the budget broke (the first divergence, or
+    the layer it carries its error to) and the tensors it is computed from exposed, and say
+    whether it still breaks the budget while they keep it."""
+    broke = first.get("shows_at", first)["tensor"]
+    inputs = compared_inputs(original, {r["tensor"] for r in rows}).get(broke, set())
+    few = [p for p in pairs if p[0] == broke or p[0] in inputs]
     again = _rows(
         few,
         run_exposed(a, [p[0] for p in few], feeds),
         run_exposed(b, [p[1] for p in few], feeds),
         a, b, original, budget,
     )  # fmt: skip
-    row = next((r for r in again if r["tensor"] == first["tensor"]), None)
+    row = next((r for r in again if r["tensor"] == broke), None)
     held = row is not None and not row["ok"] and all(r["ok"] for r in again if r is not row)
     verdict = "confirmed" if held else "not confirmed"
     return (
@@ -493,13 +498,70 @@ def _made_by(side: Side, tensor: str) -> dict[str, Any]:
 
 
 def first_divergence(rows: list[dict[str, Any]], original: ir.Model) -> dict[str, Any] | None:
-    """The earliest row out of budget whose compared inputs are all within it."""
+    """The layer that broke: the earliest row out of budget whose compared inputs are all
+    within it — or, when that row only carries error handed to it, the lower-precision layer
+    upstream that added it (`shows_at` then names the row where the budget broke)."""
     kept = {row["tensor"]: row["ok"] for row in rows}
     inputs = compared_inputs(original, set(kept))
-    for row in rows:
-        if not row["ok"] and all(kept[t] for t in inputs.get(row["tensor"], ())):
-            return row
+    broke = next(
+        (r for r in rows if not r["ok"] and all(kept[t] for t in inputs.get(r["tensor"], ()))),
+        None,
+    )
+    if broke is None:
+        return None
+    source = _lossy_source(broke, rows, inputs)
+    if source is None:
+        return broke
+    shown = {k: broke[k] for k in ("index", "node", "op_type", "tensor", "cosine", "max_abs")}
+    return {**source, "shows_at": shown}
+
+
+def _lossy_source(
+    broke: dict[str, Any], rows: list[dict[str, Any]], inputs: dict[str, set[str]]
+) -> dict[str, Any] | None:
+    """The lower-precision layer upstream of `broke` that added the most error, when `broke`
+    itself runs in side A's precision on side B; else None.
+
+    A layer B runs in A's own precision computes what A computes: error past the budget
+    there was handed to it, and may merely have grown (a Sub cancelling a large common part
+    leaves the error and little of the signal). The layer that made it is a lossy one (int8,
+    bf16) upstream, within budget itself; the one whose error jumps most over its inputs'
+    is named, since each layer after it inherits its error."""
+    if not _lossy(broke):
+        by_tensor = {row["tensor"]: row for row in rows}
+        upstream = _ancestors(broke["tensor"], inputs)
+        jumps = {
+            t: _drop(by_tensor[t]) - max((_drop(by_tensor[i]) for i in inputs[t]), default=0.0)
+            for t in upstream
+            if _lossy(by_tensor[t])
+        }
+        best = max(jumps, key=lambda t: (jumps[t], -by_tensor[t]["index"]), default=None)
+        if best is not None and jumps[best] > 0:
+            return by_tensor[best]
     return None
+
+
+def _lossy(row: dict[str, Any]) -> bool:
+    """Whether side B computes this row in another precision than side A (int8 against fp32)."""
+    return (row["b"] or {}).get("precision") != (row["a"] or {}).get("precision")
+
+
+def _drop(row: dict[str, Any]) -> float:
+    """How far a row is from agreeing: 1 − cosine (0 where no cosine was measured)."""
+    cos = row["cosine"]
+    return 0.0 if cos is None or cos != cos else 1.0 - cos  # cos != cos: NaN
+
+
+def _ancestors(tensor: str, inputs: dict[str, set[str]]) -> set[str]:
+    """Every compared tensor `tensor` is computed from, however far up."""
+    found: set[str] = set()
+    todo = list(inputs.get(tensor, ()))
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo += inputs.get(name, ())
+    return found
 
 
 def compared_inputs(original: ir.Model, compared: set[str]) -> dict[str, set[str]]:

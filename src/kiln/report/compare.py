@@ -53,16 +53,27 @@ def headline(result: dict[str, Any]) -> str:
         if result["exact"] == len(result["layers"]):
             return f"no divergence: all {len(result['layers'])} compared tensors are identical."
         return f"no divergence: every compared tensor is within {result['budget']['text']}."
-    measure = (
-        f"cosine {_cosine(first['cosine'])}"
-        if result["budget"]["metric"] == "cosine"
-        else f"max abs {_number(first['max_abs'])}"
-    )
+    budget = result["budget"]
+    shows_at = first.get("shows_at")
+    if shows_at:  # the lossy layer upstream whose error an fp32 layer carries past the budget
+        return (
+            f"first divergence: {first['node']} ({first['op_type']}, layer {first['index']}, "
+            f"{first['b']['precision']}): {_measure(first, budget)}, within {budget['text']} "
+            f"itself, adds the error that {shows_at['node']} ({shows_at['op_type']}, layer "
+            f"{shows_at['index']}) carries to {_measure(shows_at, budget)}, beyond it."
+        )
+    measure = _measure(first, budget)
     problem = f" ({first['problem']})" if first.get("problem") else ""
     return (
         f"first divergence: {first['node']} ({first['op_type']}, layer {first['index']}): "
         f"{measure}, beyond {result['budget']['text']}, while its inputs agree{problem}."
     )
+
+
+def _measure(row: dict[str, Any], budget: dict[str, Any]) -> str:
+    if budget["metric"] == "cosine":
+        return f"cosine {_cosine(row['cosine'])}"
+    return f"max abs {_number(row['max_abs'])}"
 
 
 def shown_rows(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -572,7 +572,7 @@ function errorHtml(node) {
   if (!node.errors.length) return head + '<div class="muted">no compared tensor (fused inside a kernel, or not computed on both sides)</div>';
   const rows = node.errors.map((r) => `<tr><td>${tensorLink(r.tensor)}</td><td>${fmt(r.max_abs)}</td>`
     + `<td>${r.cosine === null ? "—" : fmt(r.cosine, 6)}</td><td class="${r.ok ? "good" : "bad"}">${r.ok ? "ok" : "beyond"}</td></tr>`);
-  const first = node.first_divergence ? '<div class="bad">the first divergence: the earliest layer beyond the budget whose inputs still agree</div>' : "";
+  const first = node.first_divergence ? '<div class="bad">the first divergence: the earliest layer beyond the budget whose inputs still agree, or the lower-precision layer whose error a full-precision layer after it carries beyond</div>' : "";
   return head + first + `<table><tr><th>tensor</th><th>max abs</th><th>cosine</th><th></th></tr>${rows.join("")}</table>`;
 }
 
