@@ -73,8 +73,9 @@ def per_node(
     keys = sorted(per_run, key=position.__getitem__)
     groups = [_graph_nodes(first[key], matcher) for key in keys]
     traces = _traces(matcher, provenance)
-    absorb_unnamed(groups, matcher.model)
-    claim_unowned(groups, matcher.model, [first[k].op_type in LAYOUT_OPS for k in keys])
+    op_types = [first[key].op_type for key in keys]
+    absorb_unnamed(groups, matcher.model, op_types)
+    claim_unowned(groups, matcher.model, [op in LAYOUT_OPS for op in op_types])
     nodes = []
     for key, graph_nodes in zip(keys, groups, strict=True):
         record, times = first[key], per_run[key]

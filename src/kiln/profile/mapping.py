@@ -4,7 +4,11 @@ Engines rename what they fuse: ONNX Runtime runs `relu_nchwc` (Conv+BatchNorm+Re
 blocked layout) or `...scores.MatMul/MatMulScaleFusion/`, OpenVINO names the layers it fused.
 A kernel is matched to the graph node whose name is the longest one contained in the kernel's
 name; when that node's operator differs from the kernel's (the fused node took an activation's
-name), the producers above it are added until the kernel's operator is reached.
+name), the producers above it are added until the kernel's operator is reached. ONNX Runtime
+names a kernel it re-lays out after the tensor the node computes (`<output>_nchwc`): where no
+node name is found, the node computing the longest tensor name contained is taken. That is how
+an artifact's kernels are found, whose fused nodes have new names (`node_FusedConv_0`) and keep
+the original tensors' names.
 
 OpenVINO lists each kernel's original layers itself, by node name or by the name of the tensor
 a node computes (its ONNX reader names layers after their outputs), sometimes with a suffix
@@ -61,6 +65,9 @@ class NodeMatcher:
             for value in node.outputs
             if value.name
         }
+        self._outputs_by_length = sorted(
+            (n for n in self._by_output if len(n) >= _MIN_NAME), key=len, reverse=True
+        )
         self._position = {name: i for i, name in enumerate(self.nodes)}  # graph order
         self._cache: dict[tuple[str, str], list[str]] = {}
 
@@ -115,6 +122,9 @@ class NodeMatcher:
         name = kernel_name if kernel_name in self.nodes else None
         if name is None:
             name = next((n for n in self._by_length if n in kernel_name), None)
+        if name is None and op_type not in LAYOUT_OPS:  # a layout change computes no node
+            output = next((t for t in self._outputs_by_length if t in kernel_name), None)
+            name = self._by_output[output] if output is not None else None
         if name is None:
             return []
         chain = [name]
@@ -155,18 +165,22 @@ def originals(
     return sorted(names), sorted(passes)
 
 
-def absorb_unnamed(groups: list[list[str]], model: ir.Model) -> None:
+def absorb_unnamed(groups: list[list[str]], model: ir.Model, op_types: list[str]) -> None:
     """Give a graph node no kernel names to the kernel that runs its neighbours, in place:
     engines fuse a weight's DequantizeLinear, or the Relu and QuantizeLinear after a Conv,
     without listing them. Taken: a node whose neighbours all belong to one kernel, and
     quantization plumbing next to one kernel and to nodes no kernel names. A node between
-    two kernels (a Flatten between a pool and a Gemm) stays with neither."""
+    two kernels (a Flatten between a pool and a Gemm) stays with neither, and so does a node
+    of an operator that a kernel naming no node runs (`op_types`: each kernel's): that
+    kernel is the node's own (`claim_unowned`), as the second of two fused Convs is."""
     owner = {name: i for i, group in enumerate(groups) for name in group}
+    nameless = [op for group, op in zip(groups, op_types, strict=True) if not group]
+    spare = {core_op(op) for op in nameless if op not in LAYOUT_OPS}
     changed = True
     while changed:
         changed = False
         for node in model.graph:
-            if not node.name or node.name in owner:
+            if not node.name or node.name in owner or core_op(node.op_type) in spare:
                 continue
             around = [m for m in _neighbours(node) if m.op_type != "Constant"]
             kernels = {owner[m.name] for m in around if m.name in owner}
