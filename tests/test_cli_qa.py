@@ -20,7 +20,14 @@ import kiln
 from kiln import zoo
 from kiln.errors import KilnError
 from kiln.report.terminal import format_speedup, ms, print_bench, print_optimize
-from kiln.timing import MIN_ROUNDS_FOR_SPREAD, round_stats, speedup, speedups
+from kiln.timing import (
+    MIN_ROUNDS_FOR_SPREAD,
+    MIN_RUNS_FOR_P99,
+    p99_backing,
+    round_stats,
+    speedup,
+    speedups,
+)
 
 MODEL = "zoo:resnet-tiny"
 
@@ -133,6 +140,21 @@ def test_optimize_with_too_few_rounds_says_the_spread_is_unknown(tmp_path):
     assert summary["benchmark"]["verdict"] == "unknown"
     assert "--rounds 3" in summary["advice"]
     assert "spread unknown" in rendered(print_optimize, summary)
+
+
+def test_optimize_says_its_p99_is_under_backed_in_the_words_bench_uses(tmp_path):
+    out = kiln_cli(
+        "optimize", MODEL, "-o", "r.kiln", "--rounds", "3", "--runs", "4", "--json", cwd=tmp_path
+    )
+    summary = json.loads(out.stdout)
+    bench = summary["benchmark"]
+    assert bench["p99_runs"] == 3 * 4 and bench["p99_backed"] is False
+    under = f"12 runs, which is below the {MIN_RUNS_FOR_P99} MLPerf needs to back a P99"
+    assert under in rendered(print_optimize, summary)
+    backed = {**bench, **p99_backing(MIN_RUNS_FOR_P99)}
+    assert f"{MIN_RUNS_FOR_P99} runs, which backs a P99" in rendered(print_optimize, {
+        **summary, "benchmark": backed
+    })  # fmt: skip
 
 
 def test_a_slower_artifact_does_not_ship_without_a_word(tmp_path):

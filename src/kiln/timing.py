@@ -216,6 +216,12 @@ _BOOTSTRAP_CHUNK = 4_000_000
 _BOOTSTRAP_BUDGET = 50_000_000
 
 
+def p99_backing(runs: int) -> dict[str, int | bool]:
+    """How many runs a P99 stands on and whether they back it, as every JSON that prints a
+    P99 says it (`p99_runs`, `p99_backed`)."""
+    return {"p99_runs": runs, "p99_backed": runs >= MIN_RUNS_FOR_P99}
+
+
 @dataclass(frozen=True)
 class TailInterval:
     """Bootstrap intervals (percentile method) of `round_stats`' P99 and jitter.

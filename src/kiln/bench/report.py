@@ -25,6 +25,7 @@ from kiln.timing import (
     cqi,
     interleave,
     jitter_ratio_interval,
+    p99_backing,
     round_stats,
     speedups,
     tail_interval,
@@ -130,8 +131,7 @@ def run_bench(
         "versions": _versions(),
         "baseline": baseline,
         "kiln_build": built,
-        "p99_runs": rounds * runs,
-        "p99_backed": rounds * runs >= MIN_RUNS_FOR_P99,
+        **p99_backing(rounds * runs),
         "p99_note": f"MLPerf needs ≥ {MIN_RUNS_FOR_P99} runs to back a P99 at 99 % confidence",
         "intervals": f"bootstrap 95 %: {BOOTSTRAP_RESAMPLES} resamples of the runs within each "
         "round (seed 0), P50 and P99 computed as the figures they qualify",

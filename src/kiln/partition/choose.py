@@ -21,6 +21,7 @@ from kiln.timing import (
     FASTER,
     MIN_ROUNDS_FOR_SPREAD,
     interleave,
+    p99_backing,
     round_ratios,
     round_stats,
     speedup,
@@ -235,6 +236,7 @@ def _bench(
         "runs_per_round": runs,
         "original_ort": round_stats(samples["ort"]).to_json(),
         "artifact": chosen,
+        **p99_backing(rounds * runs),  # the artifact's P99
         "speedup": chosen["speedup"],
         "speedup_spread": chosen["speedup_spread"],
         "verdict": chosen["verdict"],

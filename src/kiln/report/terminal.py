@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kiln.errors import counted
 from kiln.hardware.jitter import PARALLEL_PROBE
+from kiln.timing import MIN_RUNS_FOR_P99
 
 TOP_FINDINGS = 5
 TOP_NODES = 5
@@ -281,6 +282,8 @@ def _bench_rows(table: Table, bench: dict[str, Any] | None) -> None:
                 label,
                 f"P50 {ms(s['p50_ms'])} ms  P99 {ms(s['p99_ms'])} ms  jitter {s['jitter']:.2f}",
             )
+        if "p99_runs" in bench:
+            table.add_row("P99", escape(f"the artifact's P99 is from {p99_backing_note(bench)}"))
         table.add_row(
             "speedup",
             format_speedup(bench["speedup"], bench.get("speedup_spread"), bench.get("verdict"))
@@ -436,19 +439,27 @@ def _parallel_note(floor: dict[str, Any]) -> str:
             "jitter_over_parallel_floor)")  # fmt: skip
 
 
+def p99_backing_note(result: dict[str, Any]) -> str:
+    """How many runs a P99 stands on (`kiln.timing.p99_backing`) and whether that backs it."""
+    backed = (
+        "backs" if result.get("p99_backed")
+        else f"is below the {MIN_RUNS_FOR_P99} MLPerf needs to back"
+    )  # fmt: skip
+    return f"{result.get('p99_runs', '?')} runs, which {backed} a P99 at 99 % confidence"
+
+
 def _floor_note(result: dict[str, Any]) -> str:
     """What the jitter and CQI columns stand beside: the floor measured in this run, how many
     runs back each P99, and what CQI is."""
     floor = result["jitter_floor"]
     low, high = floor["floor_interval"]
-    backed = "backs" if result.get("p99_backed") else "is below the 662 MLPerf needs to back"
     return (
         f"Jitter floor of this host: {floor['floor']:.2f} ({floor['probe']}, 95 % interval "
         f"{low:.2f}–{high:.2f}), measured {floor['measured']}; "
         f"× floor = the engine's jitter ÷ the floor (its 95 % interval after the comma)"
         f"{_parallel_note(floor)}. Each engine's P99 "
         "is from "
-        f"{result.get('p99_runs', '?')} runs, which {backed} a P99 at 99 % confidence. "
+        f"{p99_backing_note(result)}. "
         "CQI = fraction of the measured peak of the engine's precision (in brackets) × "
         "(1 − jitter), each clamped to [0, 1]."
     )
