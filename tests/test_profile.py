@@ -256,7 +256,9 @@ def test_each_kernel_counts_toward_one_finding_most_specific_first():
     assert found["memory-bound"].nodes == ["add"]
     assert found["data-movement"].nodes == ["tiny"]  # not also overhead-bound
     assert found["overhead-bound"].nodes == ["relu"]
-    assert "kiln optimize m.onnx --precision int8" in found["compute-bound"].action
+    assert "try int8 or bf16 and measure: kiln optimize m.onnx --backend auto --precision auto" in (
+        found["compute-bound"].action
+    )
     assert found["thread-underuse"].share == 0.5  # half the cores' time nobody used
     busy = Context(nodes, model, "m.onnx", PEAKS, 0.3, 2, idle_fraction=0.0)
     assert "thread-underuse" not in {f.kind for f in diagnose(busy)}  # others used the cores

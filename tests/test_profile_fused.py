@@ -1,9 +1,13 @@
-"""`kiln profile` of an artifact whose passes fused nodes: each kernel leads to the originals
-it ran, once, so the time per original adds up to the kernel time measured."""
+"""`kiln profile` of a small artifact whose passes fused Conv+Relu: each kernel leads to the
+originals it ran, once, so the time per original adds up to the kernel time measured; and its
+advice follows what building the artifact measured for the model over the machine's peaks."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -55,14 +59,19 @@ def conv_relu_model() -> onnx.ModelProto:
 
 
 @pytest.fixture(scope="module")
-def fused(tmp_path_factory) -> dict:
+def artifact(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("fused")
     onnx.save(conv_relu_model(), where / "model.onnx")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KILN_HOME", str(where / "home"))
         built = kiln.compile(str(where / "model.onnx"), where / "model.kiln")
     assert "fuse-conv-activation" in [p.name for p in built.manifest.passes if p.rewrites]
-    return profile_model(str(built.path), runs=4, rounds=2, peaks=PEAKS)
+    return built.path
+
+
+@pytest.fixture(scope="module")
+def fused(artifact) -> dict:
+    return profile_model(str(artifact), runs=4, rounds=2, peaks=PEAKS)
 
 
 def test_each_fused_kernel_leads_to_the_originals_it_ran(fused):
@@ -102,3 +111,20 @@ def test_a_kernel_named_after_a_fused_nodes_output_maps_to_that_node():
     assert matcher.match(f"{RELU1}_output_0_nchwc", "Conv") == ["node_FusedConv_0"]
     # a layout change named after a tensor runs no node
     assert matcher.match(f"{RELU1}_output_0_reorder", "ReorderOutput") == []
+
+
+def test_int8_timed_slower_for_the_model_is_not_advised(artifact, tmp_path):
+    # peaks that put the Convs at their roof, with int8 kernels four times as fast
+    int8_rich = Peaks(1.0, None, 4.0, 1000.0, 2, "test")
+
+    def int8_advice(path: Path) -> list[str]:
+        result = profile_model(str(path), runs=2, rounds=1, peaks=int8_rich)
+        return [f["action"] for f in result["findings"] if "int8" in f["action"]]
+
+    assert int8_advice(artifact)  # nothing timed: the peaks lead, as something to measure
+    timed = shutil.copytree(artifact, tmp_path / "timed.kiln")
+    manifest = json.loads((timed / "manifest.json").read_text())
+    # as `kiln optimize --precision auto` records int8 verified and slower
+    manifest["benchmark"] = {"choice": "ort/fp32", "candidates": {"ort/fp32": 1.0, "ort/int8": 0.9}}
+    (timed / "manifest.json").write_text(json.dumps(manifest))
+    assert not int8_advice(timed)

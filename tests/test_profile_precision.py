@@ -8,6 +8,8 @@ only meaningful against the real limits.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import kiln
@@ -22,7 +24,6 @@ from kiln.profile import profile_model
 # tick in whole microseconds: "above its roof" means beyond that.
 NOISE = 0.15
 TICK_MS = 0.002
-PRECISION_FLAGS = ("--precision int8", "--precision bf16")
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +85,15 @@ def check_artifact_profile(result: dict, precision: str) -> None:
     assert convs and all(n["precision"] == precision for n in convs)
     # never advise a precision the artifact already runs in, or beats (int8 beats bf16;
     # a bf16 artifact may still hear of int8)
-    beaten = PRECISION_FLAGS if precision == "int8" else ("--precision bf16",)
+    beaten = {"int8", "bf16"} if precision == "int8" else {"bf16"}
     for finding in result["findings"]:
-        assert not any(flag in finding["action"] for flag in beaten), finding
+        assert not proposed(finding["action"]) & beaten, finding
+
+
+def proposed(action: str) -> set[str]:
+    """The precisions an action proposes to try ("try int8 or bf16 and measure: ...")."""
+    found = re.search(r"try (\w+(?: or \w+)*) and measure", action)
+    return set(found.group(1).split(" or ")) if found else set()
 
 
 def test_openvino_int8_kernels_run_on_the_int8_roof(openvino_int8):
@@ -170,25 +177,61 @@ def test_advice_proposes_only_narrower_precisions_with_faster_kernels():
 
     from kiln.profile.diagnose import Context, diagnose
 
-    def kernel(name: str, precision: str, **roof) -> dict:
-        return {"node": name, "op_type": "Conv", "median_ms": 1.0, "precision": precision,
+    def kernel(name: str, precision: str, op_type: str = "Conv", **roof) -> dict:
+        return {"node": name, "op_type": op_type, "median_ms": 1.0, "precision": precision,
                 "graph_nodes": [], "roofline_ms": roof["efficiency"], **roof}  # fmt: skip
 
     model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
     rich = Peaks(100.0, 200.0, 400.0, 20.0, 2, "x")  # bf16 and int8 kernels, both faster
 
-    def actions(kernels: list[dict], peaks: Peaks) -> str:
+    def proposals(kernels: list[dict], peaks: Peaks) -> set[str]:
         found = diagnose(Context(kernels, model, "m.onnx", peaks, None, 2, None))
-        return " ".join(f.action for f in found)
+        return {p for f in found for p in proposed(f.action)}
 
     memory = {"bound": "memory", "efficiency": 0.5, "flops": 1e6, "bytes": 1e7}
     compute = {"bound": "compute", "efficiency": 0.8, "flops": 1e9, "bytes": 1e6}
-    fp32 = actions([kernel("a", "fp32", **memory), kernel("b", "fp32", **compute)], rich)
-    assert "--precision int8" in fp32 and "--precision bf16" in fp32
-    int8 = actions([kernel("a", "int8", **memory), kernel("b", "int8", **compute)], rich)
-    assert "--precision" not in int8  # the artifact already beats both
-    bf16 = actions([kernel("a", "bf16", **memory), kernel("b", "bf16", **compute)], rich)
-    assert "--precision int8" in bf16 and "--precision bf16" not in bf16
-    # int8 no faster than fp32 here (AVX2 without VNNI): compute-bound fp32 gets no such advice
+    fp32 = [kernel("a", "fp32", **memory), kernel("b", "fp32", **compute)]
+    assert proposals(fp32, rich) == {"int8", "bf16"}
+    int8 = [kernel("a", "int8", **memory), kernel("b", "int8", **compute)]
+    assert not proposals(int8, rich)  # the artifact already beats both
+    bf16 = [kernel("a", "bf16", **memory), kernel("b", "bf16", **compute)]
+    assert proposals(bf16, rich) == {"int8"}
+    # int8 no faster than fp32 here (no int8 dot-product instruction): no int8 advice
     flat = Peaks(100.0, None, 105.0, 20.0, 2, "x")
-    assert "--precision" not in actions([kernel("b", "fp32", **compute)], flat)
+    assert not proposals([kernel("b", "fp32", **compute), kernel("a", "fp32", **memory)], flat)
+    # a narrower build changes MatMul and Conv kernels, not a Softmax at its roof
+    assert not proposals([kernel("s", "fp32", "Softmax", **compute)], rich)
+
+
+def test_a_precision_timed_for_the_model_outranks_the_peaks():
+    import onnx_ir as ir
+
+    from kiln.profile.diagnose import Context, diagnose, tried_precisions
+
+    # what `kiln optimize --precision auto` recorded: int8 verified, timed, and slower
+    benchmark = {
+        "choice": "ort/fp32",
+        "candidates": {"ort/fp32": 0.99, "ort/int8": 0.92, "ort/int8 hand:ort-static": 0.93},
+    }
+    tried = tried_precisions(benchmark)
+    assert set(tried) == {"int8"} and "ort/int8 hand:ort-static ran 0.93×" in tried["int8"]
+    model = ir.serde.deserialize_model(zoo.build("resnet-tiny"))
+    kernels = [
+        {"node": "conv", "op_type": "Conv", "median_ms": 1.0, "precision": "fp32",
+         "graph_nodes": [], "bound": "compute", "efficiency": 0.8, "roofline_ms": 0.8,
+         "flops": 1e9, "bytes": 1e6},
+        {"node": "gemm", "op_type": "Gemm", "median_ms": 1.0, "precision": "fp32",
+         "graph_nodes": [], "bound": "compute", "efficiency": 0.2, "roofline_ms": 0.2,
+         "flops": 1e8, "bytes": 1e6},
+    ]  # fmt: skip
+    int8_only = Peaks(100.0, None, 400.0, 20.0, 2, "x")  # int8 kernels 4× fp32's peak
+    found = {f.kind: f for f in diagnose(Context(kernels, model, "m.onnx", int8_only, None, 2,
+                                                 None, tried=tried))}  # fmt: skip
+    assert not any(proposed(f.action) for f in found.values())
+    assert "int8 not proposed: timed for this model" in found["compute-bound"].evidence
+    assert "fp32-compute" not in found  # nothing left to propose for the Gemm
+    # where nothing was timed the peaks lead, to a build that is measured before it is kept
+    untimed = {f.kind: f for f in diagnose(Context(kernels, model, "m.onnx", int8_only, None,
+                                                   2, None))}  # fmt: skip
+    assert proposed(untimed["fp32-compute"].action) == {"int8"}
+    assert "kiln optimize m.onnx --precision auto" in untimed["fp32-compute"].action

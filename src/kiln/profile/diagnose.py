@@ -53,6 +53,9 @@ class Context:
     cpu_utilization: float | None
     cores: int
     idle_fraction: float | None  # of all cores' time, used by no process at all
+    # precision → what timing it for this model found (`tried_precisions`): a precision
+    # measured and not kept is never proposed, whatever the peaks say
+    tried: dict[str, str] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)  # kernels an earlier rule explained
 
     def free(self, chosen: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -88,16 +91,19 @@ def compute_bound(ctx: Context) -> Finding | None:
     time_s = sum(n["median_ms"] for n in near) / 1e3
     peak, precision = mixed_peak(near, ctx.peaks)
     # only a precision whose compute roof is higher than the one these kernels run under helps
-    lower = _lower_precisions(ctx, near, gain=lambda p: _peak(ctx, p) >= FASTER * peak)
+    macs = _macs(near)
+    lower = _lower_precisions(
+        ctx, macs, gain=lambda p: _peak(ctx, p) >= FASTER * mixed_peak(macs, ctx.peaks)[0]
+    )
     action = (
-        f"lower precision: {_precision_commands(ctx, lower)} ({_roofs_text(ctx, lower, near)})"
+        f"{_try_narrower(ctx, lower)} ({_roofs_text(ctx, lower, macs)})"
         if lower
         else "more cores or a faster machine: these kernels already run at the roof"
     )
     evidence = (
         f"{len(near)} kernels at ≥ {NEAR_ROOF:.0%} of their roof, "
         f"{flops / time_s / 1e9 if time_s else 0:.0f} GFLOP/s achieved against "
-        f"{peak:.0f} GFLOP/s {precision} peak"
+        f"{peak:.0f} GFLOP/s {precision} peak{_tried_text(ctx, macs)}"
     )
     return _finding(ctx, "compute-bound", "compute-bound near the roof", near, evidence, action)
 
@@ -105,29 +111,52 @@ def compute_bound(ctx: Context) -> Finding | None:
 # precision → bits per value: a kernel is never advised a precision at least as wide as the
 # one it already runs in
 _BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8}
-# `kiln optimize` flags that build each precision
-_FLAGS = {"int8": "--precision int8", "bf16": "--backend openvino --precision bf16"}
 
 
 def _peak(ctx: Context, precision: str) -> float:
     return peak_compute(ctx.peaks, precision)[0]
 
 
-def _lower_precisions(
-    ctx: Context, kernels: list[dict[str, Any]], gain: Callable[[str], bool]
-) -> list[str]:
+def _macs(kernels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The kernels a narrower precision changes: quantization and bf16 builds give MatMul and
+    Conv narrower kernels; the rest of the graph keeps its own."""
+    return [n for n in kernels if core_op(n["op_type"]) in MAC_OPS]
+
+
+def _narrower(ctx: Context, kernels: list[dict[str, Any]]) -> list[str]:
     """Precisions narrower than every one of `kernels` runs in that this machine has kernels
-    for (a measured peak) and for which `gain` holds: what an artifact already beats is never
-    proposed."""
+    for (a peak `kiln doctor` measured): what an artifact already beats is never proposed."""
     if not kernels:
         return []
     narrowest = min(_BITS.get(n["precision"], 32) for n in kernels)
     measured = {"int8": ctx.peaks.int8_gops, "bf16": ctx.peaks.bf16_gflops}
-    return [p for p in ("int8", "bf16") if measured[p] and _BITS[p] < narrowest and gain(p)]
+    return [p for p in ("int8", "bf16") if measured[p] and _BITS[p] < narrowest]
 
 
-def _precision_commands(ctx: Context, precisions: list[str]) -> str:
-    return " or ".join(_optimize(ctx, _FLAGS[p]) for p in precisions)
+def _lower_precisions(
+    ctx: Context, kernels: list[dict[str, Any]], gain: Callable[[str], bool]
+) -> list[str]:
+    """`_narrower` precisions for which `gain` holds and that were not already timed for this
+    model and found no faster (`Context.tried`): a measurement outranks a peak."""
+    return [p for p in _narrower(ctx, kernels) if gain(p) and p not in ctx.tried]
+
+
+def _try_narrower(ctx: Context, precisions: list[str]) -> str:
+    """Advice to build and time the precisions, not a promise: a peak says what this CPU's
+    GEMMs reach, not what this model's kernels will; `--precision auto` keeps a precision
+    only where it verifies within the accuracy budget and is faster."""
+    flags = "--backend auto --precision auto" if "bf16" in precisions else "--precision auto"
+    return (
+        f"try {' or '.join(precisions)} and measure: {_optimize(ctx, flags)} builds "
+        f"{'each' if len(precisions) > 1 else 'it'} and keeps it only where it verifies and is "
+        "faster"
+    )
+
+
+def _tried_text(ctx: Context, kernels: list[dict[str, Any]]) -> str:
+    """Why a precision the peaks favour is not proposed: what timing it found."""
+    left_out = [ctx.tried[p] for p in _narrower(ctx, kernels) if p in ctx.tried]
+    return "".join(f"; {why}" for why in left_out)
 
 
 def _roofs_text(ctx: Context, precisions: list[str], kernels: list[dict[str, Any]]) -> str:
@@ -135,12 +164,13 @@ def _roofs_text(ctx: Context, precisions: list[str], kernels: list[dict[str, Any
     parts = [
         f"{p} peak {_peak(ctx, p):.0f} {'GOP/s' if p == 'int8' else 'GFLOP/s'}" for p in precisions
     ]
-    return ", ".join(parts) + f" vs {precision} {peak:.0f}"
+    return "this CPU's " + ", ".join(parts) + f" vs {precision} {peak:.0f}"
 
 
 def fp32_compute(ctx: Context) -> Finding | None:
     """MAC kernels in fp32 below the roof (those at it are `compute_bound`'s), where this
-    machine computes int8 or bf16 markedly faster than fp32."""
+    machine computes int8 or bf16 markedly faster than fp32 and timing this model found
+    nothing else."""
     chosen = ctx.free(
         [n for n in ctx.nodes if core_op(n["op_type"]) in MAC_OPS and n["precision"] == "fp32"]
     )
@@ -149,13 +179,39 @@ def fp32_compute(ctx: Context) -> Finding | None:
     if not lower:
         return None
     evidence = (
-        f"{len(chosen)} fp32 MatMul/Conv kernels below the roof; this CPU has "
-        f"{_roofs_text(ctx, lower, chosen)}"
+        f"{len(chosen)} fp32 MatMul/Conv kernels below the roof; "
+        f"{_roofs_text(ctx, lower, chosen)}{_tried_text(ctx, chosen)}"
     )
-    action = f"{_precision_commands(ctx, lower)} (accuracy-guarded)"
+    action = _try_narrower(ctx, lower)
     return _finding(
         ctx, "fp32-compute", "fp32 compute where int8/bf16 kernels exist", chosen, evidence, action
     )
+
+
+def tried_precisions(benchmark: dict[str, Any] | None) -> dict[str, str]:
+    """Precision → why it is not proposed, from an artifact's benchmark: `kiln optimize
+    --precision auto` built, verified and timed a candidate in it for this model on this
+    engine, and kept another (the faster, or the one with the lower P99 within noise)."""
+    if not benchmark or "/" not in str(benchmark.get("choice", "")):
+        return {}
+    choice = benchmark["choice"]
+    timed = benchmark.get("candidates") or {}
+    out: dict[str, str] = {}
+    for label, speedup in sorted(timed.items(), key=lambda item: -item[1]):
+        precision = _precision_of(label)
+        if "/" not in label or precision == _precision_of(choice) or precision in out:
+            continue
+        out[precision] = (
+            f"{precision} not proposed: timed for this model when the artifact was built, "
+            f"{label} ran {speedup:.2f}× ONNX Runtime as-is where the {choice} kept ran "
+            f"{timed.get(choice, 0.0):.2f}×"
+        )
+    return out
+
+
+def _precision_of(label: str) -> str:
+    """`ort/int8+guard hand:ort-static` → int8."""
+    return label.partition("/")[2].split(" ")[0].split("+")[0]
 
 
 def below_roof(ctx: Context) -> Finding | None:
@@ -200,13 +256,15 @@ def memory_bound(ctx: Context) -> Finding | None:
         f"{len(chosen)} kernels below their ridge point, moving "
         f"{moved / time_s / 1e9 if time_s else 0:.1f} GB/s against the "
         f"{moved / allowed_s / 1e9 if allowed_s else 0:.0f} GB/s of where their working sets "
-        f"fit ({where})"
+        f"fit ({where}){_tried_text(ctx, _macs(chosen))}"
     )
     action = f"fewer trips through memory: {_optimize(ctx)} fuses elementwise chains"
     # narrower values move fewer bytes, wherever the engine has kernels for them
-    lower = _lower_precisions(ctx, chosen, gain=lambda _p: True)
+    # where this CPU has fast kernels for them (int8: a dot-product instruction)
+    fast = FASTER * ctx.peaks.fp32_gflops
+    lower = _lower_precisions(ctx, _macs(chosen), gain=lambda p: _peak(ctx, p) >= fast)
     if lower:
-        action += f"; narrower activations move fewer bytes ({_precision_commands(ctx, lower)})"
+        action += f"; narrower values move fewer bytes: {_try_narrower(ctx, lower)}"
     return _finding(ctx, "memory-bound", "memory-bound kernels", chosen, evidence, action)
 
 

@@ -22,7 +22,7 @@ from kiln.profile.aggregate import (
     run_totals,
     timeline,
 )
-from kiln.profile.diagnose import Context, diagnose
+from kiln.profile.diagnose import Context, diagnose, tried_precisions
 from kiln.profile.mapping import NodeMatcher
 from kiln.profile.measure import measure
 from kiln.profile.roofline import mixed_peak, place, roofs
@@ -80,6 +80,7 @@ def profile_model(
             cpu_utilization=measured.cpu_utilization,
             cores=measured.cores,
             idle_fraction=measured.idle_fraction,
+            tried=tried_precisions(target.manifest.benchmark if target.manifest else None),
         )
     )
     # The raw records leave as JSON (for --trace and kiln.report), in the shape they always had.
