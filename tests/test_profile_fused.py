@@ -109,6 +109,9 @@ def test_a_kernel_named_after_a_fused_nodes_output_maps_to_that_node():
     matcher = NodeMatcher(ir.serde.deserialize_model(helper.make_model(graph)))
     # ONNX Runtime names the blocked-layout kernel after the tensor the node computes
     assert matcher.match(f"{RELU1}_output_0_nchwc", "Conv") == ["node_FusedConv_0"]
+    # ... a name too short to be searched for inside others too, as it leads the kernel's
+    assert matcher.match("y_nchwc", "Conv") == ["node_FusedConv_1"]
+    assert matcher.match("ReorderOutput_y", "Conv") == []
     # a layout change named after a tensor runs no node
     assert matcher.match(f"{RELU1}_output_0_reorder", "ReorderOutput") == []
 

@@ -6,9 +6,9 @@ A kernel is matched to the graph node whose name is the longest one contained in
 name; when that node's operator differs from the kernel's (the fused node took an activation's
 name), the producers above it are added until the kernel's operator is reached. ONNX Runtime
 names a kernel it re-lays out after the tensor the node computes (`<output>_nchwc`): where no
-node name is found, the node computing the longest tensor name contained is taken. That is how
-an artifact's kernels are found, whose fused nodes have new names (`node_FusedConv_0`) and keep
-the original tensors' names.
+node name is found, the node computing the longest tensor name contained (or, for a short one,
+leading) is taken. That is how an artifact's kernels are found, whose fused nodes have new
+names (`node_FusedConv_0`) and keep the original tensors' names.
 
 OpenVINO lists each kernel's original layers itself, by node name or by the name of the tensor
 a node computes (its ONNX reader names layers after their outputs), sometimes with a suffix
@@ -65,9 +65,7 @@ class NodeMatcher:
             for value in node.outputs
             if value.name
         }
-        self._outputs_by_length = sorted(
-            (n for n in self._by_output if len(n) >= _MIN_NAME), key=len, reverse=True
-        )
+        self._outputs_by_length = sorted(self._by_output, key=len, reverse=True)
         self._position = {name: i for i, name in enumerate(self.nodes)}  # graph order
         self._cache: dict[tuple[str, str], list[str]] = {}
 
@@ -123,7 +121,7 @@ class NodeMatcher:
         if name is None:
             name = next((n for n in self._by_length if n in kernel_name), None)
         if name is None and op_type not in LAYOUT_OPS:  # a layout change computes no node
-            output = next((t for t in self._outputs_by_length if t in kernel_name), None)
+            output = next((t for t in self._outputs_by_length if _names(kernel_name, t)), None)
             name = self._by_output[output] if output is not None else None
         if name is None:
             return []
@@ -140,6 +138,14 @@ class NodeMatcher:
             chain.insert(0, node.name)
         # The kernel's operator was not found above: trust the name alone.
         return chain if core_op(node.op_type) == wanted else [name]
+
+
+def _names(kernel_name: str, tensor: str) -> bool:
+    """Whether a kernel's name is made from a tensor's: containing it, or for a name too
+    short to be found by chance (`y`), starting with it (`y_nchwc`)."""
+    if len(tensor) >= _MIN_NAME:
+        return tensor in kernel_name
+    return kernel_name.startswith(f"{tensor}_")
 
 
 def _first_producer(node: ir.Node) -> ir.Node | None:
