@@ -31,8 +31,9 @@ from kiln.ir import stamp_origins
 from kiln.ir.inputs import feed_dims
 from kiln.ir.ladder import FIRST_GUESS, Guess
 from kiln.ir.load import LoadedModel
-from kiln.passes import PassReport, PassSpec, default_pipeline
+from kiln.passes import KilnPass, PassReport, PassSpec, default_pipeline, run_pipeline
 from kiln.passes.fused_op_pays import SKIP_LAYERNORM_FUSION, skip_layernorm_slower
+from kiln.passes.gemm_as_matmul import GemmToMatMulPass
 from kiln.passes.simplify import count_nodes
 from kiln.precision import (
     QUANTIZED,
@@ -169,6 +170,8 @@ def compile_candidate(
     )
     if static or given_qdq:  # the quantizers know standard ops only; the engines fuse QDQ
         specs = [s for s in specs if s.engines is None]  # graphs themselves
+    if precision == "int4":  # a Gemm hides its weight from the 4-bit quantizer (MatMul only)
+        specs = [s for s in specs if s.name != "fuse-gemm"]
     reference = reference_executable(original) if config.verify else None
     fit = Guess(dict(config.shapes))
     if reference is not None and not given:
@@ -299,6 +302,8 @@ def _quantize(
         config.engine, options, config.precision, target.feeds, target.reference,
         target.source, budget=target.budget,
     )  # fmt: skip
+    if config.precision == "int4":  # a Linear exported as Gemm: its weight as a MatMul's
+        result.reports += run_pipeline(result.model, [_spec(GemmToMatMulPass)])
     quantized = quantize_under_budget(
         result.model,
         config.precision,
@@ -333,6 +338,10 @@ def _quantize(
             count_nodes(result.model), 0.0,
         )
     )  # fmt: skip
+
+
+def _spec(make: type[KilnPass]) -> PassSpec:
+    return PassSpec(make.name, make.stage, make, make.summary, make.engines)
 
 
 def _compile(result: CompileResult) -> Any:
