@@ -18,7 +18,7 @@ import kiln
 from kiln.errors import KilnError
 from kiln.pipeline import Pipeline, compile_pipeline, load_function
 from kiln.pipeline import compile as pipeline_compile
-from kiln.timing import FASTER, SLOWER, Speedup
+from kiln.timing import FASTER, SAME, SLOWER, Speedup
 
 pytestmark = pytest.mark.timeout(300)
 WIDTH = 64
@@ -96,7 +96,9 @@ def case(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def compiled(case) -> Path:
     out = case["root"] / "describe.kiln"
-    compile_pipeline(case["spec"], case["models"], case["data"], out, max_drop=0.0)
+    compile_pipeline(
+        case["spec"], case["models"], case["data"], out, max_drop=0.0, precisions=("int8",)
+    )
     return out
 
 
@@ -147,7 +149,7 @@ def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case,
     monkeypatch.setattr(pipeline_compile, "stage_speedup",
                         lambda *_: Speedup(0.8, (0.7, 0.9), SLOWER))  # fmt: skip
     out = case["root"] / "slow.kiln"
-    compile_pipeline(case["spec"], case["models"], case["data"], out,
+    compile_pipeline(case["spec"], case["models"], case["data"], out, precisions=("int8",),
                      metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
     manifest = json.loads((out / "pipeline.json").read_text())
     assert {n: s["precision"] for n, s in manifest["stages"].items()} == {
@@ -155,6 +157,55 @@ def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case,
     for trial in manifest["search"]["trials"]:
         assert trial["metric"] == 1.0 and not trial["kept"]
         assert trial["reason"].startswith("slower: 0.80x") and trial["speed_verdict"] == SLOWER
+
+
+def test_a_lossy_choice_no_faster_than_noise_is_not_kept(case, monkeypatch) -> None:
+    monkeypatch.setattr(pipeline_compile, "stage_speedup",
+                        lambda *_: Speedup(1.02, (0.9, 1.1), SAME))  # fmt: skip
+    out = case["root"] / "same.kiln"
+    compile_pipeline(case["spec"], case["models"], case["data"], out, precisions=("int8",),
+                     metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
+    manifest = json.loads((out / "pipeline.json").read_text())
+    assert {s["precision"] for s in manifest["stages"].values()} == {"fp32"}
+    for trial in manifest["search"]["trials"]:
+        assert trial["metric"] == 1.0 and not trial["kept"]
+        assert trial["reason"].startswith("not faster: 1.02x")
+        # The figures agree with the speedup: the stage's time over it.
+        assert trial["stage_ms"] == pytest.approx(trial["baseline_ms"] / 1.02, rel=1e-3)
+
+
+def test_of_two_lossy_choices_that_hold_the_faster_is_kept(case, monkeypatch) -> None:
+    paces = {"int8": Speedup(1.3, (1.2, 1.4), FASTER), "bf16": Speedup(1.8, (1.6, 2.0), FASTER)}
+    monkeypatch.setattr(pipeline_compile, "stage_speedup", lambda _s, p, _r: paces[p])
+    stages = {"cls": pipeline_compile.Stage("cls", case["models"]["cls"])}
+    fp32 = kiln.compile(case["models"]["cls"], case["root"] / "c32.kiln", force=True).path
+    stages["cls"].candidates = {"fp32": fp32, "int8": fp32, "bf16": fp32}
+    fn = load_function(f"{case['root'] / 'glue.py'}:describe")
+    inputs = list(load_function(case["data"])())
+    sessions = {name: kiln.Session(path) for name, path in case["models"].items()}
+    reference = pipeline_compile.record(fn, sessions, inputs)
+
+    def with_cls(x, *, cls):  # embed as it is, cls at each candidate
+        return fn(x, embed=sessions["embed"], cls=cls)
+
+    trials, _ = pipeline_compile._search(
+        with_cls, stages, inputs, reference, lambda r, o: 1.0, 1.0, 0.0, lambda _: None
+    )
+    assert stages["cls"].choice == "bf16"
+    by = {t.precision: t for t in trials}
+    assert by["bf16"].kept and not by["int8"].kept and "bf16 was faster" in by["int8"].reason
+
+
+def test_auto_tries_each_lossy_precision_this_cpu_runs(monkeypatch) -> None:
+    from kiln.backends import openvino
+
+    lossy = pipeline_compile.lossy_precisions
+    assert lossy("fp32", "auto") == () and lossy("int8", "ort") == ("int8",)
+    assert lossy("auto", "ort") == ("int8",)  # ONNX Runtime has no bf16 kernels here
+    monkeypatch.setattr(openvino, "cpu_runs_bf16", lambda: True)
+    assert lossy("auto", "openvino") == ("bf16", "int8")
+    monkeypatch.setattr(openvino, "cpu_runs_bf16", lambda: False)
+    assert lossy("auto", "openvino") == ("int8",)
 
 
 def test_the_stage_is_timed_against_its_choice_on_its_recorded_calls(case) -> None:
@@ -172,7 +223,7 @@ def test_the_stage_is_timed_against_its_choice_on_its_recorded_calls(case) -> No
 
 def test_a_metric_over_labels_lets_the_embedding_go_int8(case) -> None:
     out = case["root"] / "labels.kiln"
-    compile_pipeline(case["spec"], case["models"], case["data"], out,
+    compile_pipeline(case["spec"], case["models"], case["data"], out, precisions=("int8",),
                      metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
     manifest = json.loads((out / "pipeline.json").read_text())
     assert {n: s["precision"] for n, s in manifest["stages"].items()} == {

@@ -41,7 +41,8 @@ def case(tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline_compile, "stage_speedup", lambda *_: faster)
         out = compile_pipeline(f"{root / 'glue.py'}:describe", models, data, root / "d.kiln",
-                               metric=f"{root / 'glue.py'}:labels")  # fmt: skip
+                               metric=f"{root / 'glue.py'}:labels",
+                               precisions=("int8",))  # fmt: skip
     return {"root": root, "artifact": str(out), "data": data}
 
 

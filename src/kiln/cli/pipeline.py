@@ -1,8 +1,10 @@
 """`kiln optimize MODULE:FUNCTION --model NAME=PATH ... --data ...`: a pipeline compiled.
 
 The flags `kiln optimize` shares with a one-model compile keep their meaning where it carries
-over: --backend is each stage's engine; --precision the lossy precision tried per stage
-(fp32, the default: none; auto: int8), each judged on the pipeline's final results;
+over: --backend is each stage's engine (auto: the fastest per stage); --precision the lossy
+precision tried per stage (fp32, the default: none; auto: every lossy precision this machine
+runs, bf16 where OpenVINO computes it here, and int8), each judged on the pipeline's final
+results and kept only where the stage runs faster with it;
 --metric (exact unless given: cosine means nothing for a pipeline's results) and --max-drop
 the end-to-end budget.
 """
@@ -67,7 +69,6 @@ PeerOpt = Annotated[
         rich_help_panel="Pipelines",
     ),
 ]
-LOSSY = {"fp32": (), "auto": ("int8",)}
 
 
 def is_pipeline_call(model: str | None, models: list[str], data: str | None) -> bool:
@@ -80,6 +81,7 @@ def optimize_pipeline(
 ) -> None:  # fmt: skip
     """Compile the pipeline and print what each stage's choice cost and won."""
     from kiln.pipeline import compile_pipeline, parse_models
+    from kiln.pipeline.compile import lossy_precisions
 
     if not spec or ":" not in spec or spec.startswith("zoo:"):
         raise KilnError(
@@ -90,7 +92,7 @@ def optimize_pipeline(
         raise KilnError("a pipeline is recorded and judged on its data: give --data DIR or "
                         "--data MODULE:FUNCTION.")  # fmt: skip
     metric = "exact" if config.metric == CompileConfig().metric else config.metric
-    lossy = LOSSY.get(config.precision, (config.precision,))
+    lossy = lossy_precisions(config.precision, config.engine)
     out = output or Path(f"{spec.rpartition(':')[2]}.kiln")
     with progress() as bar:
         task = bar.add_task(f"recording {spec}")
@@ -110,6 +112,7 @@ def pipeline_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     return {
         "artifact": str(path),
         "stages": {n: s["precision"] for n, s in manifest["stages"].items()},
+        "engines": {n: s.get("engine", "") for n, s in manifest["stages"].items()},
         "metric": manifest["metric"],
         "reference": {k: reference[k] for k in ("inputs", "seconds", "model_seconds",
                                                  "glue_seconds", "calls")},
@@ -140,7 +143,9 @@ def _print(summary: dict[str, Any]) -> None:
         notes = trials.get(name, []) + [f"{p}: refused by its own check" for p in refused]
         calls = str(reference["calls"].get(name, 0))
         shown = "\n".join(notes) or "none tried"
-        table.add_row(name, calls, f"{1e3 * spent:.1f} ms", choice, shown)
+        engine = summary.get("engines", {}).get(name)
+        shown_choice = f"{choice} ({engine})" if engine else choice
+        table.add_row(name, calls, f"{1e3 * spent:.1f} ms", shown_choice, shown)
     table.caption = (
         f"{reference['inputs']} inputs; glue {1e3 * reference['glue_seconds']:.1f} ms; "
         f"{metric['name']} {metric['final']:.4g} against the fp32 pipeline's "

@@ -5,15 +5,18 @@ pipeline's final output.
    by call (recording.py), then run once more: a pipeline whose results differ between two
    fp32 runs is refused, since a metric over it would judge noise.
 2. Each model compiled by `kiln.compile` at fp32 and at each lossy precision asked for, on the
-   engine asked for: its calibration set is the feeds it received in the reference run, its
-   verification inputs the first of them — each candidate passes its own model's check as a
-   plain compile's does, or is dropped with the reason.
+   engine asked for (auto: each installed engine built, verified and timed, the fastest
+   kept — per stage, so a detector and a recogniser may run on different engines): its
+   calibration set is the feeds it received in the reference run, its verification inputs
+   the first of them — each candidate passes its own model's check as a plain compile's
+   does, or is dropped with the reason.
 3. The choice across stages, searched greedily: stages in the order of their share of the
-   reference time, each stage's lossy candidate tried with the others at their current
-   choice; kept only while the pipeline's metric over the whole data set stays within
-   `max_drop` of the reference's, and only where it is not slower than the choice it would
-   replace (timed interleaved on the stage's recorded calls): a lossy choice must pay. Every
-   trial is kept with its metric, the stage's time and the timing's verdict.
+   reference time, each of a stage's lossy candidates tried with the others at their
+   current choice; eligible only while the pipeline's metric over the whole data set stays
+   within `max_drop` of the reference's, and only where it is faster than the choice it
+   would replace (timed interleaved on the stage's recorded calls): a lossy choice must
+   pay. The fastest eligible one is kept. Every trial is kept with its metric, the stage's
+   time and the timing's verdict.
    Then the glue's Kiln ops around each stage are folded into its chosen artifact where the
    result is the same and measures faster (fold.py); each stage's verdict is kept.
 4. The artifact: a directory with `pipeline.json` (pipeline_artifact.py), each stage's chosen
@@ -40,7 +43,7 @@ from kiln.pipeline.fold import fold_stages
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
 from kiln.pipeline.pipeline_artifact import is_pipeline, write_pipeline
 from kiln.pipeline.recording import Recording, record
-from kiln.timing import SLOWER, Speedup, interleave, speedup
+from kiln.timing import FASTER, SLOWER, Speedup, interleave, speedup
 
 Say = Callable[[str], None]
 CALIB_SAMPLES = 32  # recorded calls a stage calibrates on, spread over the run
@@ -58,8 +61,11 @@ class Trial:
     metric: float
     drop: float
     kept: bool
-    stage_ms: float  # the stage's time over the whole data set, this trial
-    baseline_ms: float  # the same at the choice it would replace
+    # The stage's time over the whole data set at the choice it would replace (the reference
+    # run's), and at this one: that time over the interleaved timing's speedup, so the two
+    # figures and the speedup always agree (a trial's own run is cold: new sessions).
+    stage_ms: float
+    baseline_ms: float
     reason: str = ""
     speedup: float = 1.0  # the stage timed interleaved against that choice (stage_speedup)
     speed_verdict: str = ""
@@ -86,19 +92,21 @@ def compile_pipeline(
     output: str | os.PathLike,
     *,
     metric: str | Metric = "exact",
-    max_drop: float = 0.0,
-    backend: str = "ort",
-    precisions: Sequence[str] = ("int8",),
+    max_drop: float = CompileConfig.max_drop,
+    backend: str = CompileConfig.engine,
+    precisions: Sequence[str] = (),
     streams: int = 1,
     force: bool = False,
     say: Say | None = None,
 ) -> Path:
     """Compile the pipeline `function` over `models` ({name: ONNX path}), judged on `data`
-    (see data.py) by `metric`: a lossy precision of `precisions` is kept for a stage only while
-    the metric stays within `max_drop` of the fp32 pipeline's. `streams`: how many streams it
-    is meant to serve at once (recorded: the default of `kiln bench` and the server). Write
-    the pipeline artifact `output` (replacing a pipeline artifact there; anything else only
-    with `force`); returns its path."""
+    (see data.py) by `metric`: a lossy precision of `precisions` (none by default, as `kiln
+    optimize`; `lossy_precisions("auto", backend)` names every one this machine runs) is kept
+    for a stage only while the metric stays within `max_drop` of the fp32 pipeline's and the
+    stage runs faster with it. `backend`: each stage's engine (auto: the fastest per stage).
+    `streams`: how many streams it is meant to serve at once (recorded: the default of `kiln
+    bench` and the server). Write the pipeline artifact `output` (replacing a pipeline
+    artifact there; anything else only with `force`); returns its path."""
     say = say or (lambda line: None)
     spec = function if isinstance(function, str) else ""
     fn = load_function(function) if isinstance(function, str) else function
@@ -129,6 +137,27 @@ def compile_pipeline(
             "streams": streams,
         }  # fmt: skip
         return write_pipeline(Path(output), fn, stages, record_)
+
+
+def lossy_precisions(precision: str, backend: str = CompileConfig.engine) -> tuple[str, ...]:
+    """The lossy precisions `--precision` asks each stage to be tried at: none for fp32, the
+    one named, or for auto every lossy precision an engine of `backend` runs on this CPU
+    (bf16 only where OpenVINO computes in bf16 here: AMX or AVX512_BF16)."""
+    if precision == "fp32":
+        return ()
+    if precision != "auto":
+        return (precision,)
+    from kiln.backends import available_backends
+    from kiln.precision import ENGINES_FOR
+
+    engines = available_backends() if backend == "auto" else [backend]
+    found = [p for p in ("bf16", "int8") if any(e in ENGINES_FOR[p] for e in engines)]
+    if "bf16" in found:
+        from kiln.backends.openvino import cpu_runs_bf16
+
+        if not cpu_runs_bf16():
+            found.remove("bf16")
+    return tuple(found)
 
 
 def _check_inputs(models: Mapping[str, Any], output: Any, max_drop: float, force: bool) -> None:
@@ -165,7 +194,19 @@ def _reference(fn: PipelineFunction, models: Mapping[str, Any], inputs: list[Any
             "metric over them would judge noise, not precision. Make the function "
             "deterministic (a fixed seed, a stable order) and compile again."
         )
+    _keep_quickest(reference, first)
     return reference
+
+
+def _keep_quickest(reference: Recording, other: Recording) -> None:
+    """Each call's and input's time: the quicker of the two runs. A first call on a new shape
+    can be slow in either run (an engine's first run of it), and such a call would make a small
+    model look like the pipeline's costliest stage."""
+    if [c.model for c in reference.calls] != [c.model for c in other.calls]:
+        return  # the runs called the models differently: each keeps its own times
+    for mine, theirs in zip(reference.calls, other.calls, strict=True):
+        mine.seconds = min(mine.seconds, theirs.seconds)
+    reference.seconds = [min(a, b) for a, b in zip(reference.seconds, other.seconds, strict=True)]
 
 
 def _compile_stage(
@@ -223,42 +264,47 @@ def _search(
     fn: PipelineFunction, stages: dict[str, Stage], inputs: list[Any], reference: Recording,
     score: Metric, top: float, max_drop: float, say: Say,
 ) -> tuple[list[Trial], float]:  # fmt: skip
-    """Greedy over stages by their share of the time; each lossy candidate judged end to end."""
+    """Greedy over stages by their share of the time; each lossy candidate judged end to end,
+    the fastest one that holds the metric and pays kept."""
     start = time.perf_counter()
     trials: list[Trial] = []
-    current = _run(fn, stages, {n: "fp32" for n in stages}, inputs)
+    spent = reference.model_seconds()
     for name in _order(reference, stages):
         stage = stages[name]
+        mine: list[Trial] = []
         for precision in [p for p in stage.candidates if p != "fp32"]:
             choice = {n: s.choice for n, s in stages.items()} | {name: precision}
-            trial = _run(fn, stages, choice, inputs)
-            value = score(reference.results, trial.results)
-            drop = top - value
+            value = score(reference.results, _run(fn, stages, choice, inputs).results)
             pace = stage_speedup(stage, precision, reference)
-            reason = _rejection(drop, max_drop, pace)
-            kept = not reason
-            trials.append(Trial(
-                name, precision, value, drop, kept,
-                1e3 * trial.model_seconds().get(name, 0.0),
-                1e3 * current.model_seconds().get(name, 0.0),
-                reason, pace.value, pace.verdict,
+            baseline_ms = 1e3 * spent.get(name, 0.0)
+            mine.append(Trial(
+                name, precision, value, top - value, False, baseline_ms / max(pace.value, 1e-9),
+                baseline_ms, _rejection(top - value, max_drop, pace), pace.value, pace.verdict,
             ))  # fmt: skip
-            verdict = "kept" if kept else f"rejected: {reason}"
-            say(f"  {name} {precision}: metric {value:.4g} (reference {top:.4g}), "
-                f"{pace.value:.2f}x the stage's {stage.choice} → {verdict}")  # fmt: skip
-            if kept:
-                stage.choice, current = precision, trial
-                break
+        eligible = [t for t in mine if not t.reason]
+        if eligible:
+            best = max(eligible, key=lambda t: t.speedup)
+            best.kept, stage.choice = True, best.precision
+            for other in eligible:
+                if other is not best:
+                    other.reason = f"{best.precision} was faster ({best.speedup:.2f}x)"
+        for t in mine:
+            verdict = "kept" if t.kept else f"rejected: {t.reason}"
+            say(f"  {name} {t.precision}: metric {t.metric:.4g} (reference {top:.4g}), "
+                f"{t.speedup:.2f}x the stage's fp32 → {verdict}")  # fmt: skip
+        trials += mine
     return trials, time.perf_counter() - start
 
 
 def _rejection(drop: float, max_drop: float, pace: Speedup) -> str:
     """Why a lossy candidate is not kept ("" if it is): it moved the pipeline's results past
-    the budget, or it is slower than the choice it would replace — a lossy choice must pay."""
+    the budget, or it is not faster than the choice it would replace, beyond the timing's
+    noise — a lossy choice must pay."""
     if drop > max_drop:
         return f"the metric fell {drop:.4g} (allowed {max_drop:.4g})"
-    if pace.verdict == SLOWER:
-        return f"slower: {pace.value:.2f}x the stage's current choice"
+    if pace.verdict != FASTER:
+        said = "slower" if pace.verdict == SLOWER else "not faster"
+        return f"{said}: {pace.value:.2f}x the stage's current choice ({pace.verdict})"
     return ""
 
 

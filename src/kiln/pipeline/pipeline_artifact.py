@@ -47,7 +47,8 @@ def write_pipeline(
         "function": {"module_file": module_file.name, "name": fn.__name__,
                      "source_sha256": source_hash(fn), "compiled_from": str(module_file)},
         "stages": {
-            name: {"source": s.source, "precision": s.choice, "artifact": f"stages/{name}.kiln"}
+            name: {"source": s.source, "precision": s.choice,
+                   "engine": _engine(s.candidates[s.choice]), "artifact": f"stages/{name}.kiln"}
             for name, s in stages.items()
         },
         **record,
@@ -62,6 +63,12 @@ def write_pipeline(
 
     replace_directory(Path(output), fill)
     return Path(output)
+
+
+def _engine(artifact: str | Path) -> str:
+    """The engine a stage's artifact runs on, from its manifest."""
+    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+    return str(manifest.get("config", {}).get("engine", ""))
 
 
 def is_pipeline(path: str | Path) -> bool:
