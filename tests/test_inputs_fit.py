@@ -131,3 +131,33 @@ def test_an_input_too_big_for_this_machine_is_refused_before_numpy_tries():
     model = ir.serde.deserialize_model(zoo.build("bert-tiny"))
     with pytest.raises(kiln.KilnError, match="input 'input_ids' of shape 100000x100000 would"):
         synthesize(model, shapes={"input_ids": (100000, 100000)})
+
+
+def image_model() -> ir.Model:
+    """y = Relu(x), x float32[N, 3, 16, 16]: the channels and pixels are fixed."""
+    return _model(
+        [h.make_node("Relu", ["x"], ["y"])],
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, 16, 16])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("given", "why", "example"),
+    [
+        ((1, 3, 16), "it has 4 dims, the --shape 3", "1x3x16x16"),
+        ((2, 4, 16, 16), "its dim 1 is fixed at 3, the --shape gives 4", "2x3x16x16"),
+    ],
+)
+def test_a_given_shape_the_model_refuses_is_named_with_the_shape_it_takes(
+    tmp_path, given, why, example
+):
+    path = tmp_path / "image.onnx"
+    ir.save(image_model(), path)
+    with pytest.raises(kiln.KilnError) as info:
+        kiln.compile(path, tmp_path / "i.kiln", rounds=0, shapes={"x": given})
+    message = str(info.value)
+    shape = "x".join(map(str, given))
+    assert message.startswith(f"--shape x={shape} does not fit input 'x'"), message
+    assert why in message and f"e.g. --shape x={example}." in message, message
+    assert "Pass --shape" not in message

@@ -388,6 +388,32 @@ def _fits(shape: tuple[int, ...], expected: ir.Shape) -> bool:
     )
 
 
+def misfit_shape(model: ir.Model, shapes: dict[str, tuple[int, ...]] | None) -> str | None:
+    """The first --shape of an input that its declared shape refuses (another number of dims,
+    or another size where the model fixes one), said as an error; None when all fit. An
+    engine's own words for this name neither the flag nor the shape to give."""
+    inputs = model_inputs(model)
+    for name, shape in (shapes or {}).items():
+        value = inputs.get(name)
+        if value is None or value.shape is None or _fits(shape, value.shape):
+            continue
+        declared = list(value.shape)
+        if len(shape) != len(declared):
+            why = f"it has {len(declared)} dims, the --shape {len(shape)}"
+            example = input_shape(value, default_dims(model))
+        else:
+            fixed = [isinstance(w, int) and w >= 0 for w in declared]
+            axis = next(i for i, f in enumerate(fixed) if f and shape[i] != declared[i])
+            why = f"its dim {axis} is fixed at {declared[axis]}, the --shape gives {shape[axis]}"
+            example = tuple(w if f else g for g, w, f in zip(shape, declared, fixed, strict=True))
+        return (
+            f"--shape {name}={'x'.join(map(str, shape))} does not fit input '{name}', which the "
+            f"model declares as {describe(value)}: {why}. Give its shape in that form, e.g. "
+            f"--shape {name}={'x'.join(map(str, example))}."
+        )
+    return None
+
+
 def describe(value: ir.Value) -> str:
     dtype = value.dtype.numpy().name if value.dtype is not None else "?"
     dims = [

@@ -18,6 +18,7 @@ from kiln.ir.inputs import (
     bind_dims,
     default_dims,
     input_shape,
+    misfit_shape,
     model_inputs,
     named_dims,
     synthesize,
@@ -164,6 +165,9 @@ def fit_inputs(
         return first
     except KilnError as exc:
         failure = exc
+    misfit = misfit_shape(model, shapes)
+    if misfit:  # no guess can fix the user's own shape
+        raise KilnError(misfit) from None
     rungs = ladder(model, shapes, dims)
     for number, guess in enumerate(rungs, 1):
         say(f"the original does not run on the first guess; trying {guess.label} "
