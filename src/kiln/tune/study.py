@@ -29,20 +29,12 @@ from kiln.tune.bench import Measured, Refused, Workbench, batch_dim
 from kiln.tune.confirm import CONFIRM_RUNS, confirm, verdict
 from kiln.tune.library import Library, Record
 from kiln.tune.objectives import Constraint, Objective
+from kiln.tune.seeds import enqueue_seeds
 from kiln.tune.signature import content_digest, hardware, model_signature
-from kiln.tune.space import (
-    Space,
-    choice_of,
-    default_params,
-    project,
-    recipe_params,
-    seed_params,
-    suggest,
-)
+from kiln.tune.space import Space, choice_of, default_params, project, suggest
 from kiln.tune.storage import (
     GRACE_S,
     HEARTBEAT_S,
-    claim,
     create_study,
     default_url,
     fail_dead_trials,
@@ -119,25 +111,12 @@ def tune(plan: Plan, output: str | os.PathLike | None, workers: int = 1, say: Sa
     signature, machine = model_signature(loaded.model), hardware()
     study = _study(plan, storage)
     objective_name = "+".join(o.name for o in plan.objectives)
-    warm = []
-    # Seeds are enqueued once per study: workers started together would each enqueue them
-    # (and then measure each other's twins); the claim is atomic on any database.
-    if not study.trials and claim(plan.url, f"seeds:{storage.get_study_id_from_name(plan.study)}"):
-        # The hand recipes go first: a pick must never be behind what a user runs by hand,
-        # however short the budget. Then the nearest models' winners: what was learnt is tried
-        # before what is merely likely (the engines' defaults), which only a cold study
-        # starts from.
-        for params in recipe_params(space):
-            study.enqueue_trial(project(params, space, loaded.model, plan.base),
-                                skip_if_exists=True)  # fmt: skip
-        if warm_start:
-            for d, record in library.nearest(signature, machine["class"], objective_name):
-                params = project(record.params, space, loaded.model, plan.base)
-                study.enqueue_trial(params, skip_if_exists=True)
-                warm.append(f"{record.model} (distance {d:.2f})")
-        for params in seed_params(space):
-            study.enqueue_trial(project(params, space, loaded.model, plan.base),
-                                skip_if_exists=True)  # fmt: skip
+
+    def nearest() -> list:
+        return library.nearest(signature, machine["class"], objective_name) if warm_start else []
+
+    more = _remaining(study, plan.trials) > 0
+    warm = enqueue_seeds(study, space, loaded.model, plan.base, storage, plan.url, nearest, more)
     if warm:
         say(f"warm start from the winners of {', '.join(warm)}")
     bench = _workbench(plan, loaded, say)
