@@ -200,6 +200,8 @@ def test_bad_requests_answer_400_in_kserve_form(bert: Server) -> None:
         ),
         _json_request(input_ids={"shape": [1, 5]}): "shape [1, 5] needs 5 values, the data has 4",
         _json_request(input_ids={"name": "ids"}): "unknown input 'ids'",
+        # The name is checked before the data: an unknown input's data means nothing.
+        _json_request(input_ids={"name": "z", "shape": [64], "data": []}): "unknown input 'z'",
         _json_request(attention_mask={"shape": [2, 2]}): "disagree on the batch size",
         # Triton refuses floats for integer inputs; truncating 1.7 to 1 would answer wrongly.
         _json_request(input_ids={"data": [1.7, 2, 3, 4]}): (

@@ -218,7 +218,10 @@ def test_typed_contents_are_taken_and_checked(served, sessions) -> None:
     wrong_field.inputs[0].datatype = "FP32"
     both = _raw_request(RESNET, images)
     both.raw_input_contents.append(images["input"].tobytes())
+    unknown = _raw_request(RESNET, {"z": np.zeros(0, np.float32)})  # its name before its data
+    unknown.inputs[0].shape[:] = [64]
     for request, message in [
+        (unknown, f"unknown input 'z'; the model's inputs are {['input']}"),
         (short, "input 'input': shape [1, 3, 32, 32] needs 3072 values, the data has 3071"),
         (wrong_field, "input 'input': FP32 data goes in contents.fp32_contents, not int64"),
         (both, "input 'input' has both contents and raw_input_contents"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import reprlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,18 @@ def parameters_of(obj: dict[str, Any], where: str) -> dict[str, Any]:
     return params
 
 
+def check_name(name: str, names: Collection[str] | None) -> None:
+    """Refuse an input that is not one of `names` (a model's inputs; None: any), before its
+    data is read: the data of a tensor the model does not take means nothing, and its errors
+    would hide the wrong name."""
+    if names is not None and name not in names:
+        raise ProtocolError(unknown_input(name, names))
+
+
+def unknown_input(name: str, names: Collection[str]) -> str:
+    return f"unknown input {clip(name)}; the model's inputs are {sorted(names)}"
+
+
 def check_datatype(where: str, datatype: Any) -> str:
     """A datatype the protocol carries: one of DATATYPES, or BYTES."""
     if datatype != BYTES and (not isinstance(datatype, str) or datatype not in DATATYPES):
@@ -168,12 +180,15 @@ def shaped(where: str, values: np.ndarray, shape: list[int]) -> np.ndarray:
 # ---------------------------------------------------------------- decoding
 
 
-def decode_tensor(spec: Any, blob: memoryview, kind: str = "input") -> tuple[np.ndarray, int]:
+def decode_tensor(
+    spec: Any, blob: memoryview, kind: str = "input", names: Collection[str] | None = None
+) -> tuple[np.ndarray, int]:
     """One JSON tensor (an input of a request, an output of an answer) with its values in
     `data` or at the start of `blob` (the binary data not yet claimed), and how many bytes of
-    `blob` it used."""
+    `blob` it used; an input not among `names` (see `check_name`) is refused first."""
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ProtocolError(f"each {kind} must be a JSON object with a 'name'")
+    check_name(spec["name"], names)
     where = f"{kind} {clip(spec['name'])}"
     datatype = check_datatype(where, spec.get("datatype"))
     shape = check_shape(where, spec.get("shape"))

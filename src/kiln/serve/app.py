@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -291,8 +291,8 @@ async def _infer(served: ServedModel, request: Request, limit: int, timeout: flo
 
     async def decode(body: bytes) -> InferRequest:
         if _small_body(body, request.headers):
-            return _decode(body, request.headers, limit)
-        return await run_in_threadpool(_decode, body, request.headers, limit)
+            return _decode(body, request.headers, limit, served.inputs)
+        return await run_in_threadpool(_decode, body, request.headers, limit, served.inputs)
 
     async def encode(decoded: InferRequest, outputs: dict) -> tuple[bytes, int | None]:
         binary = decoded.outputs or dict.fromkeys(outputs, decoded.binary_default)
@@ -443,6 +443,7 @@ def _small_body(body: bytes, headers: Any) -> bool:
 INLINE_JSON_BYTES = 1 << 10
 
 
-def _decode(body: bytes, headers: Any, limit: int):
+def _decode(body: bytes, headers: Any, limit: int, names: Collection[str]) -> InferRequest:
     body = decompress(body, headers.get("content-encoding"), limit)
-    return parse_request(body, header_length(headers.get("inference-header-content-length")))
+    length = header_length(headers.get("inference-header-content-length"))
+    return parse_request(body, length, names)

@@ -30,7 +30,7 @@ import functools
 import logging
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -59,6 +59,7 @@ from kiln.wire import (
     CONTENTS_FIELDS,
     ProtocolError,
     check_datatype,
+    check_name,
     check_shape,
     clip,
     from_contents,
@@ -114,9 +115,9 @@ ModelInferResponse = message("ModelInferResponse")
 # ---------------------------------------------------------------- tensors in and out
 
 
-def decode_request(request: Message) -> InferRequest:
+def decode_request(request: Message, names: Collection[str] | None = None) -> InferRequest:
     """A ModelInferRequest's tensors, checked as HTTP checks its own: ProtocolError naming
-    the input and what is wrong."""
+    the input and what is wrong; an input not among `names` (the model's inputs) first."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(
@@ -127,6 +128,7 @@ def decode_request(request: Message) -> InferRequest:
     for i, tensor in enumerate(request.inputs):
         if tensor.name in inputs:
             raise ProtocolError(f"input {clip(tensor.name)} is given twice")
+        check_name(tensor.name, names)
         inputs[tensor.name] = _input(tensor, raw[i] if raw else None)
     outputs: dict[str, bool] = {}
     for wanted in request.outputs:
@@ -328,8 +330,8 @@ class InferenceServicer:
 
             async def decode(received: Message) -> InferRequest:
                 if _raw_and_small(received):
-                    return decode_request(received)
-                return await asyncio.to_thread(decode_request, received)
+                    return decode_request(received, served.inputs)
+                return await asyncio.to_thread(decode_request, received, served.inputs)
 
             async def encode(decoded: InferRequest, outputs: dict[str, np.ndarray]) -> Message:
                 if small_answer(outputs, decoded.outputs or dict.fromkeys(outputs, True)):

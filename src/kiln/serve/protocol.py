@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,11 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def parse_request(body: bytes, header_length: int | None) -> InferRequest:
-    """Decode an inference request body (JSON, or JSON header + binary tensors)."""
+def parse_request(
+    body: bytes, header_length: int | None, names: Collection[str] | None = None
+) -> InferRequest:
+    """Decode an inference request body (JSON, or JSON header + binary tensors); an input not
+    among `names` (the model's inputs) is refused before its data is read."""
     if not body:
         raise ProtocolError("the request body is empty; send a JSON object with an 'inputs' list")
     if header_length is None:
@@ -80,7 +84,7 @@ def parse_request(body: bytes, header_length: int | None) -> InferRequest:
     blob, offset = memoryview(body)[header_length:], 0
     inputs: dict[str, np.ndarray] = {}
     for spec in header["inputs"]:
-        array, size = decode_tensor(spec, blob[offset:])
+        array, size = decode_tensor(spec, blob[offset:], names=names)
         offset += size
         if spec["name"] in inputs:
             raise ProtocolError(f"input {clip(spec['name'])} is given twice")

@@ -25,7 +25,7 @@ from kiln.runtime.batcher import Closed, Overloaded
 from kiln.serve.metrics import TimedFeeds
 from kiln.serve.models import ModelSet, ModelUnavailable, ServedModel
 from kiln.serve.protocol import InferRequest, RequestTooLarge
-from kiln.wire import ProtocolError, clip, datatype_of, not_text
+from kiln.wire import ProtocolError, clip, datatype_of, not_text, unknown_input
 
 log = logging.getLogger("uvicorn.error")  # configured by uvicorn, so it reaches the console
 # The protocol extensions served: each one a client may rely on.
@@ -213,9 +213,7 @@ def check_inputs(feeds: dict[str, np.ndarray], specs: dict[str, dict[str, Any]])
     and what it should be. Also one batch size across inputs, which batching relies on."""
     unknown = sorted(set(feeds) - set(specs))
     if unknown:
-        raise Refused(
-            400, f"unknown input {clip(unknown[0])}; the model's inputs are {sorted(specs)}"
-        )
+        raise Refused(400, unknown_input(unknown[0], specs))
     for spec in specs.values():
         want = f"{spec['datatype']} with shape {spec['shape']} (-1: any size)"
         array = feeds.get(spec["name"])
