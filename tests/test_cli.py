@@ -253,3 +253,19 @@ def test_a_process_a_library_forks_ends_quietly_on_ctrl_c():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "130" and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_log_line_held_back_by_the_throttle_is_written_when_its_turn_comes(capsys, monkeypatch):
+    # Off a terminal: the first step is announced at once, and a step that starts within the
+    # throttle is written when its turn comes rather than never (a long step is not silent).
+    from kiln.cli.console import LogProgress
+
+    monkeypatch.setattr(LogProgress, "LOG_EVERY_S", 0.2)
+    with LogProgress() as bar:
+        bar.add_task("recording the reference")
+        assert "recording the reference" in capsys.readouterr().err
+        bar.update(0, description="compiling det")
+        bar.update(0, description="compiling rec")  # the newest wins
+        bar._timer.join(timeout=5)
+        err = capsys.readouterr().err
+    assert "compiling rec" in err and "compiling det" not in err

@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,30 +54,56 @@ def progress() -> Progress | LogProgress:
 
 class LogProgress:
     """`progress()` for logs: each new description a plain line on stderr with the time
-    since the start, at most one every LOG_EVERY_S seconds (the newest wins; a short step
-    stays quiet), so a long compile shows it is alive without flooding the log."""
+    since the start, at most one every LOG_EVERY_S seconds (the newest wins), so a long
+    compile shows it is alive without flooding the log. A description that had to wait is
+    written when its turn comes, if no newer one came meanwhile: a long step is never silent."""
 
     LOG_EVERY_S = 5.0
 
     def __init__(self, quiet: bool = False) -> None:
-        self._start = self._last = time.monotonic()
+        self._start = time.monotonic()
+        self._last = self._start - self.LOG_EVERY_S  # the first description goes out at once
         self._quiet = quiet
+        self._pending: str | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
 
     def __enter__(self) -> LogProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        with self._lock:
+            self._pending = None
+            if self._timer is not None:
+                self._timer.cancel()
 
     def add_task(self, description: str, **_: Any) -> int:
         self.update(0, description=description)
         return 0
 
     def update(self, task: int, description: str | None = None, **_: Any) -> None:
+        if not description or self._quiet:
+            return
+        with self._lock:
+            wait = self._last + self.LOG_EVERY_S - time.monotonic()
+            self._pending = description
+            if wait <= 0:
+                self._write()
+            elif self._timer is None or not self._timer.is_alive():
+                self._timer = threading.Timer(wait, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush(self) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self._write()
+
+    def _write(self) -> None:
         now = time.monotonic()
-        if description and not self._quiet and now - self._last >= self.LOG_EVERY_S:
-            self._last = now
-            print(f"[{now - self._start:6.0f} s] {description}", file=sys.stderr, flush=True)
+        self._last = now
+        print(f"[{now - self._start:6.0f} s] {self._pending}", file=sys.stderr, flush=True)
+        self._pending = None
 
 
 class PlainProgress:
