@@ -151,6 +151,7 @@ def test_max_memory_needs_a_size(tmp_path, tiny, kiln_home, text):
     done = _kiln(["optimize", str(tiny), "-o", "x.kiln", "--max-memory", text], tmp_path,
                  kiln_home)  # fmt: skip
     assert done.returncode == 2 and "--max-memory" in done.stderr, done.stderr
+    assert done.stderr.count("e.g.") <= 1, done.stderr  # one list of examples
     assert not (tmp_path / "x.kiln").exists()
 
 
