@@ -340,6 +340,8 @@ def test_run_zoo_export_and_show_pipeline_take_json(tmp_path):
     with np.load(tmp_path / "out.npz") as got:
         assert [o["name"] for o in ran["outputs"]] == list(got.files)
         assert [o["shape"] for o in ran["outputs"]] == [list(got[n].shape) for n in got.files]
+    said = kiln_cli("run", "m.kiln", "--inputs", "in.npz", "-o", "out.npz", cwd=tmp_path).stdout
+    assert said.strip() == "wrote 1 output to out.npz", said  # resnet-tiny has one
     steps = json.loads(kiln_cli("optimize", "--show-pipeline", "--json", cwd=tmp_path).stdout)
     assert [s["index"] for s in steps] == list(range(1, len(steps) + 1))
     text = kiln_cli("optimize", "--show-pipeline", cwd=tmp_path).stdout

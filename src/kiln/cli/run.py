@@ -52,7 +52,8 @@ def run(
         emit_json({"artifact": str(artifact), "inputs": str(inputs), "output": str(output),
                    "outputs": shown})  # fmt: skip
     else:
-        console.print(f"wrote {len(outputs)} outputs to {output}", highlight=False, markup=False)
+        said = f"{len(outputs)} output{'s' if len(outputs) != 1 else ''}"
+        console.print(f"wrote {said} to {output}", highlight=False, markup=False)
 
 
 def _write_npz(output: Path, named: dict) -> None:
@@ -83,4 +84,5 @@ def _run_pipeline(artifact: Path, data: str | None, output: Path, streams: int,
         emit_json({"artifact": str(artifact), "data": data, "output": str(output),
                    "results": count, "streams": streams})  # fmt: skip
     else:
-        console.print(f"wrote {count} results to {output}", highlight=False, markup=False)
+        said = f"{count} result{'s' if count != 1 else ''}"
+        console.print(f"wrote {said} to {output}", highlight=False, markup=False)
