@@ -45,8 +45,8 @@ StreamsOpt = Annotated[
     int,
     typer.Option(
         "--streams",
-        help="How many streams the pipeline serves at once (recorded: kiln bench's and the "
-        "server's default).",
+        help="How many streams the pipeline serves at once (recorded in the artifact: the "
+        "count kiln profile runs it at unless told otherwise).",
         rich_help_panel="Pipelines",
     ),
 ]
@@ -132,15 +132,14 @@ def _print(summary: dict[str, Any]) -> None:
     trials: dict[str, list[str]] = {}
     for t in summary["search"]["trials"]:
         verdict = "kept" if t["kept"] else f"rejected: {t['reason']}"
-        pace = f"{t['speedup']:.2f}× {t['speed_verdict']}" if t.get("speed_verdict") else ""
         trials.setdefault(t["stage"], []).append(
             f"{t['precision']}: {metric['name']} {t['metric']:.4g}; all calls "
-            f"{t['baseline_ms']:.1f} → {t['stage_ms']:.1f} ms ({pace}); {verdict}"
+            f"{t['baseline_ms']:.1f} → {t['stage_ms']:.1f} ms ({t['speedup']:.2f}×); {verdict}"
         )
     for name, choice in summary["stages"].items():
         spent = reference["model_seconds"].get(name, 0.0)
         refused = summary["search"]["space"][name]["refused"]
-        notes = trials.get(name, []) + [f"{p}: refused by its own check" for p in refused]
+        notes = trials.get(name, []) + [f"{p}: not built: {why}" for p, why in refused.items()]
         calls = str(reference["calls"].get(name, 0))
         shown = "\n".join(notes) or "none tried"
         engine = summary.get("engines", {}).get(name)
@@ -200,7 +199,8 @@ def _print_bench(result: dict[str, Any]) -> None:
             ratio = (
                 ""
                 if way != "kiln"
-                else f"{ways['speedup_vs_plain']}x qps, P99 {ways['p99_vs_plain']}x"
+                else f"{ways['speedup_vs_plain']:.2f}x queries/s; its P99 "
+                f"{ways['p99_vs_plain']:.2f}x plain's"
             )
             table.add_row(n, way, f"{w['queries_per_s']:.2f}", f"{w['p50_ms']:.1f}",
                           f"{w['p99_ms']:.1f}", f"{w['metric']:.4g}", ratio)  # fmt: skip

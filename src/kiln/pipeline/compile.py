@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.config import CompileConfig
+from kiln.config import TIMING, CompileConfig
 from kiln.errors import KilnError
 from kiln.home import output_problem
 from kiln.pipeline.data import Metric, load_data, load_metric
@@ -104,8 +104,8 @@ def compile_pipeline(
     optimize`; `lossy_precisions("auto", backend)` names every one this machine runs) is kept
     for a stage only while the metric stays within `max_drop` of the fp32 pipeline's and the
     stage runs faster with it. `backend`: each stage's engine (auto: the fastest per stage).
-    `streams`: how many streams it is meant to serve at once (recorded: the default of `kiln
-    bench` and the server). Write the pipeline artifact `output` (replacing a pipeline
+    `streams`: how many streams it is meant to serve at once (recorded: the count `kiln
+    profile` runs it at). Write the pipeline artifact `output` (replacing a pipeline
     artifact there; anything else only with `force`); returns its path."""
     say = say or (lambda line: None)
     spec = function if isinstance(function, str) else ""
@@ -229,7 +229,8 @@ def _compile_stage(
                                calib=str(calib) if precision == "int8" else None)  # fmt: skip
         dest = work / f"{stage.name}-{precision}.kiln"
         try:
-            kiln.compile(stage.source, dest, config=config, inputs=example, force=True)
+            kiln.compile(stage.source, dest, config=config, inputs=example, force=True,
+                         rounds=TIMING.rounds if config.is_auto else 0)  # stages timed below
         except KilnError as exc:
             if precision == "fp32":
                 raise KilnError(f"model {stage.name!r}: {exc}") from None
@@ -302,9 +303,10 @@ def _rejection(drop: float, max_drop: float, pace: Speedup) -> str:
     noise — a lossy choice must pay."""
     if drop > max_drop:
         return f"the metric fell {drop:.4g} (allowed {max_drop:.4g})"
+    if pace.verdict == SLOWER:
+        return f"slower: {pace.value:.2f}x the stage's current choice"
     if pace.verdict != FASTER:
-        said = "slower" if pace.verdict == SLOWER else "not faster"
-        return f"{said}: {pace.value:.2f}x the stage's current choice ({pace.verdict})"
+        return f"not faster: {pace.value:.2f}x the stage's current choice, {pace.verdict}"
     return ""
 
 
