@@ -98,7 +98,7 @@ def test_a_hostile_layer_forced_into_int8_is_named(tmp_path):
     hostile_model(tmp_path / "m.onnx", outlier=300.0)
     shapes = {"x": (16, 64)}
     artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
-                            shapes=shapes, max_drop=0.99)  # fmt: skip
+                            shapes=shapes, max_drop=0.99, rounds=0)  # fmt: skip
     assert set(artifact.manifest.precision["nodes"].values()) == {"int8"}
     result = compare(str(tmp_path / "m.onnx"), str(artifact.path), shapes=shapes).to_json()
     assert result["first_divergence"] == "mm2"
@@ -165,6 +165,25 @@ def test_a_compiled_side_keeps_its_fusions_and_no_insides_are_invented():
     assert all(r["b"]["origin"] for r in rows)
     matmuls = [r for r in rows if r["op_type"] == "MatMul"]
     assert matmuls and all(r["b"]["precision"] == "int8" for r in matmuls)
+
+
+def test_every_int8_row_names_its_quantization_and_the_footer_counts_every_row():
+    from rich.console import Console
+
+    from kiln.report.compare import print_compare
+
+    result = compare("zoo:resnet-tiny", "zoo:resnet-tiny@ort:int8").to_json()
+    rows = result["layers"]
+    int8 = [r for r in rows if r["b"]["precision"] == "int8"]
+    assert len(int8) > 1  # its Convs (each folded with its BatchNorm) and its Gemm
+    assert all("quantize-int8" in r["b"]["passes"] for r in int8), [
+        (r["node"], r["b"]["passes"]) for r in int8
+    ]
+    console = Console(record=True, width=240)
+    print_compare(result, console)
+    outputs = sum(r["output"] for r in rows)
+    said = f"{len(rows)} tensors compared ({len(rows) - outputs} intermediate, {outputs} output"
+    assert said in console.export_text()
 
 
 def test_onnx_runtime_and_openvino_agree_within_fp32_tolerance():
@@ -239,7 +258,7 @@ def test_inputs_of_the_wrong_shape_are_one_line(zoo_files, tmp_path):
 
 def test_an_artifact_whose_original_is_gone_is_one_line(zoo_files, tmp_path):
     shutil.copy(zoo_files / "resnet-tiny.onnx", tmp_path / "m.onnx")
-    kiln.compile(tmp_path / "m.onnx", tmp_path / "a.kiln")
+    kiln.compile(tmp_path / "m.onnx", tmp_path / "a.kiln", rounds=0)
     shutil.copytree(tmp_path / "a.kiln", tmp_path / "b.kiln")
     (tmp_path / "m.onnx").unlink()
     line = one_line_error(kiln_cli("compare", "a.kiln", "b.kiln", cwd=tmp_path))

@@ -492,9 +492,22 @@ def _made_by(side: Side, tensor: str) -> dict[str, Any]:
         "node": node.name,
         "op_type": op,
         "origin": side.origin(node)["origin"],
-        "passes": side.origin(node)["passes"],
+        "passes": _passes(side, node),
         "precision": side.precision_of(node),
     }
+
+
+def _passes(side: Side, node: ir.Node) -> list[str]:
+    """The passes that made `node` and the nodes made for it alone that feed it: a QDQ
+    quantizer keeps a Conv as it was and feeds it dequantized inputs made for it, and the
+    Conv then runs in int8 by that quantizer's doing."""
+    origin = set(side.origin(node)["origin"])
+    passes = list(side.origin(node)["passes"])
+    for value in node.inputs:
+        feeder = value.producer() if value is not None else None
+        if feeder is not None and set(side.origin(feeder)["origin"]) == origin:
+            passes += side.origin(feeder)["passes"]
+    return list(dict.fromkeys(passes))
 
 
 def first_divergence(rows: list[dict[str, Any]], original: ir.Model) -> dict[str, Any] | None:

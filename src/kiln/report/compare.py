@@ -126,13 +126,23 @@ def print_compare(result: dict[str, Any], console: Console) -> None:
     console.print(
         f"A: {escape(a['spec'])} on {a['engine']} {a['precision']}; B: {escape(b['spec'])} on "
         f"{b['engine']} {b['precision']}; inputs {escape(result['inputs'])}; "
-        f"{result['shared_tensors']} shared intermediate tensors; "
+        f"{compared(result)}; "
         f"budget {result['budget']['text']}",
         highlight=False,
     )
     for note in result["notes"]:
         console.print(f"note: {escape(note)}", highlight=False)
     console.print(escape(headline(result)), highlight=False)
+
+
+def compared(result: dict[str, Any]) -> str:
+    """How many tensors the rows compare, the model's outputs told apart from the rest."""
+    total, shared = len(result["layers"]), result["shared_tensors"]
+    outputs = total - shared
+    return (
+        f"{total} tensor{'s' if total != 1 else ''} compared ({shared} intermediate, "
+        f"{outputs} output{'s' if outputs != 1 else ''})"
+    )
 
 
 def _error_figure(result: dict[str, Any]) -> go.Figure:
@@ -175,7 +185,8 @@ def compare_html(result: dict[str, Any]) -> str:
         for r in result["layers"]
     ]  # fmt: skip
     return render("compare.html.j2", r=result, a=result["a"], b=result["b"],
-                  headline=headline(result), figure=div(_error_figure(result)),
+                  headline=headline(result), compared=compared(result),
+                  figure=div(_error_figure(result)),
                   rows=rows)  # fmt: skip
 
 
