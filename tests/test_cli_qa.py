@@ -311,13 +311,13 @@ def test_a_non_artifact_is_refused_unless_forced(tmp_path):
 
 def test_compile_api_refuses_the_users_files_unless_forced(tmp_path):
     destination = tmp_path / "r.kiln"
-    kiln.compile(MODEL, destination)
-    kiln.compile(MODEL, destination)  # its own artifact: replaced
+    kiln.compile(MODEL, destination, rounds=0)
+    kiln.compile(MODEL, destination, rounds=0)  # its own artifact: replaced
     (destination / "notes.txt").write_text("mine\n")
     with pytest.raises(KilnError, match="notes.txt"):
-        kiln.compile(MODEL, destination)
+        kiln.compile(MODEL, destination, rounds=0)
     assert (destination / "notes.txt").exists()
-    artifact = kiln.compile(MODEL, destination, force=True)
+    artifact = kiln.compile(MODEL, destination, force=True, rounds=0)
     assert sorted(p.name for p in artifact.path.iterdir()) == sorted(
         ["manifest.json", "model.onnx", "provenance.json"]
     )

@@ -36,7 +36,7 @@ def reference(model: onnx.ModelProto, feeds):
 
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_zoo_compiles_verified_traced_and_runs(name, tmp_path):
-    artifact = kiln.compile(f"zoo:{name}", tmp_path / f"{name}.kiln")
+    artifact = kiln.compile(f"zoo:{name}", tmp_path / f"{name}.kiln", rounds=0)
     manifest = json.loads((artifact.path / "manifest.json").read_text())
     assert manifest["verification"]["ok"]
     assert manifest["source"]["path"] == f"zoo:{name}"
@@ -68,7 +68,7 @@ def test_tiny_zoo_compiles_verified_traced_and_runs(name, tmp_path):
 )
 def test_transformers_come_out_with_attention_fused(name, fused, tmp_path):
     layers = LAYERS[name]
-    artifact = kiln.compile(f"zoo:{name}", tmp_path / "out.kiln")
+    artifact = kiln.compile(f"zoo:{name}", tmp_path / "out.kiln", rounds=0)
     counts = op_counts(artifact.model_path)
     for op, each in fused.items():
         count = each * layers
@@ -77,7 +77,7 @@ def test_transformers_come_out_with_attention_fused(name, fused, tmp_path):
 
 
 def test_gpt2_attention_is_causal(tmp_path):
-    artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln")
+    artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", rounds=0)
     graph = onnx.load(str(artifact.model_path)).graph
     attention = [n for n in graph.node if n.op_type == "Attention"]
     assert all(any(a.name == "unidirectional" and a.i == 1 for a in n.attribute) for n in attention)
@@ -102,7 +102,7 @@ def test_bisection_finds_and_drops_a_wrong_pass(tmp_path):
     pipeline = default_pipeline()
     planted = PassSpec("break-add", "fuse", BreakAdd, "deliberately wrong")
     pipeline.insert(3, planted)
-    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "out.kiln", pipeline=pipeline)
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "out.kiln", pipeline=pipeline, rounds=0)
     manifest = artifact.manifest
     assert manifest.dropped_passes == ["break-add"]
     assert manifest.verification.ok
@@ -155,7 +155,7 @@ def messy_model() -> onnx.ModelProto:
 def test_control_flow_contrib_ops_and_constant_weights_pass_through(tmp_path):
     path = tmp_path / "messy.onnx"
     onnx.save(messy_model(), str(path))
-    artifact = kiln.compile(path, tmp_path / "messy.kiln")
+    artifact = kiln.compile(path, tmp_path / "messy.kiln", rounds=0)
     assert artifact.manifest.verification.ok
     session = kiln.Session(artifact.path)
     for sign in (1.0, -1.0):
@@ -168,14 +168,14 @@ def test_control_flow_contrib_ops_and_constant_weights_pass_through(tmp_path):
 
 
 def test_session_rejects_wrong_input_naming_it(tmp_path):
-    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln")
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", rounds=0)
     session = kiln.Session(artifact.path)
     with pytest.raises(kiln.KilnError, match=r"unknown input 'wrong'; the model's inputs are"):
         session.run(None, {"wrong": np.zeros((1, 3, 32, 32), np.float32)})
 
 
 def test_unverified_compile_is_marked(tmp_path):
-    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False)
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", verify=False, rounds=0)
     assert artifact.manifest.verification is None
 
 
@@ -186,7 +186,7 @@ def test_external_data_model_compiles_and_artifact_runs(tmp_path):
         proto, str(path), save_as_external_data=True, location="ext.onnx.data", size_threshold=0
     )
     assert (tmp_path / "ext.onnx.data").stat().st_size > 0
-    artifact = kiln.compile(path, tmp_path / "ext.kiln")
+    artifact = kiln.compile(path, tmp_path / "ext.kiln", rounds=0)
     assert artifact.manifest.verification.ok
     proto = zoo.build("resnet-tiny")  # onnx.save moved the weights out of the first one
     feeds = synthesize(ir.serde.deserialize_model(proto))
@@ -209,7 +209,7 @@ def test_opset_11_model_passes_through(tmp_path):
     )
     path = tmp_path / "old.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 11)]), str(path))
-    artifact = kiln.compile(path, tmp_path / "old.kiln")
+    artifact = kiln.compile(path, tmp_path / "old.kiln", rounds=0)
     assert artifact.manifest.verification.ok
     x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
     np.testing.assert_allclose(kiln.Session(artifact.path).run(None, {"x": x})[0], np.maximum(x, 0))
@@ -229,14 +229,14 @@ class CrashingPass(KilnPass):
 def test_a_crashing_pass_is_dropped_not_fatal(tmp_path):
     pipeline = default_pipeline()
     pipeline.insert(2, PassSpec("crash", "fuse", CrashingPass, "raises"))
-    artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", pipeline=pipeline)
+    artifact = kiln.compile("zoo:gpt2-tiny", tmp_path / "out.kiln", pipeline=pipeline, rounds=0)
     assert artifact.manifest.dropped_passes == ["crash"]
     assert artifact.manifest.verification.ok
 
 
 def test_openvino_artifact_runs_with_its_recorded_engine(tmp_path):
     pytest.importorskip("openvino")
-    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "ov.kiln", backend="openvino")
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "ov.kiln", backend="openvino", rounds=0)
     manifest = artifact.manifest
     assert manifest.backend.name == "openvino"
     assert manifest.backend.options["inference_precision"] == "f32"
@@ -255,7 +255,7 @@ def test_bf16_artifact_is_verified_by_cosine(tmp_path):
     if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         pytest.skip("this CPU has no bf16")
     artifact = kiln.compile(
-        "zoo:bert-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16"
+        "zoo:bert-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16", rounds=0
     )
     manifest = artifact.manifest
     assert manifest.precision["default"] == "bf16"
@@ -267,7 +267,7 @@ def test_bf16_artifact_is_verified_by_cosine(tmp_path):
 
 def test_bf16_on_onnxruntime_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(kiln.KilnError, match="precision bf16 runs on openvino here, not ort"):
-        kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="bf16")
+        kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="bf16", rounds=0)
 
 
 def test_bf16_that_drifts_is_refused_without_blaming_a_pass(tmp_path):
@@ -294,5 +294,5 @@ def test_bf16_that_drifts_is_refused_without_blaming_a_pass(tmp_path):
     with pytest.raises(
         kiln.KilnError, match=r"at bf16 the outputs drift too far \(output 'y' cosine"
     ):
-        kiln.compile(path, tmp_path / "c.kiln", backend="openvino", precision="bf16")
+        kiln.compile(path, tmp_path / "c.kiln", backend="openvino", precision="bf16", rounds=0)
     assert not (tmp_path / "c.kiln").exists()

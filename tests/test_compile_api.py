@@ -50,7 +50,7 @@ def test_compile_takes_a_model_in_memory_and_leaves_it_untouched(tmp_path, kind)
     proto = zoo.build("bert-tiny")
     before = proto.SerializeToString(deterministic=True)
     given = proto if kind == "ModelProto" else ir.serde.deserialize_model(proto)
-    artifact = kiln.compile(given, tmp_path / "m.kiln")
+    artifact = kiln.compile(given, tmp_path / "m.kiln", rounds=0)
     assert artifact.manifest.verification.ok
     assert artifact.manifest.source.path == "<in-memory model>"
     if kind == "ModelProto":
@@ -66,23 +66,23 @@ def test_compile_takes_a_model_in_memory_and_leaves_it_untouched(tmp_path, kind)
 
 def test_compile_refuses_what_is_not_a_model():
     with pytest.raises(kiln.KilnError, match="cannot compile a dict"):
-        kiln.compile({"graph": None})
+        kiln.compile({"graph": None}, rounds=0)
 
 
 def test_inputs_may_be_a_dict_of_arrays(tmp_path):
     proto = zoo.build("resnet-tiny")
     feeds = feeds_for(proto, seed=3)
-    artifact = kiln.compile(proto, tmp_path / "r.kiln", inputs=feeds)
+    artifact = kiln.compile(proto, tmp_path / "r.kiln", inputs=feeds, rounds=0)
     assert artifact.manifest.verification.inputs == "given arrays"
     wrong = {name: value[..., :1] for name, value in feeds.items()}
     with pytest.raises(kiln.KilnError, match="input"):
-        kiln.compile(proto, tmp_path / "bad.kiln", inputs=wrong)
+        kiln.compile(proto, tmp_path / "bad.kiln", inputs=wrong, rounds=0)
     assert not (tmp_path / "bad.kiln").exists()
 
 
 def test_no_output_writes_into_a_temporary_directory_not_the_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    artifact = kiln.compile("zoo:resnet-tiny")
+    artifact = kiln.compile("zoo:resnet-tiny", rounds=0)
     assert list(tmp_path.iterdir()) == []
     assert artifact.path.name == "resnet-tiny.kiln" and (artifact.path / "model.onnx").is_file()
     assert Path(artifact.path).parent != tmp_path
@@ -90,14 +90,16 @@ def test_no_output_writes_into_a_temporary_directory_not_the_cwd(tmp_path, monke
 
 def test_unknown_setting_is_named(tmp_path):
     with pytest.raises(kiln.KilnError, match="unknown setting.*'precison'"):
-        kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precison="int8")
+        kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precison="int8", rounds=0)
     with pytest.raises(kiln.KilnError, match="unknown option.*'threads'"):
-        kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", engine_options={"threads": 2})
+        kiln.compile(
+            "zoo:resnet-tiny", tmp_path / "r.kiln", engine_options={"threads": 2}, rounds=0
+        )
 
 
 def test_engine_options_reach_the_artifact(tmp_path):
     artifact = kiln.compile(
-        "zoo:resnet-tiny", tmp_path / "r.kiln", engine_options={"intra_op_threads": 1}
+        "zoo:resnet-tiny", tmp_path / "r.kiln", engine_options={"intra_op_threads": 1}, rounds=0
     )
     assert artifact.manifest.backend.options["intra_op_threads"] == 1
     assert artifact.manifest.config.engine_options == {"intra_op_threads": 1}
@@ -107,11 +109,14 @@ def test_engine_options_may_be_the_engines_options_object(tmp_path):
     from kiln.backends.ort import OrtOptions
 
     artifact = kiln.compile(
-        "zoo:resnet-tiny", tmp_path / "r.kiln", engine_options=OrtOptions(intra_op_threads=1)
+        "zoo:resnet-tiny",
+        tmp_path / "r.kiln",
+        engine_options=OrtOptions(intra_op_threads=1),
+        rounds=0,
     )
     assert artifact.manifest.backend.options["intra_op_threads"] == 1
     with pytest.raises(kiln.KilnError, match="engine_options must be a dict.*not int"):
-        kiln.compile("zoo:resnet-tiny", tmp_path / "bad.kiln", engine_options=3)
+        kiln.compile("zoo:resnet-tiny", tmp_path / "bad.kiln", engine_options=3, rounds=0)
 
 
 def test_auto_from_python_builds_every_candidate_and_keeps_the_fastest(tmp_path):
@@ -151,7 +156,7 @@ def test_auto_times_every_candidate_against_the_original_when_memory_holds_one_a
 
 @pytest.mark.parametrize(("model", "precision"), [("bert-tiny", "int8"), ("resnet-tiny", "int8")])
 def test_quantized_nodes_name_the_quantization_step(tmp_path, model, precision):
-    artifact = kiln.compile(f"zoo:{model}", tmp_path / "q.kiln", precision=precision)
+    artifact = kiln.compile(f"zoo:{model}", tmp_path / "q.kiln", precision=precision, rounds=0)
     originals = {n.name for n in zoo.build(model).graph.node}
     compiled = {n.name: n for n in ir.load(str(artifact.model_path)).graph}
     provenance = artifact.provenance()
@@ -217,7 +222,7 @@ def test_config_in_the_manifest_rebuilds_the_artifact(tmp_path, model, settings)
 
 
 def test_config_refuses_flags_it_would_override(tmp_path):
-    first = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln")
+    first = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", rounds=0)
     result = subprocess.run(
         [sys.executable, "-m", "kiln", "optimize", "--config", str(first.path),
          "--precision", "int8"],
@@ -244,7 +249,9 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_refused(tmp_path):
     if openvino_bf16():
         pytest.skip("this CPU has bf16 kernels")
     with pytest.raises(kiln.KilnError, match="no bf16 artifact: openvino has no bf16 kernels"):
-        kiln.compile("zoo:resnet-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16")
+        kiln.compile(
+            "zoo:resnet-tiny", tmp_path / "b.kiln", backend="openvino", precision="bf16", rounds=0
+        )
     assert not (tmp_path / "b.kiln").exists()
 
 
@@ -254,7 +261,7 @@ def test_bf16_on_a_cpu_without_bf16_kernels_is_refused(tmp_path):
 def test_zero_size_synthesized_inputs_are_refused(tmp_path):
     with pytest.raises(kiln.KilnError, match=r"every output of the original is empty \(inputs "
                        r"with no elements: input_ids 0x16"):  # fmt: skip
-        kiln.compile("zoo:bert-tiny", tmp_path / "a.kiln", shapes={"input_ids": (0, 16)})
+        kiln.compile("zoo:bert-tiny", tmp_path / "a.kiln", shapes={"input_ids": (0, 16)}, rounds=0)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -312,7 +312,9 @@ def test_the_python_model_answers_each_request_as_kiln_session_does(artifacts, t
 
 def test_a_partitioned_artifact_runs_whole_in_the_python_model(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
-    parts = kiln.compile("zoo:two-tower-tiny", tmp_path / "tt.kiln", partition="text=ort").path
+    parts = kiln.compile(
+        "zoo:two-tower-tiny", tmp_path / "tt.kiln", partition="text=ort", rounds=0
+    ).path
     with pytest.raises(KilnError, match="partitioned artifact .*--runtime kiln"):
         export_triton(parts, tmp_path / "repo")  # a native backend runs one graph
     assert not (tmp_path / "repo").exists()

@@ -177,7 +177,7 @@ def test_bert_compiles_verified_against_torch(tmp_path):
     model = transformers.BertModel(config).eval()
     ids = torch.randint(0, config.vocab_size, (2, 16))
     example = (ids, torch.ones_like(ids), torch.zeros_like(ids))
-    artifact = kiln.compile(model, tmp_path / "bert.kiln", example_inputs=example)
+    artifact = kiln.compile(model, tmp_path / "bert.kiln", example_inputs=example, rounds=0)
     verification = artifact.manifest.verification
     assert verification.ok and verification.torch["ok"]
     assert [o["name"] for o in verification.torch["outputs"]] == [
@@ -299,7 +299,7 @@ def test_pt2_without_torch_says_how_to_install(tmp_path):
 def test_module_torch_export_rejects_is_one_clear_error(tmp_path):
     out = tmp_path / "x.kiln"
     with pytest.raises(KilnError) as caught:
-        kiln.compile(Branchy(), out, example_inputs=(torch.rand(2, 4),))
+        kiln.compile(Branchy(), out, example_inputs=(torch.rand(2, 4),), rounds=0)
     message = str(caught.value)
     assert message.startswith("Branchy: torch.export cannot export it")
     assert _line_of(Branchy.forward, "if x.sum()") in message  # where in the user's code
@@ -309,7 +309,7 @@ def test_module_torch_export_rejects_is_one_clear_error(tmp_path):
 
 def test_example_inputs_are_for_torch_models_only():
     with pytest.raises(KilnError, match="example_inputs and dynamic_shapes are for a PyTorch"):
-        kiln.compile("zoo:bert-tiny", example_inputs=(1,))
+        kiln.compile("zoo:bert-tiny", example_inputs=(1,), rounds=0)
 
 
 def test_other_verbs_name_a_pt2_file(tmp_path):
@@ -322,4 +322,4 @@ def test_other_verbs_name_a_pt2_file(tmp_path):
 
 def test_no_example_inputs_says_what_to_give(tmp_path):
     with pytest.raises(KilnError, match="needs example inputs"):
-        kiln.compile(_cnn(), tmp_path / "y.kiln")
+        kiln.compile(_cnn(), tmp_path / "y.kiln", rounds=0)

@@ -43,7 +43,7 @@ def test_bf16_has_a_recipe_only_where_the_engine_has_bf16_kernels():
 
 def test_a_recipe_compiles_verifies_and_its_manifest_rebuilds_it(tmp_path):
     artifact = kiln.compile("zoo:bert-tiny", tmp_path / "r.kiln", backend="ort",
-                            precision="int8", recipe=HAND)  # fmt: skip
+                            precision="int8", recipe=HAND, rounds=0)  # fmt: skip
     manifest = artifact.manifest
     assert manifest.verification.ok
     config = manifest.config
@@ -171,7 +171,7 @@ def test_unknown_spreads_tell_nothing_apart_so_the_fastest_wins():
 @pytest.mark.slow
 def test_the_nncf_transformer_recipe_compiles_on_the_original_graph(tmp_path: Path):
     artifact = kiln.compile("zoo:bert-tiny", tmp_path / "n.kiln", backend="openvino",
-                            precision="int8", recipe=HAND)  # fmt: skip
+                            precision="int8", recipe=HAND, rounds=0)  # fmt: skip
     assert artifact.manifest.verification.ok
     assert artifact.manifest.config.recipe == "nncf-transformer"
     assert artifact.manifest.precision["recipe"]["tool"].endswith("TRANSFORMER preset")

@@ -39,7 +39,7 @@ def test_a_named_dim_has_one_value_in_every_input(tmp_path):
     # ... so the model runs on them, and compiles verified.
     path = tmp_path / "decoder.onnx"
     ir.save(decoder(), path)
-    assert kiln.compile(path, tmp_path / "d.kiln").manifest.verification.ok
+    assert kiln.compile(path, tmp_path / "d.kiln", rounds=0).manifest.verification.ok
 
 
 def test_shape_of_one_input_binds_the_inputs_sharing_its_dims():

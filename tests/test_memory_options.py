@@ -64,8 +64,10 @@ def measured(
 )
 def test_each_memory_option_round_trips_and_changes_no_output(tmp_path, tiny, backend, options):
     feeds = _feeds(64)
-    plain = kiln.compile(tiny, tmp_path / "plain.kiln", backend=backend)
-    chosen = kiln.compile(tiny, tmp_path / "chosen.kiln", backend=backend, engine_options=options)
+    plain = kiln.compile(tiny, tmp_path / "plain.kiln", backend=backend, rounds=0)
+    chosen = kiln.compile(
+        tiny, tmp_path / "chosen.kiln", backend=backend, engine_options=options, rounds=0
+    )
     recorded = json.loads((chosen.path / "manifest.json").read_text())
     for key, value in options.items():
         assert recorded["backend"]["options"][key] == value
@@ -80,7 +82,7 @@ def test_each_memory_option_round_trips_and_changes_no_output(tmp_path, tiny, ba
 
 
 def test_an_artifact_without_the_memory_fields_loads_with_the_engines_defaults(tmp_path, tiny):
-    artifact = kiln.compile(tiny, tmp_path / "old.kiln")
+    artifact = kiln.compile(tiny, tmp_path / "old.kiln", rounds=0)
     manifest = json.loads((artifact.path / "manifest.json").read_text())
     for key in ("prepacking", "arena_extend"):
         del manifest["backend"]["options"][key]
@@ -93,7 +95,9 @@ def test_an_artifact_without_the_memory_fields_loads_with_the_engines_defaults(t
 
 def test_an_unknown_arena_strategy_is_named(tmp_path, tiny):
     with pytest.raises(kiln.KilnError, match="unknown ORT arena_extend 'halving'"):
-        kiln.compile(tiny, tmp_path / "a.kiln", engine_options={"arena_extend": "halving"})
+        kiln.compile(
+            tiny, tmp_path / "a.kiln", engine_options={"arena_extend": "halving"}, rounds=0
+        )
 
 
 def test_without_prepacking_the_load_holds_no_packed_copy(measured):

@@ -141,7 +141,7 @@ def test_only_read_only_mappings_under_the_library_folder_are_paged_out(tmp_path
 def test_the_option_is_recorded_and_reaches_the_engine(tmp_path):
     options = {"release_mapped": False}
     artifact = kiln.compile(_mlp(64, 1), tmp_path / "off.kiln", backend="openvino",
-                            engine_options=options, verify=False)  # fmt: skip
+                            engine_options=options, verify=False, rounds=0)  # fmt: skip
     recorded = json.loads((artifact.path / "manifest.json").read_text())
     assert recorded["backend"]["options"]["release_mapped"] is False
     assert recorded["config"]["engine_options"]["release_mapped"] is False

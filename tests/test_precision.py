@@ -45,7 +45,7 @@ def hostile_model(path, outlier: float = 1000.0) -> None:
 def test_guard_restores_exactly_the_hostile_layer(tmp_path):
     hostile_model(tmp_path / "m.onnx")
     artifact = kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
-                            shapes={"x": (16, 64)})  # fmt: skip
+                            shapes={"x": (16, 64)}, rounds=0)  # fmt: skip
     manifest = artifact.manifest
     nodes = manifest.precision["nodes"]
     assert [n for n, p in nodes.items() if p.startswith("fp32")] == ["mm2"], nodes
@@ -58,11 +58,11 @@ def test_guard_restores_exactly_the_hostile_layer(tmp_path):
 
 def test_int8_without_verification_is_refused(tmp_path):
     with pytest.raises(kiln.KilnError, match="int8 is only written verified"):
-        kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="int8", verify=False)
+        kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="int8", verify=False, rounds=0)
 
 
 def test_int8_transformer_is_quantized_and_traced(tmp_path):
-    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="int8")
+    artifact = kiln.compile("zoo:bert-tiny", tmp_path / "b.kiln", precision="int8", rounds=0)
     assert artifact.manifest.verification.ok
     ops = {record["op_type"].split("::")[-1] for record in artifact.provenance().values()}
     assert {"MatMulInteger", "QAttention"} <= ops
@@ -72,7 +72,7 @@ def test_int8_transformer_is_quantized_and_traced(tmp_path):
 def test_conv_model_gets_static_qdq_int8_and_a_calibration_warning(tmp_path):
     import collections
 
-    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8")
+    artifact = kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", rounds=0)
     precision = artifact.manifest.precision
     assert precision["scheme"].startswith("static QDQ")
     assert precision["calibration"]["source"] == "synthetic"
@@ -86,7 +86,11 @@ def test_static_int8_calibrates_on_the_users_inputs(tmp_path):
     x = np.random.default_rng(1).random((2, 3, 32, 32), dtype=np.float32)
     np.savez(tmp_path / "calib.npz", input=x)
     artifact = kiln.compile(
-        "zoo:resnet-tiny", tmp_path / "r.kiln", precision="int8", inputs=str(tmp_path / "calib.npz")
+        "zoo:resnet-tiny",
+        tmp_path / "r.kiln",
+        precision="int8",
+        inputs=str(tmp_path / "calib.npz"),
+        rounds=0,
     )
     calibration = artifact.manifest.precision["calibration"]
     assert calibration["source"] == str(tmp_path / "calib.npz")
@@ -102,6 +106,7 @@ def test_calib_samples_calibrate_and_a_quarter_is_held_out(tmp_path):
         precision="int8",
         calib=str(tmp_path / "calib.npz"),
         calib_method="percentile",
+        rounds=0,
     )
     manifest = artifact.manifest
     narrow = ", 7-bit weights" if cpu_info().int8_dot_saturates else ""
@@ -132,7 +137,7 @@ def test_int8_that_needs_every_layer_in_fp32_is_refused(tmp_path):
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
-                     shapes={"x": (16, 64)})  # fmt: skip
+                     shapes={"x": (16, 64)}, rounds=0)  # fmt: skip
     assert not (tmp_path / "m.kiln").exists()
 
 
@@ -161,7 +166,9 @@ def test_int4_guard_restores_exactly_the_hostile_weight(tmp_path):
 
 @pytest.mark.parametrize("model", ["zoo:bert-tiny", "zoo:resnet-tiny"])
 def test_openvino_int8_through_nncf_is_verified(tmp_path, model):
-    artifact = kiln.compile(model, tmp_path / "m.kiln", precision="int8", backend="openvino")
+    artifact = kiln.compile(
+        model, tmp_path / "m.kiln", precision="int8", backend="openvino", rounds=0
+    )
     manifest = artifact.manifest
     assert manifest.precision["scheme"] == "static QDQ (NNCF)"
     assert manifest.verification.ok and manifest.verification.score >= 0.99
@@ -181,7 +188,7 @@ def test_openvino_int8_through_nncf_is_verified(tmp_path, model):
 def test_int4_transformer_packs_matmul_weights(tmp_path):
     artifact = kiln.compile(
         "zoo:bert-tiny", tmp_path / "b.kiln", precision="int4",
-        block_size=64,
+        block_size=64, rounds=0,
     )  # fmt: skip
     manifest = artifact.manifest
     assert manifest.precision["scheme"] == "4-bit weights (MatMulNBits, block 64)"
@@ -228,7 +235,7 @@ def test_user_metric_decides_the_int8_guard(tmp_path, monkeypatch):
     hostile_model(tmp_path / "m.onnx")
     with pytest.raises(kiln.KilnError, match="only with every layer kept in fp32"):
         kiln.compile(tmp_path / "m.onnx", tmp_path / "m.kiln", precision="int8",
-                     shapes={"x": (16, 64)}, metric="strict:exact")  # fmt: skip
+                     shapes={"x": (16, 64)}, metric="strict:exact", rounds=0)  # fmt: skip
 
 
 def test_a_metric_scoring_0_on_fp32_takes_max_drop_on_its_own_scale(tmp_path, monkeypatch):

@@ -96,7 +96,7 @@ def test_int8_guard_meets_the_budget_on_real_weights(minilm):
 
     artifact = kiln.compile(
         minilm / "minilm.onnx", minilm / "int8.kiln", precision="int8",
-        inputs=str(minilm / "sentences.npz"),
+        inputs=str(minilm / "sentences.npz"), rounds=0,
     )  # fmt: skip
     manifest = artifact.manifest
     assert manifest.verification.ok
@@ -105,7 +105,7 @@ def test_int8_guard_meets_the_budget_on_real_weights(minilm):
 
     # Without the guard: every layer int8. The guard restores layers exactly when that fails.
     fp32 = kiln.compile(
-        minilm / "minilm.onnx", minilm / "fp32.kiln", inputs=str(minilm / "sentences.npz")
+        minilm / "minilm.onnx", minilm / "fp32.kiln", inputs=str(minilm / "sentences.npz"), rounds=0
     )
     feeds = dict(np.load(minilm / "sentences.npz"))
     ort = get_backend("ort")
@@ -132,7 +132,7 @@ def test_openvino_int8_on_real_weights_calibrated_on_real_sentences(minilm):
     artifact = kiln.compile(
         minilm / "minilm.onnx", minilm / "ov-int8.kiln", precision="int8", backend="openvino",
         inputs=str(minilm / "sentences.npz"),
-        calib=str(minilm / "calib.npz"),
+        calib=str(minilm / "calib.npz"), rounds=0,
     )  # fmt: skip
     manifest = artifact.manifest
     assert manifest.precision["calibration"]["source"] == str(minilm / "calib.npz")

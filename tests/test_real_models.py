@@ -31,7 +31,7 @@ def test_ppocr_models_compile_verified_and_match(file, shapes, feed_shape, tmp_p
     import onnxruntime as ort
 
     source = MODELS / file
-    artifact = kiln.compile(source, tmp_path / "m.kiln", shapes=shapes)
+    artifact = kiln.compile(source, tmp_path / "m.kiln", shapes=shapes, rounds=0)
     assert artifact.manifest.verification.ok
     assert artifact.manifest.dropped_passes == []
     x = np.random.default_rng(0).random(feed_shape, dtype=np.float32)
@@ -101,9 +101,10 @@ def test_int8_recogniser_reads_rendered_lines_as_fp32_does(tmp_path):
     np.savez(tmp_path / "calib.npz", x=calibration)  # [32, 1, 3, 48, 320]: 32 samples
     source = MODELS / "ch_PP-OCRv4_rec_infer.onnx"
     shapes = {"x": (1, 3, 48, 320)}
-    fp32 = kiln.Session(kiln.compile(source, tmp_path / "fp32.kiln", shapes=shapes).path)
+    fp32 = kiln.Session(kiln.compile(source, tmp_path / "fp32.kiln", shapes=shapes, rounds=0).path)
     int8 = kiln.compile(source, tmp_path / "int8.kiln", shapes=shapes, precision="int8",
-                        calib=str(tmp_path / "calib.npz"), calib_method="percentile")  # fmt: skip
+                        calib=str(tmp_path / "calib.npz"), calib_method="percentile",
+                        rounds=0)  # fmt: skip
     assert int8.manifest.precision["calibration"]["held_out"] == 8
     session = kiln.Session(int8.path)
 

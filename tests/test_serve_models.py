@@ -33,7 +33,7 @@ def artifacts(module_home: Path) -> dict[str, Path]:
     """A compiled artifact of each tiny zoo model, named after it (the name it is served as)."""
     where = module_home / "artifacts"
     where.mkdir()
-    return {m: kiln.compile(f"zoo:{m}", where / f"{m}.kiln").path for m in (RESNET, BERT)}
+    return {m: kiln.compile(f"zoo:{m}", where / f"{m}.kiln", rounds=0).path for m in (RESNET, BERT)}
 
 
 @pytest.fixture(scope="module")

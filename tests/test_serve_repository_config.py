@@ -84,7 +84,7 @@ def test_default_model_filename_names_the_model_file(tmp_path, load) -> None:
 def test_default_model_filename_may_name_a_kiln_artifact(tmp_path, load) -> None:
     source = _write_model(tmp_path / "src" / "add.onnx")
     (tmp_path / "m/1").mkdir(parents=True)
-    kiln.compile(str(source), tmp_path / "m/1/model.kiln")
+    kiln.compile(str(source), tmp_path / "m/1/model.kiln", rounds=0)
     (tmp_path / "m/config.pbtxt").write_text('default_model_filename: "model.kiln"\n')
     shutil.rmtree(tmp_path / "src")
     models, row = load()
@@ -254,7 +254,7 @@ def test_backend_openvino_runs_a_plain_model_on_openvino(tmp_path, load) -> None
 def test_a_python_backend_model_is_reported_as_written(tmp_path, load) -> None:
     source = _write_model(tmp_path / "src" / "add.onnx")
     (tmp_path / "m/1").mkdir(parents=True)
-    kiln.compile(str(source), tmp_path / "m/1/artifact.kiln")
+    kiln.compile(str(source), tmp_path / "m/1/artifact.kiln", rounds=0)
     (tmp_path / "m/config.pbtxt").write_text('backend: "python"\nmax_batch_size: 8\n')
     shutil.rmtree(tmp_path / "src")
     models, row = load()

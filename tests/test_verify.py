@@ -294,7 +294,9 @@ def test_text_for_a_numeric_input_keeps_its_message(tmp_path):
 def test_string_model_compiles_verified_from_a_unicode_npz(tmp_path):
     texts = np.array(["the", "kiln", "wörld"])  # dtype <U5
     np.savez(tmp_path / "in.npz", x=texts)
-    artifact = kiln.compile(string_model(), tmp_path / "s.kiln", inputs=tmp_path / "in.npz")
+    artifact = kiln.compile(
+        string_model(), tmp_path / "s.kiln", inputs=tmp_path / "in.npz", rounds=0
+    )
     verification = artifact.manifest.verification
     assert verification.ok and verification.inputs == str(tmp_path / "in.npz")
     assert verification.outputs[0].problem is None
@@ -323,7 +325,9 @@ def test_masked_minus_inf_scores_compile_verified(tmp_path):
     mask[1, :] = False  # a row with nothing to attend to
     x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
     np.savez(tmp_path / "in.npz", x=x, mask=mask)
-    artifact = kiln.compile(masked_scores_model(), tmp_path / "m.kiln", inputs=tmp_path / "in.npz")
+    artifact = kiln.compile(
+        masked_scores_model(), tmp_path / "m.kiln", inputs=tmp_path / "in.npz", rounds=0
+    )
     verification = artifact.manifest.verification
     assert verification.ok
     scores, probs = (o for o in verification.outputs)

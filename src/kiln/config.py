@@ -171,6 +171,21 @@ class CompileConfig:
             raise KilnError(f"{where}: not a valid CompileConfig ({exc}).") from None
 
 
+@dataclass(frozen=True)
+class TimingConfig:
+    """How a compile times what it built against ONNX Runtime as-is (the manifest's
+    benchmark) and how auto times its candidates to choose: `kiln optimize`'s --rounds and
+    --runs and `kiln.compile`'s `rounds` and `runs`, one default for both."""
+
+    rounds: int = 5
+    """Interleaved timing rounds (0: no timing; 3 or more to tell a speedup from noise)."""
+    runs: int = 10
+    """Runs per engine per round."""
+
+
+TIMING = TimingConfig()
+
+
 def read_config(path: str | Path) -> tuple[CompileConfig, str | None]:
     """A CompileConfig from a JSON file: an artifact's manifest.json (its "config", and the
     source model it was built from), an artifact directory, or a bare config object."""

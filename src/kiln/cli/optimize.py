@@ -10,7 +10,7 @@ import typer
 from kiln.cli.console import JsonOpt, at_least, console, emit_json, progress, speed_advice
 from kiln.cli.flags import Flag, command, options
 from kiln.cli.pipeline import DataOpt, ModelsOpt, StreamsOpt, is_pipeline_call, optimize_pipeline
-from kiln.config import ENGINES, CompileConfig
+from kiln.config import ENGINES, CompileConfig, TimingConfig
 from kiln.errors import KilnError, counted
 
 ModelArg = Annotated[
@@ -45,13 +45,6 @@ ForceOpt = Annotated[
         "its own files is replaced.",
     ),
 ]
-RoundsOpt = Annotated[
-    int,
-    typer.Option(
-        help="Interleaved timing rounds (0: no timing; 3 or more to tell a speedup from noise)."
-    ),
-]
-RunsOpt = Annotated[int, typer.Option(help="Runs per engine per round.")]
 MaxMemoryOpt = Annotated[
     str | None,
     typer.Option(
@@ -90,14 +83,16 @@ COMPILE_FLAGS = options(
            "verify": Flag(names=("--verify/--no-verify",)), "static": Flag(names=("--static",))},
     panel="Compile decisions (CompileConfig)",
 )  # fmt: skip
+# Timing, the same default as kiln.compile's.
+TIMING_FLAGS = options(TimingConfig)
 
 
 @command
 def optimize(
     model: ModelArg = None, output: OutputOpt = None, config: Any = COMPILE_FLAGS,
     skip: SkipOpt = [], show_pipeline: ShowOpt = False,  # noqa: B006
-    config_file: ConfigOpt = None, force: ForceOpt = False, rounds: RoundsOpt = 5,
-    runs: RunsOpt = 10, max_memory: MaxMemoryOpt = None, memory: MemoryOpt = None,
+    config_file: ConfigOpt = None, force: ForceOpt = False, timing: Any = TIMING_FLAGS,
+    max_memory: MaxMemoryOpt = None, memory: MemoryOpt = None,
     as_json: JsonOpt = False, models: ModelsOpt = [], data: DataOpt = None,  # noqa: B006
     streams: StreamsOpt = 1,
 ) -> None:  # fmt: skip
@@ -113,6 +108,7 @@ def optimize(
         return optimize_pipeline(model, models, data, streams, config, output, force, as_json)
     from kiln.passes import default_pipeline
 
+    rounds, runs = timing.rounds, timing.runs
     at_least(rounds=(rounds, 0), runs=(runs, 1))
     pipeline = [s for s in default_pipeline() if s.name not in _check_skip(skip)]
     if show_pipeline:

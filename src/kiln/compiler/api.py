@@ -27,7 +27,7 @@ from kiln.backends.release import collect_garbage
 from kiln.compiler.candidate import CompileResult, compile_candidate, config_label
 from kiln.compiler.select import candidates, fastest, time_candidates
 from kiln.compiler.torch_check import EXAMPLE, check_against_framework
-from kiln.config import NO_PARTITION, CompileConfig
+from kiln.config import NO_PARTITION, TIMING, CompileConfig
 from kiln.errors import KilnError
 from kiln.frontend import is_torch_model, load_pt2, load_torch
 from kiln.ir.inputs import check_feeds, default_dims, read_inputs
@@ -41,7 +41,7 @@ ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model | Any
 Progress = Callable[[str], None]
 # verified candidates → those within a budget, and why each other one is not
 Fit = Callable[[list[CompileResult]], tuple[list[CompileResult], dict[str, str]]]
-AUTO_ROUNDS = 5
+AUTO_ROUNDS = TIMING.rounds
 
 
 def compile(
@@ -55,8 +55,8 @@ def compile(
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     verify: bool | None = None,
     pipeline: list[PassSpec] | list[str] | None = None,
-    rounds: int | None = None,
-    runs: int = 10,
+    rounds: int = TIMING.rounds,
+    runs: int = TIMING.runs,
     progress: Progress | None = None,
     force: bool = False,
     example_inputs: Any = None,
@@ -77,9 +77,11 @@ def compile(
     (the returned `Artifact.path` says where). `config` holds every decision; the keyword
     arguments override its fields (`backend` is its `engine`; any other CompileConfig field,
     e.g. `metric="top1"`, `max_drop=0.02`, `calib="calib/"`, `engine_options={...}`, is
-    accepted). `backend="auto"` / `precision="auto"` build every candidate and keep the fastest
-    verified one, timed over `rounds` interleaved rounds (default 5 when choosing; with a single
-    candidate, rounds > 0 records its timing in the manifest). An existing Kiln artifact at
+    accepted). The artifact is timed against ONNX Runtime as-is over `rounds` interleaved rounds
+    of `runs` runs each, recorded as `manifest.benchmark` (the defaults are `kiln optimize`'s,
+    `kiln.config.TimingConfig`; `rounds=0` times nothing and records no benchmark).
+    `backend="auto"` / `precision="auto"` build every candidate and keep the fastest verified
+    one by that timing (rounds > 0). An existing Kiln artifact at
     `output` is replaced; anything else there (a file, another directory, an artifact holding
     files of the user's) is refused before any work unless `force=True`. `partition="auto"`
     (or a placement, "image=openvino,text=ort") builds the model's independent branches as
@@ -170,7 +172,7 @@ def memory_budget(text: str) -> float:
     try:
         return parse_size(text, bare_unit=None) / 2**20
     except ValueError as exc:
-        raise KilnError(f"--max-memory {exc}.") from None  # the parser gives the example
+        raise KilnError(f"--max-memory {exc}; e.g. 1.5GB or 800MiB.") from None
 
 
 def _check_budget(

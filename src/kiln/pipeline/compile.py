@@ -229,8 +229,9 @@ def _compile_stage(
                                calib=str(calib) if precision == "int8" else None)  # fmt: skip
         dest = work / f"{stage.name}-{precision}.kiln"
         try:
+            rounds = TIMING.rounds if config.is_auto else 0  # the stages are timed below
             kiln.compile(stage.source, dest, config=config, inputs=example, force=True,
-                         rounds=TIMING.rounds if config.is_auto else 0)  # stages timed below
+                         rounds=rounds)  # fmt: skip
         except KilnError as exc:
             if precision == "fp32":
                 raise KilnError(f"model {stage.name!r}: {exc}") from None
