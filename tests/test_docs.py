@@ -66,6 +66,24 @@ def test_site_builds_strict_with_every_page(site):
         assert built.is_file(), f"{page} was not built"
 
 
+RAW_NOTE = "*Generated when the documentation site is built"
+_MARKER = re.compile(r"^<!-- kiln:[\w-]+ -->$", re.MULTILINE)
+
+
+def test_a_generated_page_tells_a_reader_of_the_raw_file_where_to_look():
+    """On GitHub a marker reads as nothing: the line under it says where the text is."""
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        for found in _MARKER.finditer(text):
+            below = text[found.end() + 1 :].split("\n", 1)[0]
+            assert below.startswith(RAW_NOTE), f"{page.relative_to(ROOT)}: {below!r}"
+
+
+def test_the_site_drops_the_raw_readers_note(site):
+    notes = [p for p in site.rglob("*.html") if "Generated when the documentation" in p.read_text()]
+    assert not notes, notes
+
+
 def test_cli_reference_has_every_verb_and_flag(site):
     import typer
 
@@ -95,13 +113,13 @@ def _verbs(group, context, path: str):
 
 
 def test_config_reference_has_every_field(site):
-    from kiln.config import CompileConfig
+    from kiln.config import CompileConfig, TimingConfig
     from kiln.serve.config import ServeConfig
     from kiln.train.config import TrainConfig
     from kiln.tune.plan import TuneConfig
 
     html = (site / "reference/config/index.html").read_text()
-    for record in (CompileConfig, TuneConfig, ServeConfig, TrainConfig):
+    for record in (CompileConfig, TimingConfig, TuneConfig, ServeConfig, TrainConfig):
         for field in dataclasses.fields(record):
             assert f"<code>{field.name}</code>" in html, f"{record.__name__}.{field.name}"
 

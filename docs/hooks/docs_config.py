@@ -1,6 +1,6 @@
 """The configuration reference, generated from the config records: every field of
-`CompileConfig`, `TuneConfig`, `ServeConfig` and `TrainConfig` (and the records `TrainConfig`
-nests), with its type, its default and what its docstrings say of it.
+`CompileConfig`, `TimingConfig`, `TuneConfig`, `ServeConfig` and `TrainConfig` (and the
+records `TrainConfig` nests), with its type, its default and what its docstrings say of it.
 
 A field's text comes, first found: from `field(metadata={"help": ...})`; from a string literal
 right below the field; from the class docstring's entry naming it (`name  text`, or
@@ -21,6 +21,7 @@ from docs_markdown import inline, paragraphs
 
 RECORDS = [
     ("kiln.config", "CompileConfig"),
+    ("kiln.config", "TimingConfig"),
     ("kiln.tune.plan", "TuneConfig"),
     ("kiln.serve.config", "ServeConfig"),
     ("kiln.train.config", "TrainConfig"),
