@@ -41,7 +41,7 @@ def served(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KILN_HOME", str(where / "home"))
         assert kiln_cli("zoo", "export", "bert-tiny", "-o", "bert.onnx", cwd=where).returncode == 0
-        kiln.compile(where / "bert.onnx", where / "bert.kiln")
+        kiln.compile(where / "bert.onnx", where / "bert.kiln", rounds=0)
     session = DebugSession(str(where / "bert.kiln"), peaks=PEAKS, profile_runs=5)
     ready = threading.Event()
     server = http_server(create_app(session), on_ready=ready.set)

@@ -95,7 +95,11 @@ def cnn(tmp_path_factory):
     where = tmp_path_factory.mktemp("cnn")
     model, example = _cnn().train(), torch.rand(2, 3, 32, 32)
     artifact = kiln.compile(
-        model, where / "cnn.kiln", example_inputs=(example,), dynamic_shapes=({0: "batch"},)
+        model,
+        where / "cnn.kiln",
+        example_inputs=(example,),
+        dynamic_shapes=({0: "batch"},),
+        rounds=0,
     )
     assert model.training  # exported and checked in eval mode, then left as it was
     return model.eval(), example, artifact
