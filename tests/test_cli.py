@@ -98,6 +98,15 @@ def test_zoo_list_info_export(tmp_path):
     assert f"{info['gflops']:.3f}" in rendered(print_zoo_info, info)
 
 
+def test_a_table_piped_without_columns_shows_its_cells_whole(tmp_path):
+    # Piped, as a log or a grep reads it, with no COLUMNS (the environment given explicitly:
+    # this process's own may hold a COLUMNS that a line-editing library set for its terminal).
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    table = subprocess.run([sys.executable, "-m", "kiln", "zoo", "list"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert all(zoo.entry(name).description in table for name in zoo.names()), table
+
+
 def test_bench_compares_engines_and_writes_json(tmp_path):
     out = kiln(
         "bench", "zoo:resnet-tiny", "--against", "ort,ort-basic", "--rounds", "2", "--runs", "3",

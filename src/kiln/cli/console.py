@@ -24,8 +24,21 @@ from kiln.errors import KilnError
 from kiln.home import output_problem
 from kiln.units import parse_duration
 
-console = Console()
-err = Console(stderr=True)
+# Off a terminal (a pipe, a log file, CI) with no COLUMNS to go by, rich takes 80 columns and
+# cuts table cells short ("python-lo…"); a log or a grep needs the names whole.
+PIPED_WIDTH = 160
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console as wide as the terminal; off one, PIPED_WIDTH unless COLUMNS says."""
+    made = Console(stderr=stderr)
+    if not made.is_terminal and not os.environ.get("COLUMNS"):
+        made.width = PIPED_WIDTH
+    return made
+
+
+console = make_console()
+err = make_console(stderr=True)
 
 ModelArg = Annotated[str, typer.Argument(help="An .onnx file or zoo:NAME (see `kiln zoo list`).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
