@@ -2,7 +2,9 @@
 the benchmark pages in the nav as they appear, and fresh screenshots.
 
 A page asks for generated content with a marker on a line of its own, `<!-- kiln:NAME -->`,
-NAME one of GENERATORS; the build replaces it. A generator that fails fails the build.
+NAME one of GENERATORS; the build replaces it, and the line under it that tells a reader of
+the raw file (on GitHub) where else to look (RAW_NOTE...). A generator that fails fails the
+build.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "api": docs_api.api_reference,
     "layers": docs_layers.layers_list,
 }
-_MARKER = re.compile(r"^<!-- kiln:([\w-]+) -->$", re.MULTILINE)
+RAW_NOTE = "*Generated when the documentation site is built"
+_MARKER = re.compile(rf"^<!-- kiln:([\w-]+) -->$(?:\n{re.escape(RAW_NOTE)}.*$)?", re.MULTILINE)
 BENCHMARKS = "Benchmarks"
 _generated: dict[str, str] = {}  # per build: each generator runs once
 _shots_dir: Path | None = None
