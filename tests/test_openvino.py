@@ -91,6 +91,21 @@ def test_dynamic_batch_runs_on_one_executable(tiny):
     _assert_close(got, want)
 
 
+def test_concurrent_runs_from_threads_each_get_their_own_answer(tiny):
+    # As an ONNX Runtime session, an executable takes runs from several threads at once (a
+    # pipeline's streams, a server's workers): each at its own batch size, each answered right.
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, _, _ = tiny["bert-tiny"]
+    exe = OpenVinoBackend().compile(model, F32)
+    ort = get_backend("ort").compile(model, OrtOptions(optimization="basic"))
+    feeds = [synthesize(model, {"batch": 1 + i % 4}, seed=i) for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(exe.run, feeds))
+    for g, f in zip(got, feeds, strict=True):
+        _assert_close(g, ort.run(f))
+
+
 def test_outputs_come_in_the_order_asked(tiny):
     model, feeds, want = tiny["bert-tiny"]
     exe = OpenVinoBackend().compile(model, F32)

@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -156,9 +157,10 @@ class OpenVinoOptions:
 class OpenVinoExecutable:
     """An OpenVINO CompiledModel behind Kiln's Executable contract.
 
-    One InferRequest is created once and reused by every `run` (creating one per call costs
-    more than a small model's inference). That makes an executable NOT thread-safe: give each
-    thread its own executable, or serialise the calls.
+    `run` is thread-safe, as an ONNX Runtime session's is: each call takes an idle
+    InferRequest (a request is not thread-safe), made on first need and then kept for the next
+    call (creating one per call costs more than a small model's inference); OpenVINO runs
+    concurrent requests on the compiled model's streams.
     """
 
     def __init__(
@@ -183,7 +185,8 @@ class OpenVinoExecutable:
             for name, port in zip(self.input_names, compiled.inputs, strict=True)
         }
         self._partial_shape = ov.PartialShape
-        self._request = compiled.create_infer_request()
+        self._idle = [compiled.create_infer_request()]
+        self._lock = threading.Lock()  # the idle requests, and the dynamic compile
         # The weight files to release (options.release_mapped) and the input shapes already
         # run: the first run at a shape repacks weights from the mapping, the next ones do not.
         self._mapped = mapped
@@ -248,17 +251,22 @@ class OpenVinoExecutable:
                 f"unknown output '{unknown[0]}'; the model's outputs are "
                 f"{', '.join(self.output_names)}."
             )
+        with self._lock:
+            request = self._idle.pop() if self._idle else self.compiled.create_infer_request()
         try:
             # share_outputs: no copy of every output; the ones asked for are copied below,
             # because the request overwrites its output buffers on the next call.
             with self._first_at_shape(feeds):
-                self._request.infer(feeds, share_inputs=True, share_outputs=True)
+                request.infer(feeds, share_inputs=True, share_outputs=True)
+            return [
+                np.array(request.get_output_tensor(self._output_index[n]).data, copy=True)
+                for n in wanted
+            ]
         except RuntimeError as exc:
             raise KilnError(f"invalid inputs: {_explain(exc)}") from None
-        return [
-            np.array(self._request.get_output_tensor(self._output_index[n]).data, copy=True)
-            for n in wanted
-        ]
+        finally:
+            with self._lock:
+                self._idle.append(request)
 
     def _first_at_shape(self, feeds: dict[str, np.ndarray]) -> AbstractContextManager[object]:
         """While the first run at these input shapes repacks weights from the mapping, their
@@ -275,9 +283,10 @@ class OpenVinoExecutable:
     def dynamic(self) -> OpenVinoExecutable:
         """The model compiled with its dynamic dims, for runs at dims other than the fixed ones
         `dim_overrides` compiled this executable for: compiled on first need, then kept."""
-        if self._dynamic is None:
-            options = replace(self.options, dim_overrides={})
-            self._dynamic = OpenVinoBackend().compile(self._model, options)
+        with self._lock:
+            if self._dynamic is None:
+                options = replace(self.options, dim_overrides={})
+                self._dynamic = OpenVinoBackend().compile(self._model, options)
         return self._dynamic
 
     def _check(self, feeds: dict[str, np.ndarray]) -> bool:
