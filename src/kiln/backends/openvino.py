@@ -186,7 +186,9 @@ class OpenVinoExecutable:
         }
         self._partial_shape = ov.PartialShape
         self._idle = [compiled.create_infer_request()]
-        self._lock = threading.Lock()  # the idle requests, and the dynamic compile
+        self._generation = 0  # bumped when a failed run's compiled model is replaced
+        self._refused: dict[tuple[tuple[int, ...], ...], str] = {}  # input shapes that failed
+        self._lock = threading.Lock()  # the idle requests, the renewal, the dynamic compile
         # The weight files to release (options.release_mapped) and the input shapes already
         # run: the first run at a shape repacks weights from the mapping, the next ones do not.
         self._mapped = mapped
@@ -251,22 +253,47 @@ class OpenVinoExecutable:
                 f"unknown output '{unknown[0]}'; the model's outputs are "
                 f"{', '.join(self.output_names)}."
             )
+        shapes = tuple(np.shape(feeds[n]) for n in self.input_names)
+        if shapes in self._refused:  # refused before: not run again (see _renew)
+            raise KilnError(self._refused[shapes])
         with self._lock:
+            generation = self._generation
             request = self._idle.pop() if self._idle else self.compiled.create_infer_request()
         try:
             # share_outputs: no copy of every output; the ones asked for are copied below,
             # because the request overwrites its output buffers on the next call.
             with self._first_at_shape(feeds):
                 request.infer(feeds, share_inputs=True, share_outputs=True)
-            return [
+            outputs = [
                 np.array(request.get_output_tensor(self._output_index[n]).data, copy=True)
                 for n in wanted
             ]
         except RuntimeError as exc:
-            raise KilnError(f"invalid inputs: {_explain(exc)}") from None
-        finally:
-            with self._lock:
+            message = f"invalid inputs: {_explain(exc)}"
+            if len(self._refused) < _SHAPES_TRACKED:
+                self._refused[shapes] = message
+            self._renew(generation)
+            raise KilnError(message) from None
+        with self._lock:
+            if generation == self._generation:  # a request of a renewed model is dropped
                 self._idle.append(request)
+        return outputs
+
+    def _renew(self, generation: int) -> None:
+        """A fresh compiled model in place of one a failed run broke: after a shape its graph
+        cannot take, OpenVINO's compiled model (latency hint) answers NaN at every shape from
+        then on, from every request (PP-OCRv4's recogniser at 224x224). The shapes that failed
+        are refused from then on without running, so a client repeating one costs no compile."""
+        with self._lock:
+            if generation != self._generation:
+                return  # another thread renewed it already
+            with Releasing(self._mapped, self._libraries):
+                compiled, _ = _compile(
+                    self._model, self.options.device, self.options.properties(),
+                    self.options.dim_overrides, self.options.mmap,
+                )  # fmt: skip
+            self.compiled, self._idle = compiled, []
+            self._generation += 1
 
     def _first_at_shape(self, feeds: dict[str, np.ndarray]) -> AbstractContextManager[object]:
         """While the first run at these input shapes repacks weights from the mapping, their
