@@ -196,6 +196,21 @@ def test_of_two_lossy_choices_that_hold_the_faster_is_kept(case, monkeypatch) ->
     assert by["bf16"].kept and not by["int8"].kept and "bf16 was faster" in by["int8"].reason
 
 
+def test_a_build_whose_stages_answer_wrong_together_is_refused_and_nothing_written(
+    case, monkeypatch
+) -> None:
+    # Each artifact passes its own model's check on one input; run as the pipeline runs them,
+    # they must still give the reference's results (here: a session that answers wrong).
+    from kiln.pipeline.recording import Recording
+
+    wrong = Recording(results=[{"label": -1, "embedding": []}] * 12)
+    monkeypatch.setattr(pipeline_compile, "_run", lambda *_: wrong)
+    out = case["root"] / "wrong.kiln"
+    with pytest.raises(KilnError, match="though every stage passed its own check"):
+        compile_pipeline(case["spec"], case["models"], case["data"], out)
+    assert not out.exists()
+
+
 def test_auto_tries_each_lossy_precision_this_cpu_runs(monkeypatch) -> None:
     from kiln.backends import openvino
 

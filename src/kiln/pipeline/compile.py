@@ -126,7 +126,7 @@ def compile_pipeline(
         trials, seconds = _search(fn, stages, inputs, reference, score, top, max_drop, say)
         # Array work folded into each stage's chosen artifact where the same and faster.
         folds = fold_stages(fn, stages, inputs, reference, score, say)
-        final = min([t.metric for t in trials if t.kept], default=top)  # the last kept: lowest
+        final = _final_check(fn, stages, inputs, reference, score, top, max_drop, say)
         record_ = {
             "metric": {"name": metric_name, "reference": top, "final": final,
                        "max_drop": max_drop},
@@ -296,6 +296,27 @@ def _search(
                 f"{t.speedup:.2f}x the stage's fp32 → {verdict}")  # fmt: skip
         trials += mine
     return trials, time.perf_counter() - start
+
+
+def _final_check(
+    fn: PipelineFunction, stages: dict[str, Stage], inputs: list[Any], reference: Recording,
+    score: Metric, top: float, max_drop: float, say: Say,
+) -> float:  # fmt: skip
+    """The pipeline with every stage at its choice, run as it will run (kiln.Session over each
+    artifact) and judged as the trials were: each artifact passed its own model's check on
+    one input, which cannot see a stage that answers wrong on others, or only once open as a
+    session. Returns the metric; refuses the build past the budget."""
+    say("checking the compiled pipeline end to end ...")
+    choice = {name: stage.choice for name, stage in stages.items()}
+    value = score(reference.results, _run(fn, stages, choice, inputs).results)
+    if top - value > max_drop:
+        raise KilnError(
+            f"the compiled pipeline's metric is {value:.4g} against the fp32 pipeline's "
+            f"{top:.4g} (allowed drop {max_drop:.4g}), though every stage passed its own check "
+            f"(choices: {', '.join(f'{n} {p}' for n, p in choice.items())}); nothing was "
+            "written. Compile with --backend ort to rule out an engine, and report it."
+        )
+    return value
 
 
 def _rejection(drop: float, max_drop: float, pace: Speedup) -> str:
