@@ -152,3 +152,33 @@ def test_the_models_given_must_be_the_ones_the_function_takes(models) -> None:
     with pytest.raises(KilnError, match="NAME=PATH"):
         kp.parse_models(["det"])
     assert kp.parse_models(["det=a.onnx", "rec=b.onnx"]) == {"det": "a.onnx", "rec": "b.onnx"}
+
+
+def test_a_stage_batch_holds_only_calls_that_merge_and_the_others_wait_for_their_own_run():
+    # Calls of other shapes must not ride along in one batch: one worker would run them one
+    # after another and hold every answer until the last (a detector's images of other sizes).
+    import threading
+
+    from kiln.pipeline.streams import merge_group
+    from kiln.runtime.batcher import Batcher
+
+    gate, batches = threading.Event(), []
+
+    def run_batch(requests):
+        batches.append([r["x"].shape for r in requests])
+        gate.wait(timeout=30)
+        return [[r["x"]] for r in requests]
+
+    batcher = Batcher(run_batch, max_delay=0.0, group=merge_group)
+    batcher.start()
+    first = batcher.submit({"x": np.zeros((1, 3, 8, 8), np.float32)})
+    while not batches:  # the worker holds the first call: the rest queue behind it
+        threading.Event().wait(0.001)
+    wide, tall, wide2 = (
+        batcher.submit({"x": np.zeros((1, 3, 8, w), np.float32)}) for w in (16, 32, 16)
+    )
+    gate.set()
+    for future in (first, wide, tall, wide2):
+        future.result(timeout=30)
+    batcher.close()
+    assert batches == [[(1, 3, 8, 8)], [(1, 3, 8, 16), (1, 3, 8, 16)], [(1, 3, 8, 32)]]

@@ -69,6 +69,12 @@ def _run_batch(session: Any):
     return lambda requests: [session.run(None, feeds) for feeds in requests]
 
 
+def merge_group(feeds: Feeds) -> tuple:
+    """Which calls may share a run: those equal in every input's dtype and shape past the
+    batch axis (the session concatenates those; others would run one after another)."""
+    return tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(feeds.items()))
+
+
 class Stage:
     """One model shared by every stream: its session, its batcher and its statistics."""
 
@@ -85,6 +91,7 @@ class Stage:
             # Batches side by side, one a core: calls of unequal shapes (a detector's images
             # of other sizes) do not merge, and one worker would run them one at a time.
             workers=max(1, min(streams, os.cpu_count() or 1)),
+            group=merge_group,
         )
         self.batcher.start()
 

@@ -11,6 +11,11 @@ bounded; a full queue refuses new work at once (`Overloaded`, HTTP 503) instead 
 memory and latency without limit. `close()` stops taking new work and lets the workers finish
 everything already queued.
 
+With `group`, a batch holds only requests of the oldest one's group (a pipeline's stage: the
+calls whose shapes merge into one run): a detector's images of other sizes would otherwise ride
+along in one `run_batch`, run one after another by one worker while the others idle, and hold
+every answer until the last.
+
 `run_now` runs a lone request in the caller's thread when a worker would run it alone at once
 anyway (no wait for company, nothing queued, a worker free) and batches are short: it saves
 the two thread hand-offs (to the worker and back), each a wake-up that waits for a core.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -45,6 +50,7 @@ class Job:
     samples: int
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    group: Hashable = None  # which requests may share its run (Batcher's `group`)
 
 
 @dataclass
@@ -85,10 +91,12 @@ class Batcher:
         preferred: tuple[int, ...] = (),
         combine: bool = True,
         workers: int = 1,
+        group: Callable[[Feeds], Hashable] | None = None,
     ) -> None:
         self._run_batch = run_batch
         self.max_batch, self.max_delay, self.max_queue = max_batch, max_delay, max_queue
         self.preferred, self.combine, self.workers = preferred, combine, max(1, workers)
+        self.group = group
         self._observe = observe
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -117,7 +125,7 @@ class Batcher:
 
     def submit(self, feeds: Feeds) -> Future:
         """Queue one request; its future resolves to the outputs, in the model's order."""
-        job = Job(feeds, samples_of(feeds))
+        job = Job(feeds, samples_of(feeds), group=self.group(feeds) if self.group else None)
         with self._cond:
             if self._closing:
                 raise Closed("the server is shutting down and takes no new requests")
@@ -136,7 +144,7 @@ class Batcher:
         place free, and batches shorter than INLINE_RUN_S. None otherwise: `submit` it."""
         if self.combine and self.max_delay > 0:
             return None
-        job = Job(feeds, samples_of(feeds))
+        job = Job(feeds, samples_of(feeds), group=self.group(feeds) if self.group else None)
         with self._cond:
             idle = not self._queue and self._running < self.workers and not self._closing
             if not idle or not self._short():
@@ -195,7 +203,21 @@ class Batcher:
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            if self.group is not None:
+                return self._take_group()
             return [self._queue.popleft() for _ in range(self._count(self._sizes()))]
+
+    def _take_group(self) -> list[Job]:
+        """The oldest request and the queued ones of its group, in order, within max_batch."""
+        group = self._queue[0].group
+        chosen, total = [], 0
+        for job in self._queue:
+            if job.group == group and (not chosen or total + job.samples <= self.max_batch):
+                chosen.append(job)
+                total += job.samples
+        taken = {id(job) for job in chosen}  # by identity: a Job's == compares its arrays
+        self._queue = deque(job for job in self._queue if id(job) not in taken)
+        return chosen
 
     def _sizes(self) -> list[int]:
         """The samples of each batch the queue can form from its oldest requests, in order
