@@ -4,7 +4,7 @@ users run it, MLPerf MultiStream-shaped, with pre- and post-processing timed.
     kiln optimize benchmarks/ocr_pipeline.py:read_text \
         --model det=... --model cls=... --model rec=...    (the models: ocr_pipeline.MODELS)
         --data benchmarks/pipeline_ocr.py:images --metric benchmarks/ocr_pipeline.py:lines_equal \
-        --precision auto --max-drop 0.01 -o ocr.kiln
+        --backend auto --max-drop 0.01 -o ocr.kiln   (each stage on its faster engine, fp32)
     python benchmarks/pipeline_ocr.py [--artifact ocr.kiln] [--streams 1,4,16] [--images 24] \
         [--json out.json]
 
@@ -187,6 +187,7 @@ def _choices(artifact: Path | None) -> dict[str, Any] | None:
         return None
     manifest = json.loads((artifact / "pipeline.json").read_text())
     return {"stages": {n: s["precision"] for n, s in manifest["stages"].items()},
+            "engines": {n: s.get("engine", "") for n, s in manifest["stages"].items()},
             "metric": manifest["metric"]}  # fmt: skip
 
 

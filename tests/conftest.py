@@ -27,6 +27,21 @@ TEST_PEAKS = Peaks(
 )  # fmt: skip
 
 
+# Modules that run alone, after the parallel run (the README's test command: `-m serial`):
+# they time this machine or its memory, or load it on purpose (400 requests at once against
+# deadlines), and a second test worker beside them would move what they measure.
+SERIAL = {
+    "test_bench_memory", "test_feedback", "test_footprint", "test_hardware", "test_head_to_head",
+    "test_jitter_floor", "test_serve_load", "test_steady",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SERIAL:
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(autouse=True)
 def kiln_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("kiln-home")

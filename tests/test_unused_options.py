@@ -57,7 +57,20 @@ def test_a_one_sample_calibration_file_says_how_it_was_read(bert, tmp_path):
 
 
 def test_int4_without_matmul_weights_says_there_is_nothing_to_quantize(tmp_path):
+    # Convolutions only: int4 packs MatMul (and constant-weight Gemm) weights, none here.
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Relu", ["c"], ["y"])],
+        "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [numpy_helper.from_array(weight, "w")],
+    )  # fmt: skip
+    model = tmp_path / "convs.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
     with pytest.raises(kiln.KilnError, match="no layer int4 quantizes") as info:
-        kiln.compile("zoo:resnet-tiny", tmp_path / "r.kiln", precision="int4", rounds=0)
+        kiln.compile(model, tmp_path / "r.kiln", precision="int4", rounds=0)
     assert "drift" not in str(info.value)
     assert not (tmp_path / "r.kiln").exists()

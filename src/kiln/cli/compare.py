@@ -95,14 +95,9 @@ def compare(
         task = bar.add_task(f"loading {a}")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731
         comparison = compare_models(
-            a,
-            b,
-            inputs=str(inputs) if inputs is not None else None,
-            shapes=parse_shapes(shape),
-            metric=metric,
-            max_drop=max_drop,
-            say=say,
-        )
+            a, b, inputs=str(inputs) if inputs is not None else None, shapes=parse_shapes(shape),
+            metric=metric, max_drop=max_drop, say=say,
+        )  # fmt: skip
         result = comparison.to_json()
         written = _write(comparison, result, output, model_explorer, say)
     if as_json:

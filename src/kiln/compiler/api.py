@@ -172,7 +172,7 @@ def memory_budget(text: str) -> float:
     try:
         return parse_size(text, bare_unit=None) / 2**20
     except ValueError as exc:
-        raise KilnError(f"--max-memory {exc}; e.g. 1.5GB or 800MiB.") from None
+        raise KilnError(f"--max-memory {exc}.") from None  # the parser gives the example
 
 
 def _check_budget(
