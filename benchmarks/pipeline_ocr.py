@@ -22,9 +22,8 @@ images:
 - `kiln`: `kiln.Pipeline(artifact).map(streams=N)`, each model's calls pooled across streams.
 Per way: queries answered, P50/P90/P99 per query (and how many queries back the P99),
 queries/s; `lines_equal` (share of images whose text lines equal RapidOCR's) and `cer` (the
-character error rate against RapidOCR's text). The default run takes about 5 minutes on
-2 cores.
-"""
+character error rate against RapidOCR's text). The default run takes about 6 minutes on
+2 cores (each result file's `seconds` says how long its run took)."""
 
 from __future__ import annotations
 

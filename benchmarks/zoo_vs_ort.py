@@ -3,8 +3,8 @@
     python benchmarks/zoo_vs_ort.py [--models resnet-tiny,bert-tiny] [--precision fp32|int8] \
         [--rounds 7] [--runs 10] [--out results/zoo_vs_ort.json]
 
-The default run takes the tiny zoo models: 3.5 to 5 minutes on 2 cores (5 with other work on
-them); `--precision int8 --models resnet-tiny,bert-tiny` about 2. The full-size ones
+The default run takes the tiny zoo models: about a minute on 2 cores, at fp32 or at
+`--precision int8` (each result file's `seconds` says how long its run took). The full-size ones
 (`--models bert-base,gpt2,vit-b16,resnet50,mobilenetv2,unet3d`) take several minutes each.
 Transformers are also timed against ONNX Runtime's offline transformers optimizer; at
 `--precision int8` Kiln's int8 artifact meets ONNX Runtime's own int8 quantizer too. Every
