@@ -25,6 +25,8 @@ import onnx_ir as ir
 
 from kiln.backends.base import KernelRecord, Profile, check_flags
 from kiln.backends.openvino_layers import Layer, OpenVinoKernelRecord, executed_layers
+from kiln.backends.openvino_mapped import libraries as library_folders
+from kiln.backends.openvino_mapped import mapped_files, release_state
 from kiln.backends.release import SUPPORTED as RELEASE_SUPPORTED
 from kiln.backends.release import Releasing
 from kiln.errors import KilnError
@@ -230,7 +232,7 @@ class OpenVinoExecutable:
             "inference_num_threads": str(self._property("INFERENCE_NUM_THREADS")),
             "flush_denormals": str(self._property("CPU_DENORMALS_OPTIMIZATION")),
             "pin_threads": str(self._property("ENABLE_CPU_PINNING")),
-            "release_mapped": _release_state(self.options, self._mapped),
+            "release_mapped": release_state(self.options, self._mapped),
             "release_code": "on" if self._libraries else "off",
         }
 
@@ -431,64 +433,13 @@ class OpenVinoBackend:
             raise KilnError("backend 'openvino' is not installed; pip install openvino.")
         options = options or OpenVinoOptions()
         props = options.properties()
-        mapped = _mapped_files(model, options)
-        libraries = _libraries() if options.release_code and RELEASE_SUPPORTED else ()
+        mapped = mapped_files(model, options)
+        libraries = library_folders() if options.release_code and RELEASE_SUPPORTED else ()
         with Releasing(mapped, libraries):
             compiled, names = _compile(
                 model, options.device, props, options.dim_overrides, options.mmap
             )
         return OpenVinoExecutable(compiled, names, options, model, mapped, libraries)
-
-
-def _mapped_files(model: ir.Model | str, options: OpenVinoOptions) -> tuple[str, ...]:
-    """The weight files OpenVINO will map and Kiln release (`release_mapped`): a model file's
-    external data files; none for an in-memory model (its weights are read, not mapped), for
-    weights inside the .onnx file, without `mmap`, or elsewhere than Linux."""
-    if not (options.release_mapped and options.mmap and RELEASE_SUPPORTED):
-        return ()
-    if not isinstance(model, str | os.PathLike) or not Path(model).is_file():
-        return ()
-    stat = Path(model).stat()
-    if stat.st_size > _INLINE_WEIGHTS:
-        return ()  # its weights are inside: read, not mapped, and not worth parsing it for
-    return _external_files(str(Path(model).resolve()), (stat.st_mtime_ns, stat.st_size))
-
-
-# A .onnx file larger than this holds its weights inside; below it, the graph is parsed to find
-# its external data files (bert-base's 160 kB graph: 50-80 ms, once per file version).
-_INLINE_WEIGHTS = 64 << 20
-
-
-@functools.lru_cache(maxsize=32)
-def _external_files(path: str, stamp: tuple[int, int]) -> tuple[str, ...]:
-    """External data files of the model at `path` (`stamp`: its mtime and size, so that a
-    rewritten file is read again)."""
-    try:
-        graph = ir.load(path).graph
-    except Exception:  # an unreadable model is reported by the compile itself
-        return ()
-    files = {
-        str(Path(t.path).resolve())
-        for v in graph.initializers.values()
-        if isinstance(t := v.const_value, ir.ExternalTensor)
-    }
-    return tuple(sorted(files))
-
-
-@functools.cache
-def _libraries() -> tuple[str, ...]:
-    """The folder of OpenVINO's shared libraries (plugins, frontends, TBB): `release_code`."""
-    import openvino as ov
-
-    return (str(Path(ov.__file__).resolve().parent),)
-
-
-def _release_state(options: OpenVinoOptions, mapped: tuple[str, ...]) -> str:
-    if mapped:
-        return f"on ({len(mapped)} mapped file{'s' if len(mapped) > 1 else ''})"
-    if options.release_mapped and options.mmap and not RELEASE_SUPPORTED:
-        return "off (Linux only)"
-    return "off" if not (options.release_mapped and options.mmap) else "off (nothing mapped)"
 
 
 @functools.cache
