@@ -51,14 +51,19 @@ class GemmAsMatMul(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, x, w, product, c=None, **_):
-        if product.producer().attributes.get_int("transB", 0):
-            weight = get_numpy_value(w).T.copy()
-            w = op.initializer(ir.tensor(weight), name=f"{w.name}.transposed")
-        y = op.MatMul(x, w)
+        y = op.MatMul(x, _matmul_weight(op, w, product))
         if c is None:
             return y
         bias = get_numpy_value(c).reshape(-1)
         return op.Add(y, op.initializer(ir.tensor(bias), name=f"{c.name}.vector"))
+
+
+def _matmul_weight(op, w, product):
+    """The Gemm's constant weight as MatMul takes it: stored transposed where Gemm's transB
+    read it transposed."""
+    if not product.producer().attributes.get_int("transB", 0):
+        return w
+    return op.initializer(ir.tensor(get_numpy_value(w).T.copy()), name=f"{w.name}.transposed")
 
 
 gemm_as_matmul_rules = pattern.RewriteRuleSet([GemmAsMatMul.rule()])
@@ -86,10 +91,7 @@ class GemmToMatMulAdd(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, a, w, product, c=None, **_):
-        if product.producer().attributes.get_int("transB", 0):
-            weight = get_numpy_value(w).T.copy()
-            w = op.initializer(ir.tensor(weight), name=f"{w.name}.transposed")
-        y = op.MatMul(a, w)
+        y = op.MatMul(a, _matmul_weight(op, w, product))
         # Gemm broadcasts c to its [M, N] output one way; Add gives the same [M, N].
         return y if c is None else op.Add(y, c)
 
