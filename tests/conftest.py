@@ -28,11 +28,12 @@ TEST_PEAKS = Peaks(
 
 
 # Modules that run alone, after the parallel run (the README's test command: `-m serial`):
-# they time this machine or its memory, or load it on purpose (400 requests at once against
-# deadlines), and a second test worker beside them would move what they measure.
+# they time this machine or its memory (a training step's time split into data, compute and
+# optimizer), or load it on purpose (400 requests at once against deadlines), and a second
+# test worker beside them would move what they measure.
 SERIAL = {
     "test_bench_memory", "test_feedback", "test_footprint", "test_hardware", "test_head_to_head",
-    "test_jitter_floor", "test_serve_load", "test_steady",
+    "test_jitter_floor", "test_serve_load", "test_steady", "test_train_profile",
 }  # fmt: skip
 
 
