@@ -145,13 +145,17 @@ def test_the_artifact_runs_as_the_plain_function_with_its_choices(case, compiled
     assert served == [describe(x, **sessions) for x in inputs]
 
 
-def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case, monkeypatch):
-    monkeypatch.setattr(pipeline_compile, "stage_speedup",
-                        lambda *_: Speedup(0.8, (0.7, 0.9), SLOWER))  # fmt: skip
-    out = case["root"] / "slow.kiln"
+def _compiled_at_pace(case, monkeypatch, pace: Speedup, name: str) -> dict:
+    """The pipeline compiled with int8 tried, every stage timed at `pace`: its manifest."""
+    monkeypatch.setattr(pipeline_compile, "stage_speedup", lambda *_: pace)
+    out = case["root"] / f"{name}.kiln"
     compile_pipeline(case["spec"], case["models"], case["data"], out, precisions=("int8",),
                      metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
-    manifest = json.loads((out / "pipeline.json").read_text())
+    return json.loads((out / "pipeline.json").read_text())
+
+
+def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case, monkeypatch):
+    manifest = _compiled_at_pace(case, monkeypatch, Speedup(0.8, (0.7, 0.9), SLOWER), "slow")
     assert {n: s["precision"] for n, s in manifest["stages"].items()} == {
         "embed": "fp32", "cls": "fp32"}  # fmt: skip
     for trial in manifest["search"]["trials"]:
@@ -160,12 +164,7 @@ def test_a_lossy_choice_that_is_slower_is_not_kept_though_the_metric_holds(case,
 
 
 def test_a_lossy_choice_no_faster_than_noise_is_not_kept(case, monkeypatch) -> None:
-    monkeypatch.setattr(pipeline_compile, "stage_speedup",
-                        lambda *_: Speedup(1.02, (0.9, 1.1), SAME))  # fmt: skip
-    out = case["root"] / "same.kiln"
-    compile_pipeline(case["spec"], case["models"], case["data"], out, precisions=("int8",),
-                     metric=f"{case['root'] / 'glue.py'}:labels")  # fmt: skip
-    manifest = json.loads((out / "pipeline.json").read_text())
+    manifest = _compiled_at_pace(case, monkeypatch, Speedup(1.02, (0.9, 1.1), SAME), "same")
     assert {s["precision"] for s in manifest["stages"].values()} == {"fp32"}
     for trial in manifest["search"]["trials"]:
         assert trial["metric"] == 1.0 and not trial["kept"]

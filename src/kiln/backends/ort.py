@@ -60,14 +60,15 @@ class OrtOptions:
     execution_mode: str = "sequential"
     spinning: bool = True
     # session.force_spinning_stop: the pool spins during a run and stops when it ends, so an
-    # idle session steals no core from the rest of the process (a second session, a server's
-    # event loop). Two fp32 artifacts alternating in one process (resnet50, bert-base; 2-core
-    # EPYC): spinning on kept 0.52× / 0.78× of their speed alone, stopped 0.87× / 0.99×. Alone,
-    # stopping costs the tail: resnet50's jitter 0.58–0.73 stopped vs 0.28 spinning (AVX-512
-    # EPYC, blocks of 100 runs interleaved). A sub-millisecond model pays ~20 µs per run to
-    # wake the pool (bert-tiny 0.16 → 0.18 ms). None: Kiln decides — the pool spins while it
-    # has the process to itself and stops once company arrives (`kiln.backends.spin_policy`); a
-    # model under STOP_SPINNING_BYTES of weights keeps spinning beside other small ones.
+    # idle model's pool steals no core from the rest of the process (a second model, a
+    # server's event loop). Two fp32 artifacts alternating in one process (resnet50,
+    # bert-base; 2-core EPYC): spinning on kept 0.52x / 0.78x of their speed alone, stopped
+    # 0.87x / 0.99x. Alone, stopping costs the tail: resnet50's jitter 0.58-0.73 stopped vs
+    # 0.28 spinning (AVX-512 EPYC, blocks of 100 runs interleaved). A sub-millisecond model
+    # pays ~20 us per run to wake the pool (bert-tiny 0.16 -> 0.18 ms). None: Kiln decides —
+    # the pool spins while it has the process to itself and stops once company arrives
+    # (`kiln.backends.spin_policy`); a model under STOP_SPINNING_BYTES of weights keeps
+    # spinning beside other small ones.
     stop_spinning: bool | None = None
     memory_arena: bool = True
     memory_pattern: bool = True
