@@ -3,7 +3,9 @@
 `read_text(image, *, det, cls, rec)` is RapidOCR's own `__call__` — its resizing, DB contour
 post-processing, perspective crops, orientation classification and CTC decoding, in its own
 code — with only its three ONNX Runtime sessions replaced by the models it is given, so that it
-reads exactly as `RapidOCR()(image)` does when given the wheel's models as they are. It returns
+reads as `RapidOCR()(image)` does when given the wheel's models as they are — but for the
+detector's normalisation and layout, written with Kiln's array ops so that they fold into the
+detector (the same arithmetic in float32 where RapidOCR's runs in float64). It returns
 RapidOCR's result: one `[box, text, score]` per line found (or None).
 
     kiln optimize benchmarks/ocr_pipeline.py:read_text --model det=... --model cls=... ...
@@ -22,11 +24,13 @@ from rapidocr_onnxruntime.cal_rec_boxes import CalRecBoxes
 from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
 from rapidocr_onnxruntime.ch_ppocr_cls.utils import ClsPostProcess
 from rapidocr_onnxruntime.ch_ppocr_det import TextDetector
-from rapidocr_onnxruntime.ch_ppocr_det.utils import DBPostProcess
+from rapidocr_onnxruntime.ch_ppocr_det.utils import DBPostProcess, DetPreProcess
 from rapidocr_onnxruntime.ch_ppocr_rec import TextRecognizer
 from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import DEFAULT_CFG_PATH, RapidOCR
 from rapidocr_onnxruntime.utils import LoadImage, read_yaml
+
+from kiln.pipeline import ops
 
 _ROOT = Path(rapidocr_onnxruntime.__file__).parent
 CONFIG = read_yaml(DEFAULT_CFG_PATH)
@@ -47,6 +51,25 @@ def _characters() -> list[str]:
 
 
 _CHARACTERS = _characters()
+
+
+class _DetPreProcess(DetPreProcess):
+    """RapidOCR's detector pre-processing with its normalisation and layout written as Kiln
+    array ops (the same arithmetic, in float32), which `kiln optimize` folds into the
+    detector's graph: the detector then takes the resized uint8 image."""
+
+    def __call__(self, img: Any) -> Any:
+        resized = self.resize(img)
+        if resized is None:
+            return None
+        normalized = ops.normalize(resized, self.mean, self.std, self.scale)
+        return ops.to_layout(normalized, "HWC", "NCHW")
+
+
+class _TextDetector(TextDetector):
+    def get_preprocess(self, max_wh: int) -> _DetPreProcess:
+        own = super().get_preprocess(max_wh)
+        return _DetPreProcess(own.limit_side_len, own.limit_type, own.mean, own.std)
 
 
 class _Infer:
@@ -72,7 +95,7 @@ def _engine(det: Any, cls: Any, rec: Any) -> RapidOCR:
     ocr.load_img, ocr.cal_rec_boxes = LoadImage(), CalRecBoxes()
 
     d = config["Det"]
-    ocr.text_det = object.__new__(TextDetector)
+    ocr.text_det = object.__new__(_TextDetector)
     ocr.text_det.limit_side_len, ocr.text_det.limit_type = d["limit_side_len"], d["limit_type"]
     ocr.text_det.mean, ocr.text_det.std, ocr.text_det.preprocess_op = d["mean"], d["std"], None
     ocr.text_det.postprocess_op = DBPostProcess(
