@@ -82,6 +82,23 @@ def test_the_recorded_chains_are_found_and_the_folded_model_equals_the_eager_ops
             np.testing.assert_array_equal(labels, expected)
 
 
+def test_a_model_below_the_folds_opset_is_converted_and_still_equals_the_eager_ops(case) -> None:
+    calls = case["recording"].of("rec")
+    found = find_fold(calls)
+    old = onnx.load(case["root"] / "rec.onnx")
+    del old.opset_import[:]
+    old.opset_import.append(helper.make_opsetid("", 12))  # PP-OCRv4's detector's opset
+    folded = build_folded(old, found, {"x": calls[0].pre["x"][0]})
+    assert [(o.domain, o.version) for o in folded.opset_import] == [("", 13)]
+    session = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"])
+    with kiln.Session(str(case["root"] / "rec.onnx")) as rec:
+        for call in calls:
+            image = call.pre["x"][0]
+            (logits,) = rec.run(None, {"x": ops.apply_steps(image, found.pre["x"])})
+            (labels,) = session.run(None, {"x": image})
+            np.testing.assert_array_equal(labels, ops.apply_steps(logits, found.post["y"]))
+
+
 def _stages(root: Path, tmp: Path) -> dict:
     """A compiled stage as compile.py hands it over: its chosen artifact."""
     artifact = tmp / "rec.kiln"

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, version_converter
 
 from kiln.errors import KilnError
 from kiln.pipeline import ops
@@ -100,10 +100,8 @@ def build_folded(
     """`model` with each pre chain prepended (the feed's name now takes the chain's root, of
     the dtype and rank in `roots`) and each post chain appended (the output keeps its name)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < MIN_OPSET:
-        raise ValueError(f"the model's opset {opset} is below {MIN_OPSET}")
     folded = onnx.ModelProto()
-    folded.CopyFrom(model)
+    folded.CopyFrom(_upgraded(model, opset) if opset < MIN_OPSET else model)
     graph = folded.graph
     for name, chain in fold.pre.items():
         inner = f"kiln_fold/{name}"
@@ -125,6 +123,18 @@ def build_folded(
         graph.initializer.extend(inits)
         graph.output[index].CopyFrom(helper.make_tensor_value_info(name, elem_type(out), None))
     return folded
+
+
+def _upgraded(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """`model` converted to the opset the chains' ONNX forms are written for (PP-OCRv4's
+    detector is opset 12). A conversion that changed what the model computes would show in
+    the folded model's check against the eager chain on every recorded call."""
+    try:
+        return version_converter.convert_version(model, MIN_OPSET)
+    except RuntimeError as exc:  # the converter's own error: an op with no adapter
+        raise ValueError(
+            f"the model's opset {opset} is below {MIN_OPSET} and did not convert: {exc}"
+        ) from None
 
 
 def _rename(graph: onnx.GraphProto, old: str, new: str) -> None:
