@@ -9,7 +9,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_ir as ir
 
 from kiln.backends import Executable
@@ -18,28 +17,13 @@ from kiln.runtime import buckets as bk
 from kiln.runtime.monitor import LoadMonitor
 
 
-class Runner:
-    """An executable plus, for engines whose executables are not thread-safe (OpenVINO keeps
-    one infer request), a lock serialising its calls."""
-
-    def __init__(self, executable: Executable, serialise: bool) -> None:
-        self.executable = executable
-        self._lock = threading.Lock() if serialise else None
-
-    def run(self, feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
-        if self._lock is None:
-            return self.executable.run(feeds, names)
-        with self._lock:
-            return self.executable.run(feeds, names)
-
-
 @dataclass
 class BucketSet:
     """One bucket set and its executables, replaced as a whole by a swap."""
 
     buckets: bk.Buckets
     # Least recently used first: the order in which executables are dropped.
-    runners: OrderedDict[bk.BucketKey, Runner] = field(default_factory=OrderedDict)
+    runners: OrderedDict[bk.BucketKey, Executable] = field(default_factory=OrderedDict)
     broken: set[bk.BucketKey] = field(default_factory=set)  # failed to compile or run
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards `runners`
     compile_lock: threading.Lock = field(default_factory=threading.Lock)  # one compile at once
@@ -47,10 +31,10 @@ class BucketSet:
     def runner(
         self,
         key: bk.BucketKey,
-        compile_key: Callable[[bk.BucketKey], Runner],
+        compile_key: Callable[[bk.BucketKey], Executable],
         cap: int,
         monitor: LoadMonitor,
-    ) -> Runner:
+    ) -> Executable:
         """The bucket's runner; the first request of a bucket compiles it, once. Beyond `cap`
         the least recently used one is dropped (requests running on it finish; it is rebuilt
         if needed again)."""

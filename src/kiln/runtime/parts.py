@@ -86,9 +86,8 @@ class PartitionedSession:
             )
             join_company(exe)  # a part on another engine is company for an ORT pool
             self.executables[spec.name] = exe
-            run = _serialised(exe) if recorded.name == "openvino" else exe.run
             self._times[spec.name] = deque(maxlen=RECENT_RUNS)
-            runners[spec.name] = _timed(run, self._times[spec.name])
+            runners[spec.name] = _timed(exe.run, self._times[spec.name])
         self._requests = 0
         self._count = threading.Lock()
         self._pipeline = Pipeline(self.section.parts, runners, self.input_names, on_event)
@@ -224,17 +223,6 @@ def _dims_json(dims: dict[str, int]) -> str:
     import json
 
     return json.dumps(dims)
-
-
-def _serialised(exe: Executable) -> Callable[[Feeds], list[np.ndarray]]:
-    """OpenVINO keeps one infer request per executable: concurrent requests take turns."""
-    lock = threading.Lock()
-
-    def run(feeds: Feeds) -> list[np.ndarray]:
-        with lock:
-            return exe.run(feeds)
-
-    return run
 
 
 def _timed(

@@ -34,7 +34,7 @@ from kiln.runtime import batching, records
 from kiln.runtime import buckets as bk
 from kiln.runtime.adaptive import AdaptivePolicy, Trigger, TriggerKind
 from kiln.runtime.arguments import checked_feeds, output_list
-from kiln.runtime.bucketset import BucketSet, Runner, executable_cap
+from kiln.runtime.bucketset import BucketSet, executable_cap
 from kiln.runtime.limits import check_limits, dim_limits, max_shape
 from kiln.runtime.metadata import (
     ModelMetadata,
@@ -133,12 +133,11 @@ class LocalSession:
             options = {**overrides, **(options or {})}  # Kiln's own options win
         self._options = engine_options(source, options)
         self.precision = run_precision(source, self._options)
-        self._serialise = source.backend == "openvino"  # one infer request per executable
         # Bucket executables share one copy of the weights (ORT copies them per session);
         # the dynamic one keeps the recorded settings.
         self._share = source.backend == "ort" and share_weights
         self.executable = self._compile({})
-        self._dynamic = Runner(self.executable, self._serialise)
+        self._dynamic = self.executable
         self.max_executables = executable_cap(source.interface, self._share)
         self._layout = input_layout(source.interface)
         self._batch = batch_dims(self._layout)
@@ -376,9 +375,9 @@ class LocalSession:
             self.monitor.decide(f"bucket {bk.key_text(key)} failed: {exc}", "route to dynamic")
         return None
 
-    def _runner(self, state: BucketSet, key: bk.BucketKey) -> Runner:
-        def compile_key(k: bk.BucketKey) -> Runner:
-            return Runner(self._compile(dict(k)), self._serialise)
+    def _runner(self, state: BucketSet, key: bk.BucketKey) -> Executable:
+        def compile_key(k: bk.BucketKey) -> Executable:
+            return self._compile(dict(k))
 
         return state.runner(key, compile_key, self.max_executables, self.monitor)
 
@@ -530,7 +529,7 @@ class LocalSession:
         KilnError, and nothing changes, when the new ones cannot build or disagree."""
         merged = engine_options(self._source, {**self._options, **options})
         precision = run_precision(self._source, merged)
-        dynamic = Runner(self._compile({}, merged), self._serialise)
+        dynamic = self._compile({}, merged)
         names = self.output_names
         samples = self.recent_requests()[-1:] or [synthesize(self.interface)]
         for sample in samples:
@@ -545,7 +544,7 @@ class LocalSession:
         state = BucketSet(self.buckets)
         for key in bk.all_keys(state.buckets)[: self.max_executables]:
             runner = state.runner(
-                key, lambda k: Runner(self._compile(dict(k), merged), self._serialise),
+                key, lambda k: self._compile(dict(k), merged),
                 self.max_executables, self.monitor,
             )  # fmt: skip
             runner.run(synthesize(self.interface, dims=dict(key)), names)
@@ -581,7 +580,7 @@ class LocalSession:
         state = self._state
         with state.lock:
             runners = list(state.runners.values())
-        for executable in [self.executable, *(r.executable for r in runners)]:
+        for executable in [self.executable, *runners]:
             leave_company(executable)
         if self._frozen:
             self._frozen = False
