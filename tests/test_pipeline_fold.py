@@ -126,7 +126,16 @@ def test_a_fold_that_is_not_faster_is_not_kept_and_says_so(case, tmp_path) -> No
     assert not record_["kept"] and record_["verdict"] == SLOWER and record_["calls"] == 6
     assert record_["reason"] == "not faster than the eager ops (0.80x, slower)"
     assert not (tmp_path / "rec.kiln" / FOLDED_FILE).exists()
-    assert said == ["  rec: not folded: not faster than the eager ops (0.80x, slower)"]
+    assert said == ["  rec: checking and timing its Kiln ops folded in, on 6 calls ...",
+                    "  rec: not folded: not faster than the eager ops (0.80x, slower)"]  # fmt: skip
+
+
+def test_a_slow_stages_fold_is_timed_on_few_calls_and_a_quick_ones_on_eight(case) -> None:
+    calls = case["recording"].of("rec")
+    heavy = [type(c)(c.model, c.query, c.feeds, c.outputs, 0.4) for c in calls * 4]
+    light = [type(c)(c.model, c.query, c.feeds, c.outputs, 0.001) for c in calls * 4]
+    assert len(fold._sample(heavy)) == 1  # a detector's half-second calls: one per timed run
+    assert len(fold._sample(light)) == 8
 
 
 def test_a_stage_without_kiln_ops_around_it_is_not_folded(case, tmp_path) -> None:

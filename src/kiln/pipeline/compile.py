@@ -18,7 +18,9 @@ pipeline's final output.
    pay. The fastest eligible one is kept. Every trial is kept with its metric, the stage's
    time and the timing's verdict.
    Then the glue's Kiln ops around each stage are folded into its chosen artifact where the
-   result is the same and measures faster (fold.py); each stage's verdict is kept.
+   result is the same and measures faster (fold.py); each stage's verdict is kept. And each
+   stage's calls from several streams are merged into one run only where a batch measures
+   faster per sample (merging.py).
 4. The artifact: a directory with `pipeline.json` (pipeline_artifact.py), each stage's chosen
    `.kiln`, and the function's module file, so that it runs elsewhere.
 """
@@ -41,6 +43,7 @@ from kiln.home import output_problem
 from kiln.pipeline.data import Metric, load_data, load_metric
 from kiln.pipeline.fold import fold_stages
 from kiln.pipeline.function import PipelineFunction, check_models, load_function
+from kiln.pipeline.merging import decide_merging
 from kiln.pipeline.pipeline_artifact import is_pipeline, write_pipeline
 from kiln.pipeline.recording import Recording, record
 from kiln.timing import FASTER, SLOWER, Speedup, interleave, speedup
@@ -126,6 +129,7 @@ def compile_pipeline(
         trials, seconds = _search(fn, stages, inputs, reference, score, top, max_drop, say)
         # Array work folded into each stage's chosen artifact where the same and faster.
         folds = fold_stages(fn, stages, inputs, reference, score, say)
+        merges = decide_merging(stages, reference, say)  # which stages' calls share runs
         final = _final_check(fn, stages, inputs, reference, score, top, max_drop, say)
         record_ = {
             "metric": {"name": metric_name, "reference": top, "final": final,
@@ -134,6 +138,7 @@ def compile_pipeline(
             "search": {"order": _order(reference, stages), "trials": [t.to_json() for t in trials],
                        "seconds": round(seconds, 3), "space": _space(stages)},
             "folds": folds,
+            "merging": merges,
             "streams": streams,
         }  # fmt: skip
         return write_pipeline(Path(output), fn, stages, record_)

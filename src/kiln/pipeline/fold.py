@@ -257,7 +257,7 @@ def fold_stages(
     folds: dict[str, dict[str, Any]] = {}
     for name, stage in stages.items():
         where = Path(stage.candidates[stage.choice])
-        folds[name] = _fold_stage(where, reference.of(name), measure or measure_fold)
+        folds[name] = _fold_stage(name, where, reference.of(name), measure or measure_fold, say)
         say(f"  {name}: {'folded' if folds[name]['kept'] else 'not folded'}: "
             f"{folds[name]['reason']}")  # fmt: skip
     for name in [n for n, f in folds.items() if f["kept"] and f["post"]]:
@@ -269,7 +269,9 @@ def fold_stages(
     return folds
 
 
-def _fold_stage(where: Path, calls: list[Call], measure: Measure) -> dict[str, Any]:
+def _fold_stage(
+    name: str, where: Path, calls: list[Call], measure: Measure, say: Say
+) -> dict[str, Any]:
     """One stage's fold: found, built, verified on its recorded calls, timed."""
     from kiln.artifact import MODEL_FILE
 
@@ -278,6 +280,7 @@ def _fold_stage(where: Path, calls: list[Call], measure: Measure) -> dict[str, A
     if not fold.pre and not fold.post:
         return out | {"reason": "no chain of Kiln ops made its feeds or took its outputs"}
     matched = [c for c in calls if fold.matches(c)]
+    say(f"  {name}: checking and timing its Kiln ops folded in, on {len(matched)} calls ...")
     out["calls"] = len(matched)
     try:
         roots = {n: matched[0].pre[n][0] for n in fold.pre}
@@ -309,10 +312,26 @@ def _check(
         problem = next((p for c in matched if (p := _differs(eager(c), fast(c)))), None)
         if problem:
             return f"not the same as the eager ops: {problem}", None
-        sample = matched[:: max(1, len(matched) // 8)][:8]
+        sample = _sample(matched)
         return None, measure(lambda: [eager(c) for c in sample], lambda: [fast(c) for c in sample])
     finally:
         own.close(), folded.close()
+
+
+# The recorded time one timed run of the sample may take: each path runs it 32 times
+# (measure_fold), so a detector's calls of half a second each are timed one at a time.
+SAMPLE_SECONDS = 0.5
+
+
+def _sample(calls: list[Call]) -> list[Call]:
+    """Up to eight calls spread over the recording, no more than fit SAMPLE_SECONDS of their
+    recorded time (one at least)."""
+    out: list[Call] = []
+    for call in calls[:: max(1, len(calls) // 8)][:8]:
+        if out and sum(c.seconds for c in out) + call.seconds > SAMPLE_SECONDS:
+            break
+        out.append(call)
+    return out
 
 
 def _runners(own: Any, folded: Any, fold: Fold) -> tuple[Callable, Callable]:

@@ -20,7 +20,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,7 @@ class TimedHandle:
 
 def timed_run(
     function: PipelineFunction, sessions: Mapping[str, Any], inputs: Sequence[Any],
-    streams: int, max_delay: float,
+    streams: int, max_delay: float, apart: Collection[str] = (),
 ) -> tuple[list[QuerySpan], dict[str, dict[str, Any]], float]:  # fmt: skip
     """`run_streams` with every query and pooled call timed: the queries in the order they
     started, the stages' statistics and the wall time."""
@@ -143,7 +143,7 @@ def timed_run(
         finally:
             query.end = time.perf_counter()
 
-    run = run_streams(timed, timers, inputs, streams, max_delay)
+    run = run_streams(timed, timers, inputs, streams, max_delay, apart)
     return queries, run.stages, run.wall_s
 
 
@@ -169,7 +169,9 @@ def profile_pipeline(
         say("warming the stages")
         pipe(inputs[0])  # first runs build what engines build once
         say(f"{len(inputs)} queries on {n} streams")
-        queries, stages, wall = timed_run(pipe.function, pipe.sessions, inputs, n, pipe.max_delay)
+        queries, stages, wall = timed_run(
+            pipe.function, pipe.sessions, inputs, n, pipe.max_delay, pipe.apart
+        )
         delay_ms = 1e3 * pipe.max_delay if n > 1 else 0.0
         precisions = {name: s["precision"] for name, s in pipe.manifest["stages"].items()}
     result = summarize(queries, stages, wall, n, delay_ms, precisions)

@@ -52,6 +52,9 @@ class Pipeline:
             self.close()
             raise
         self.last_run: StreamsRun | None = None
+        # Stages whose calls run apart: a batch measured no faster per sample (merging.py).
+        merges = (self.manifest or {}).get("merging", {})
+        self.apart = frozenset(n for n, m in merges.items() if not m.get("merge", True))
 
     def __call__(self, value: Any) -> Any:
         return call_function(self.function, value, 0, self.sessions)
@@ -59,7 +62,9 @@ class Pipeline:
     def map(self, inputs: Iterable[Any], streams: int = 1) -> list[Any]:
         """Each input's result, in order; `streams` inputs in flight at once. The run's
         per-stage statistics are kept in `last_run`."""
-        self.last_run = run_streams(self.function, self.sessions, inputs, streams, self.max_delay)
+        self.last_run = run_streams(
+            self.function, self.sessions, inputs, streams, self.max_delay, self.apart
+        )
         return self.last_run.results
 
     def close(self) -> None:

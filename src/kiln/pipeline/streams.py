@@ -11,10 +11,11 @@ at most one call per stage at once, because its function waits for the answer.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,10 +76,22 @@ def merge_group(feeds: Feeds) -> tuple:
     return tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(feeds.items()))
 
 
+_CALLS = itertools.count()
+
+
+def alone(_feeds: Feeds) -> int:
+    """A group of its own for every call: a stage whose batches run no faster per sample
+    (merging.py) runs each call apart, several side by side."""
+    return next(_CALLS)
+
+
 class Stage:
     """One model shared by every stream: its session, its batcher and its statistics."""
 
-    def __init__(self, name: str, session: Any, streams: int, max_delay: float = MAX_DELAY_S):
+    def __init__(
+        self, name: str, session: Any, streams: int, max_delay: float = MAX_DELAY_S,
+        merge: bool = True,
+    ):  # fmt: skip
         self.name, self.session = name, session
         self.stats = StageStats()
         self.outputs = [o.name for o in session.get_outputs()]
@@ -91,7 +104,7 @@ class Stage:
             # Batches side by side, one a core: calls of unequal shapes (a detector's images
             # of other sizes) do not merge, and one worker would run them one at a time.
             workers=max(1, min(streams, os.cpu_count() or 1)),
-            group=merge_group,
+            group=merge_group if merge else alone,
         )
         self.batcher.start()
 
@@ -137,11 +150,14 @@ def run_streams(
     inputs: Iterable[Any],
     streams: int,
     max_delay: float = MAX_DELAY_S,
+    apart: Collection[str] = (),
 ) -> StreamsRun:
     """`function` over `inputs` on `streams` threads, each model's calls pooled across them.
     Each stream takes the next input when its last one is answered (MLPerf's MultiStream
-    rule); results come back in input order. The first failure ends the run (KilnError)."""
-    stages = {name: Stage(name, s, streams, max_delay) for name, s in sessions.items()}
+    rule); results come back in input order. The first failure ends the run (KilnError).
+    `apart`: the stages whose calls never share a run (merging.py)."""
+    stages = {name: Stage(name, s, streams, max_delay, merge=name not in apart)
+              for name, s in sessions.items()}  # fmt: skip
     models = {name: PooledModel(stage) for name, stage in stages.items()}
     items = list(enumerate(inputs))
     results: list[Any] = [None] * len(items)
