@@ -4,7 +4,8 @@ users run it, MLPerf MultiStream-shaped, with pre- and post-processing timed.
     kiln optimize benchmarks/ocr_pipeline.py:read_text \
         --model det=... --model cls=... --model rec=...    (the models: ocr_pipeline.MODELS)
         --data benchmarks/pipeline_ocr.py:images --metric benchmarks/ocr_pipeline.py:lines_equal \
-        --backend auto --max-drop 0.01 -o ocr.kiln   (each stage on its faster engine, fp32)
+        --backend auto --max-drop 0.01 --streams 16 -o ocr.kiln
+                                      (each stage on its faster engine, fp32, built for 16 streams)
     python benchmarks/pipeline_ocr.py [--artifact ocr.kiln] [--streams 1,4,16] [--images 24] \
         [--json out.json]
 

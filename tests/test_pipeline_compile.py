@@ -288,6 +288,14 @@ def test_kiln_optimize_compiles_a_pipeline_from_the_command_line(case, monkeypat
     assert summary["stages"] == {"embed": "fp32", "cls": "int8"}  # exact: embed's int8 fails
     assert summary["streams"] == 4 and summary["metric"]["final"] == 1.0
     assert (out / "pipeline.json").is_file()
+    # Each stage says whether its calls from several streams share a run, and why.
+    assert set(summary["merging"]) == {"embed", "cls"}
+    assert all(m["reason"] for m in summary["merging"].values())
+    from kiln.cli.pipeline import _print
+
+    _print(summary)
+    table = capsys.readouterr().out
+    assert "runs" in table and table.count("calls merged") + table.count("calls apart") == 2
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ plain function's results, one input at a time and on many streams."""
 from __future__ import annotations
 
 import json
+import os
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +138,30 @@ def test_a_slow_stages_fold_is_timed_on_few_calls_and_a_quick_ones_on_eight(case
     light = [type(c)(c.model, c.query, c.feeds, c.outputs, 0.001) for c in calls * 4]
     assert len(fold._sample(heavy)) == 1  # a detector's half-second calls: one per timed run
     assert len(fold._sample(light)) == 8
+
+
+def test_a_fold_for_many_streams_is_timed_with_that_many_calls_at_once(case, tmp_path, monkeypatch):
+    threads: list[str] = []
+    real = ops.apply_steps
+
+    def spy(x, steps):
+        threads.append(threading.current_thread().name)
+        return real(x, steps)
+
+    def measure(eager, folded) -> Speedup:
+        threads.clear()
+        eager()  # one timed run of the eager path
+        return Speedup(0.8, (0.7, 0.9), SLOWER)
+
+    monkeypatch.setattr(ops, "apply_steps", spy)
+    stages, recording = _stages(case["root"], tmp_path), case["recording"]
+    seen = {}
+    for streams in (1, 4):
+        fold.fold_stages(case["read"], stages, case["data"], recording, _exact, lambda _: None,
+                         measure=measure, streams=streams)  # fmt: skip
+        seen[streams] = list(threads)
+    at_once = min(4, os.cpu_count() or 1)  # as many streams as the cores can run at once
+    assert len(set(seen[4])) == at_once and len(seen[4]) == at_once * len(seen[1])
 
 
 def test_a_stage_without_kiln_ops_around_it_is_not_folded(case, tmp_path) -> None:

@@ -118,6 +118,7 @@ def pipeline_summary(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
                                                  "glue_seconds", "calls")},
         "search": manifest["search"],
         "folds": manifest.get("folds", {}),
+        "merging": manifest.get("merging", {}),
         "streams": manifest.get("streams", 1),
     }  # fmt: skip
 
@@ -127,7 +128,8 @@ def _print(summary: dict[str, Any]) -> None:
 
     reference, metric = summary["reference"], summary["metric"]
     table = Table(title=f"kiln optimize → {summary['artifact']}")
-    for column in ("stage", "calls", "time (all calls)", "choice", "end-to-end trials"):
+    columns = ("stage", "calls", "time (all calls)", "choice", "runs", "end-to-end trials")
+    for column in columns:
         table.add_column(column)
     trials: dict[str, list[str]] = {}
     for t in summary["search"]["trials"]:
@@ -144,13 +146,23 @@ def _print(summary: dict[str, Any]) -> None:
         shown = "\n".join(notes) or "none tried"
         engine = summary.get("engines", {}).get(name)
         shown_choice = f"{choice} ({engine})" if engine else choice
-        table.add_row(name, calls, f"{1e3 * spent:.1f} ms", shown_choice, shown)
+        runs = _runs(summary["folds"].get(name, {}), summary["merging"].get(name))
+        table.add_row(name, calls, f"{1e3 * spent:.1f} ms", shown_choice, runs, shown)
     table.caption = (
         f"{reference['inputs']} inputs; glue {1e3 * reference['glue_seconds']:.1f} ms; "
         f"{metric['name']} {metric['final']:.4g} against the fp32 pipeline's "
         f"{metric['reference']:.4g} (allowed drop {metric['max_drop']})"
     )
     console.print(table)
+
+
+def _runs(fold: dict[str, Any], merging: dict[str, Any] | None) -> str:
+    """How a stage runs: with the glue's Kiln ops folded in or not, and its calls from several
+    streams merged into one run or each apart."""
+    lines = [f"ops folded in ({fold['speedup']:.2f}×)"] if fold.get("kept") else []
+    if merging is not None:
+        lines.append("calls merged" if merging["merge"] else "calls apart")
+    return "\n".join(lines) or "as compiled"
 
 
 def bench_pipeline_verb(

@@ -128,7 +128,7 @@ def compile_pipeline(
             _compile_stage(stage, reference, Path(work), backend, precisions, say)
         trials, seconds = _search(fn, stages, inputs, reference, score, top, max_drop, say)
         # Array work folded into each stage's chosen artifact where the same and faster.
-        folds = fold_stages(fn, stages, inputs, reference, score, say)
+        folds = fold_stages(fn, stages, inputs, reference, score, say, streams=streams)
         merges = decide_merging(stages, reference, say)  # which stages' calls share runs
         final = _final_check(fn, stages, inputs, reference, score, top, max_drop, say)
         record_ = {

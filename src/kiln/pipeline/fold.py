@@ -9,7 +9,8 @@ the chain of at least half of them. The folded model (the stage's chosen artifac
 the chains' ONNX forms, ops_onnx.py) is verified on every recorded call it matches against the
 eager chain and the stage's own artifact — integer outputs exactly, floats within the fp32
 tolerance of `kiln.verify` — then timed against that eager path in kiln.timing's interleaved
-rounds, kept only where it is faster beyond noise; where an output is folded, the whole
+rounds (each timed run as many calls at once as the pipeline serves streams, up to the
+cores), kept only where it is faster beyond noise; where an output is folded, the whole
 function is then run over the data with the fold in place and must score as it does without.
 
 Guarantee at run time (`FoldedModel`, the stage's session as the glue sees it):
@@ -29,8 +30,11 @@ Guarantee at run time (`FoldedModel`, the stage's session as the glue sees it):
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,15 +255,26 @@ def measure_fold(eager: Callable[[], object], folded: Callable[[], object]) -> S
 def fold_stages(
     fn: Callable[..., Any], stages: Mapping[str, Any], inputs: list[Any], reference: Recording,
     score: Callable[[list, list], float], say: Say, measure: Measure | None = None,
+    streams: int = 1,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per stage, what was folded into its chosen artifact and why, or why not: a kept fold's
-    graph is written beside the artifact's model (FOLDED_FILE), for write_pipeline to carry."""
+    graph is written beside the artifact's model (FOLDED_FILE), for write_pipeline to carry.
+    `streams`: how many the pipeline serves at once; each timed run is then that many calls at
+    once (up to the cores): a fold moves the glue's work onto the engine's threads, which can
+    win one call's latency and lose a loaded machine's throughput."""
     folds: dict[str, dict[str, Any]] = {}
-    for name, stage in stages.items():
-        where = Path(stage.candidates[stage.choice])
-        folds[name] = _fold_stage(name, where, reference.of(name), measure or measure_fold, say)
-        say(f"  {name}: {'folded' if folds[name]['kept'] else 'not folded'}: "
-            f"{folds[name]['reason']}")  # fmt: skip
+    threads = max(1, min(streams, os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="kiln-fold") as pool:
+        base = measure or measure_fold
+
+        def loaded(eager: Callable[[], object], folded: Callable[[], object]) -> Speedup:
+            return base(_at_once(eager, threads, pool), _at_once(folded, threads, pool))
+
+        for name, stage in stages.items():
+            where = Path(stage.candidates[stage.choice])
+            folds[name] = _fold_stage(name, where, reference.of(name), loaded, say)
+            say(f"  {name}: {'folded' if folds[name]['kept'] else 'not folded'}: "
+                f"{folds[name]['reason']}")  # fmt: skip
     for name in [n for n, f in folds.items() if f["kept"] and f["post"]]:
         problem = _end_to_end(fn, stages, name, Fold.from_json(folds[name]), inputs, score)
         if problem:
@@ -267,6 +282,24 @@ def fold_stages(
             folds[name].update(kept=False, reason=problem)
             say(f"  {name}: fold dropped: {problem}")
     return folds
+
+
+def _at_once(run: Callable[[], object], threads: int, pool: Executor) -> Callable[[], object]:
+    """`run` on `threads` threads at once, as one timed run (a barrier starts them together:
+    the pool would otherwise hand a quick run's copies to one thread in turn)."""
+    if threads == 1:
+        return run
+
+    def together(barrier: threading.Barrier) -> None:
+        barrier.wait()
+        run()
+
+    def loaded() -> None:
+        barrier = threading.Barrier(threads)
+        for done in [pool.submit(together, barrier) for _ in range(threads)]:
+            done.result()
+
+    return loaded
 
 
 def _fold_stage(
