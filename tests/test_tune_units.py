@@ -311,3 +311,8 @@ def test_two_models_of_one_file_name_are_two_studies(tmp_path):
     names = {plan_for(path, **settings).study for path in (first, second)}
     assert len(names) == 2 and all(name.startswith("net-") for name in names)
     assert plan_for(first, **settings).study == plan_for(first, **settings).study  # resumable
+
+    # A --shape naming neither an input nor a dim is refused before any trial runs.
+    settings["base"] = CompileConfig(shapes={"image": (1, 4)})
+    with pytest.raises(kiln.KilnError, match="--shape names 'image'.*inputs: x"):
+        plan_for(first, **settings)

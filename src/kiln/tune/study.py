@@ -546,6 +546,11 @@ def plan_for(
         raise KilnError("--traffic is replayed by served clients: add --clients N.")
     url = url or default_url()
     source = resolve_source(source)
+    if base.shapes and not source.endswith(".pt2"):  # a wrong --shape name: before the search
+        from kiln.ir.inputs import bind_dims
+        from kiln.ir.load import load_model
+
+        bind_dims(load_model(source).model, {}, dict(base.shapes))
     shapes = load_traffic(traffic, url) if traffic is not None else None
     if timeout_s is not None and timeout_s <= 0:
         raise KilnError(f"--time {timeout_s:g}s: give a positive duration, e.g. --time 15m.")
