@@ -4,7 +4,11 @@ as JSON out, answered as the plain function answers; its stages' statistics in /
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -91,3 +95,48 @@ def test_a_served_pipeline_answers_as_the_plain_function(served) -> None:
     assert runtime["queries"] == len(queries) + 2
     assert runtime["stages"]["cls"]["calls"] == len(queries) + 2  # every query asks cls
     assert 0 < runtime["stages"]["embed"]["calls"] < runtime["stages"]["cls"]["calls"]
+
+
+def test_concurrent_requests_run_together_and_the_human_start_up_names_the_model(served):
+    root, _models, artifact = served
+    queries = list(load_function(f"{root}/glue.py:queries")())
+    cmd = [sys.executable, "-m", "kiln", "serve", str(artifact), "--port", "0",
+           "--grpc-port", "-1", "--max-delay-ms", "50"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "KILN_HOME": str(root)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        lines = _lines_until(proc, "Ctrl-C to stop")
+        (serving,) = [line for line in lines if line.startswith("serving 'label'")]
+        url = serving.split(" on ")[1].split("/v2/")[0]
+
+        def ask(query: bytes) -> int:
+            tensor = triton.InferInput("input", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([query], dtype=object))
+            triton.InferenceServerClient(url.removeprefix("http://")).infer("label", [tensor])
+            return 1
+
+        with ThreadPoolExecutor(8) as pool:  # at once, within the 50 ms a batch waits
+            assert sum(pool.map(ask, queries)) == len(queries)
+        stats = httpx.get(f"{url}/v2/models/label/stats").json()["model_stats"][0]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    sizes = [s["batch_size"] for s in stats["batch_stats"]]
+    assert max(sizes) > 1, f"every request ran alone: {sizes}"
+
+
+def _lines_until(proc: subprocess.Popen, marker: str) -> list[str]:
+    """The server's output lines up to the one holding `marker` (the event: it serves)."""
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if marker in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(120)  # a safety net: the marker line is the event
+    assert lines and marker in lines[-1], lines
+    return lines

@@ -76,7 +76,7 @@ def _serving_lines(serving: Any) -> list[str]:
         if model is None:
             lines.append(f"'{row['name']}' is {row['state']}: {row['reason']}")
             continue
-        batcher, sizes = model.batcher, model.session.buckets
+        batcher, sizes = model.batcher, getattr(model.session, "buckets", None)  # a pipeline: none
         parts = [p.name for p in getattr(model.session, "parts", [])]  # a partitioned artifact
         lines.append(
             f"serving '{model.name}' (version {model.version}) on {base}/v2/models/{model.name}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ class PipelineSession:
         self.max_streams = max_streams
         self._totals: dict[str, dict[str, float]] = {}
         self._queries = 0
+        self._runs: list[tuple[int, float]] = []  # (queries, seconds) per call, not yet read
         self._lock = threading.Lock()
 
     inputs = [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}]
@@ -63,8 +65,9 @@ class PipelineSession:
         """Every query of every request, run as streams together; each request's results."""
         queries = [_query(item) for feeds in requests for item in _items(feeds)]
         streams = max(1, min(len(queries), self.max_streams))
+        start = time.perf_counter()
         results = self.pipeline.map(queries, streams=streams)
-        self._count(len(queries))
+        self._count(len(queries), time.perf_counter() - start)
         answers, start = [], 0
         for feeds in requests:
             count = len(_items(feeds))
@@ -73,10 +76,18 @@ class PipelineSession:
             start += count
         return answers
 
-    def _count(self, queries: int) -> None:
+    def engine_runs(self) -> list[tuple[int, float]]:
+        """The calls run since the last read, each one execution of all its requests'
+        queries as streams together (what the server counts as a batch)."""
+        with self._lock:
+            runs, self._runs = self._runs, []
+        return runs
+
+    def _count(self, queries: int, seconds: float) -> None:
         run = self.pipeline.last_run
         with self._lock:
             self._queries += queries
+            self._runs.append((queries, seconds))
             for name, figures in (run.stages if run else {}).items():
                 total = self._totals.setdefault(name, {})
                 for key in ("calls", "executions", "compute_ms"):

@@ -314,7 +314,12 @@ EngineRuns = Callable[[], list[Run]]  # the engine executions since the last cal
 def engine_runs(session: Any) -> EngineRuns | None:
     """The engine executions a `kiln.Session` records in its load monitor, read since the last
     call (a cursor past the last one read): each one's batch size (its batch dim; 1 for a
-    model without one) and engine seconds. None for a session without that record."""
+    model without one) and engine seconds. A session that keeps its own (a pipeline: each
+    call runs all its requests' queries as streams together) answers with its `engine_runs`.
+    None for a session without that record."""
+    own = getattr(session, "engine_runs", None)
+    if callable(own):
+        return own
     monitor = getattr(session, "monitor", None)
     if monitor is None or not hasattr(monitor, "since"):
         return None
