@@ -233,6 +233,8 @@ def _check_pipeline(artifact: str, data: str | None, verb: str) -> str:
     """The data of a pipeline verb, after the path and --data are checked."""
     from kiln.pipeline.pipeline_artifact import is_pipeline
 
+    if not Path(artifact).exists():
+        raise KilnError(f"{artifact}: no such file or directory.")
     if not is_pipeline(artifact):
         raise KilnError(f"{artifact} is not a pipeline artifact: --data and --streams are for "
                         f"one (kiln {verb} OUT.kiln --data ..., OUT.kiln from kiln optimize "

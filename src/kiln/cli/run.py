@@ -36,6 +36,8 @@ def run(
     if output is None:
         raise KilnError("kiln run needs -o: where to write the outputs.")
     check_output(output)  # before loading and running: a bad -o costs nothing
+    if not Path(artifact).exists():
+        raise KilnError(f"{artifact}: no such file or directory.")
     if is_pipeline(artifact):
         return _run_pipeline(artifact, data, output, streams, as_json)
     if inputs is None:

@@ -27,6 +27,9 @@ def load_data(data: str | Path | Sequence[Any]) -> list[Any]:
     if isinstance(data, str | Path) and Path(data).is_dir():
         inputs: list[Any] = [str(p) for p in sorted(Path(data).iterdir()) if p.is_file()]
         where = f"--data {data}"
+    elif isinstance(data, str | Path) and ":" not in str(data):
+        raise KilnError(f"--data {data}: no such directory; give a directory of inputs or "
+                        "MODULE:FUNCTION returning them.")  # fmt: skip
     elif isinstance(data, str):
         maker = load_function(data)
         try:

@@ -86,5 +86,11 @@ def read_pipeline(path: str | Path) -> tuple[PipelineFunction, dict[str, Path], 
         raise KilnError(f"{root}: {MANIFEST} is not a kiln pipeline of format version {VERSION}.")
     function = manifest["function"]
     fn = load_function(f"{root / function['module_file']}:{function['name']}")
+    if source_hash(fn) != function.get("source_sha256", source_hash(fn)):
+        raise KilnError(
+            f"{root / function['module_file']} changed after the compile (its SHA-256 is not "
+            f"the one {MANIFEST} records): the stages' choices were judged on the function as "
+            "compiled. Restore the file, or compile the pipeline again."
+        )
     stages = {name: root / s["artifact"] for name, s in manifest["stages"].items()}
     return fn, stages, manifest

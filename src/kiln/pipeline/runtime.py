@@ -37,6 +37,13 @@ class Pipeline:
             if models:
                 raise KilnError(f"{function} is a pipeline artifact: it brings its own models.")
             self.function, models, self.manifest = read_pipeline(function)
+        elif isinstance(function, os.PathLike) or (
+            isinstance(function, str) and ":" not in function
+        ):
+            raise KilnError(
+                f"{function}: no pipeline artifact there (a directory with pipeline.json); "
+                "give one, or the function as MODULE:FUNCTION."
+            )
         else:
             self.function = load_function(function) if isinstance(function, str) else function
         models = models or {}
