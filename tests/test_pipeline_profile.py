@@ -87,6 +87,12 @@ def test_findings_name_the_stage_and_the_setting() -> None:
     )
     (glue,) = findings(_split(glue=0.6, queue=0.1, compute=0.3, batch=1.0))
     assert glue.startswith("glue is 60% of the time → fold array work (kiln.pipeline.ops)")
+    # A stage whose calls run apart (its batch measured no faster) waits for no company.
+    apart = _split(glue=0.1, queue=0.5, compute=0.3, batch=1.0)
+    apart["stages"]["rec"]["merges"] = False
+    (waited,) = findings(apart)
+    assert "with its calls run apart (a batch measured no faster) at 4 streams" in waited
+    assert "the streams wait for it → a faster choice for it" in waited
 
 
 def test_the_trace_has_a_track_per_stream_and_per_stage(case, tmp_path) -> None:
@@ -138,7 +144,7 @@ def test_kiln_profile_and_compare_take_a_pipeline_artifact(case, monkeypatch, ca
     ("args", "words"),
     [
         (["ARTIFACT"], "give the inputs to run, --data"),
-        (["nothing.kiln", "--data", "DATA"], "is not a pipeline artifact"),
+        (["nothing.kiln", "--data", "DATA"], "nothing.kiln: no such file or directory"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, monkeypatch, capsys, verb, args, words) -> None:

@@ -65,8 +65,8 @@ def _stage(artifact: str, calls: list[Call], measure: Measure) -> dict[str, Any]
     with Session(artifact) as session:
         try:
             session.run(None, doubled)
-        except KilnError as exc:
-            return {"merge": False, "reason": f"the model takes no batch of two ({exc})"}
+        except KilnError:  # its message names the compile's temporary copy: not kept
+            return {"merge": False, "reason": "the model takes no batch of two"}
         result = measure(
             lambda: (session.run(None, call.feeds), session.run(None, call.feeds)),
             lambda: session.run(None, doubled),

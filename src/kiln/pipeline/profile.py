@@ -174,7 +174,7 @@ def profile_pipeline(
         )
         delay_ms = 1e3 * pipe.max_delay if n > 1 else 0.0
         precisions = {name: s["precision"] for name, s in pipe.manifest["stages"].items()}
-    result = summarize(queries, stages, wall, n, delay_ms, precisions)
+    result = summarize(queries, stages, wall, n, delay_ms, precisions, pipe.apart)
     result["artifact"] = str(artifact)
     if trace is not None:
         say(f"writing {trace}")
@@ -198,7 +198,7 @@ def _figures(values: list[float], whole: float) -> dict[str, float]:
 
 def summarize(
     queries: list[QuerySpan], stages: dict[str, dict[str, Any]], wall: float, streams: int,
-    delay_ms: float, precisions: Mapping[str, str],
+    delay_ms: float, precisions: Mapping[str, str], apart: Collection[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """The run as a JSON-ready dict: per query medians and totals of each part, per stage its
     batching, and the findings."""
@@ -226,7 +226,10 @@ def summarize(
             "p99_ms": round(1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 4),
         },
         "split": split,
-        "stages": {n: {**s, "precision": precisions.get(n, "")} for n, s in stages.items()},
+        "stages": {
+            n: {**s, "precision": precisions.get(n, ""), "merges": n not in apart}
+            for n, s in stages.items()
+        },  # fmt: skip
     }
     result["findings"] = findings(result)
     return result
@@ -243,7 +246,9 @@ def findings(result: dict[str, Any]) -> list[str]:
         waited_ms = parts["queue"]["total_ms"] / max(stage["calls"], 1)
         # Waiting for company: a batch hardly larger than one call, or a wait about the
         # batcher's delay; else the stage is busy and the streams wait for it.
-        company = streams > 1 and (batch < LOW_BATCH or waited_ms <= 1.5 * delay)
+        # A stage whose calls run apart (a batch measured no faster) never waits for company.
+        merges = stage.get("merges", True)
+        company = streams > 1 and merges and (batch < LOW_BATCH or waited_ms <= 1.5 * delay)
         if queued >= QUEUE_SHARE and company:
             found.append(
                 f"stage {name}: {queued:.0%} of query time queued ({waited_ms:.2f} ms a call) "
@@ -258,9 +263,13 @@ def findings(result: dict[str, Any]) -> list[str]:
         elif queued >= QUEUE_SHARE:
             found.append(
                 f"stage {name}: {queued:.0%} of query time queued ({waited_ms:.2f} ms a call) "
-                f"with mean batch {batch:.1f} at {streams} streams: the streams wait for it "
-                "→ a faster choice for it (kiln optimize --precision auto, a metric that "
-                "allows it) or fewer streams"
+                + (
+                    f"with mean batch {batch:.1f}"
+                    if merges
+                    else "with its calls run apart (a batch measured no faster)"
+                )
+                + f" at {streams} streams: the streams wait for it → a faster choice for it "
+                "(kiln optimize --precision auto, a metric that allows it) or fewer streams"
             )
         if computed >= COMPUTE_SHARE:
             precision = stage["precision"]
