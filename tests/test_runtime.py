@@ -294,7 +294,7 @@ def test_openvino_artifact_uses_static_buckets(tmp_path):
         got = session.run(None, {"input": x})
         np.testing.assert_allclose(got[0], want[0], atol=1e-4)
         runner = session._state.runners[(("batch", 4),)]
-        shape = runner.executable.compiled.inputs[0].get_partial_shape()
+        shape = runner.compiled.inputs[0].get_partial_shape()
         assert shape.is_static and shape[0].get_length() == 4
 
 
@@ -314,7 +314,7 @@ def test_a_bucket_the_model_cannot_run_falls_back_to_dynamic():
 
 def test_bucket_executables_share_one_copy_of_the_weights():
     with kiln.Session("zoo:bert-tiny", buckets="batch=1,2", warmup=True) as session:
-        first, second = (r.executable for r in session._state.runners.values())
+        first, second = session._state.runners.values()
         assert first.weights is not None and first.weights is second.weights
         assert len(first.weights.values) > 0
         assert session.executable.weights is None  # the dynamic one keeps its own settings

@@ -550,7 +550,7 @@ class LocalSession:
             runner.run(synthesize(self.interface, dims=dict(key)), names)
         # The swap: a request reads the dynamic runner and the bucket set once each.
         self._options, self.precision = merged, precision
-        self.executable, self._dynamic, self._state = dynamic.executable, dynamic, state
+        self.executable, self._dynamic, self._state = dynamic, dynamic, state
         self.monitor.decide(reason, f"engine options now {options}")
         self.monitor.swapped()
 
