@@ -331,15 +331,20 @@ def test_kiln_bench_measures_a_pipeline_on_streams_against_the_plain_function(
 ):
     code, stdout, err = kiln_cli(
         monkeypatch, capsys, "bench", str(compiled), "--data", case["data"], "--streams", "1,3",
-        "--against-pipeline", f"{case['root'] / 'glue.py'}:inputs_peer", "--json",
+        "--against-pipeline", f"{case['root'] / 'glue.py'}:inputs_peer", "--rounds", "3", "--json",
     )  # fmt: skip
     assert code == 0, err
     result = json.loads(stdout)
-    assert result["metric"] == "exact" and result["queries"] == 12
+    assert result["metric"] == "exact" and result["queries"] == 12 and result["rounds"] == 3
     for n in ("1", "3"):
         ways = result["streams"][n]
         for way in ("kiln", "plain", "peer"):
-            assert ways[way]["queries"] == 12 and ways[way]["p99_ms"] >= ways[way]["p50_ms"] > 0
+            figures = ways[way]
+            assert figures["queries"] == figures["p99_backed_by"] == 36  # 3 rounds of 12
+            assert len(figures["queries_per_s_rounds"]) == 3
+            assert figures["p99_ms"] >= figures["p90_ms"] >= figures["p50_ms"] > 0
+        low, high = ways["speedup_vs_plain_spread"]
+        assert low <= ways["speedup_vs_plain"] <= high and ways["speedup_vs_plain_verdict"]
         assert ways["plain"]["metric"] == 1.0  # the fp32 pipeline itself
         assert ways["kiln"]["metric"] == 1.0  # the choices kept every result
         assert ways["peer"]["metric"] == 0.0  # the peer answers otherwise

@@ -59,14 +59,16 @@ def bench(
     probes between the rounds), and each engine's CQI is its fraction of the measured peak
     × (1 − jitter). Steadiness: each engine's jitter over the steadiest other engine's, with
     its bootstrap interval — steadiest, tied (no different within noise) or less steady.
-    A pipeline artifact is measured on --data at each of --streams (see --data).
+    A pipeline artifact is measured on --data at each of --streams, --rounds passes of each way
+    taking turns (see --data).
     """
     from kiln.bench.config import run
     from kiln.report.terminal import print_bench
 
     check_output(output)  # before the benchmark, not after it: its results are not lost
     if Path(model, "pipeline.json").is_file():
-        return bench_pipeline_verb(model, data, streams, against_pipeline, output, as_json)
+        return bench_pipeline_verb(model, data, streams, against_pipeline, output, as_json,
+                                   config.rounds)  # fmt: skip
     with progress() as bar:
         task = bar.add_task("preparing")
         say = lambda msg: bar.update(task, description=msg)  # noqa: E731

@@ -16,6 +16,7 @@ calls, executions, mean batch, compute and queueing time.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from kiln.pipeline.pipeline_artifact import read_pipeline
 from kiln.pipeline.recording import call_function
 from kiln.pipeline.runtime import Pipeline
 from kiln.runtime.metadata import graph_inputs, node_arg
+from kiln.timing import MIN_ROUNDS_FOR_SPREAD, UNKNOWN, verdict_of
 
 Say = Callable[[str], None]
 
@@ -69,38 +71,105 @@ def bench_pipeline(
     streams: Sequence[int] = (1, 4, 16),
     against: str | Callable[[Any], Any] | None = None,
     say: Say | None = None,
+    rounds: int = 3,
 ) -> dict[str, Any]:
-    """The figures above for each stream count, as a JSON-ready dict."""
+    """The figures above for each stream count, as a JSON-ready dict. Each way answers the
+    data `rounds` times, the ways taking turns (interleaved, so that they share the machine's
+    drift); its queries/s is the median round's, with every round's beside it, and the
+    speedups come with the range of the per-round ratios and a verdict (3 rounds or more)."""
     say = say or (lambda line: None)
     if not streams or min(streams) < 1:
         raise KilnError("--streams: give stream counts of 1 or more, e.g. 1,4,16.")
+    if rounds < 1:
+        raise KilnError(f"--rounds {rounds}: give 1 or more (3 or more to tell from noise).")
     inputs = load_data(data)
     function, _stages, manifest = read_pipeline(artifact)
     metric_name, score = _metric(manifest)
     peer = load_function(against) if isinstance(against, str) else against
     say("opening the source models as users run them")
     plain = {n: PlainSession(s["source"]) for n, s in manifest["stages"].items()}
-    reference = [call_function(function, x, i, plain) for i, x in enumerate(inputs)]
-    out: dict[str, Any] = {"metric": metric_name, "queries": len(inputs), "streams": {}}
+    reference = [call_function(function, x, i, plain) for i, x in enumerate(inputs)]  # warm too
+    out: dict[str, Any] = {"metric": metric_name, "queries": len(inputs), "rounds": rounds,
+                           "streams": {}}  # fmt: skip
     with Pipeline(artifact) as pipe:
         pipe(inputs[0])  # warm: first runs build what engines build once
+        if peer is not None:
+            peer(inputs[0])
         for n in streams:
-            say(f"{n} streams")
-            ways = {
-                "kiln": _kiln_way(pipe, inputs, n, reference, score),
-                "plain": _way(
-                    lambda x, i: call_function(function, x, i, plain), inputs, n, reference, score
-                ),  # fmt: skip
-            }
+            passes: dict[str, Callable[[], Pass]] = {
+                "kiln": lambda n=n: _kiln_pass(pipe, inputs, n),
+                "plain": lambda n=n: run_queries(
+                    lambda x, i: call_function(function, x, i, plain), inputs, n
+                ),
+            }  # fmt: skip
             if peer is not None:
-                ways["peer"] = _way(lambda x, i: peer(x), inputs, n, reference, score)
-            ways["speedup_vs_plain"] = _ratio(ways["kiln"], ways["plain"], "queries_per_s")
-            ways["p99_vs_plain"] = _ratio(ways["kiln"], ways["plain"], "p99_ms")
-            if peer is not None:
-                ways["speedup_vs_peer"] = _ratio(ways["kiln"], ways["peer"], "queries_per_s")
-                ways["p99_vs_peer"] = _ratio(ways["kiln"], ways["peer"], "p99_ms")
+                passes["peer"] = lambda n=n: run_queries(lambda x, i: peer(x), inputs, n)
+            runs = _interleaved(passes, rounds, lambda r, n=n: say(f"{n} streams, round {r}"))
+            ways: dict[str, Any] = {w: _way(p, reference, score) for w, p in runs.items()}
+            ways["kiln"]["stages"] = runs["kiln"][-1][3]
+            for other in [w for w in ("plain", "peer") if w in runs]:
+                ways.update(_versus(runs["kiln"], runs[other], ways, other))
             out["streams"][str(n)] = ways
     return out
+
+
+# One pass of a way over the data: each query's result and seconds, the wall time, and the
+# pipeline runtime's per-stage figures (None for the ways without it).
+Pass = tuple[list, list[float], float, Any]
+
+
+def _interleaved(passes: dict[str, Callable[[], Any]], rounds: int,
+                 on_round: Callable[[int], None]) -> dict[str, list[Pass]]:  # fmt: skip
+    """Every way's passes, `rounds` of each, the ways taking turns from a shifting start."""
+    names, out = list(passes), {name: [] for name in passes}
+    for r in range(rounds):
+        on_round(r + 1)
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            done = passes[name]()
+            out[name].append(tuple(done) if len(done) == 4 else (*done, None))
+    return out
+
+
+def _kiln_pass(pipe: Pipeline, inputs: list, n: int) -> Pass:
+    results = pipe.map(inputs, streams=n)
+    run = pipe.last_run
+    assert run is not None  # map just set it
+    return results, run.seconds, run.wall_s, run.stages
+
+
+def _way(runs: list[Pass], reference: list, score: Metric) -> dict[str, Any]:
+    """A way's figures over its rounds: the median round's queries/s (every round's beside
+    it), the latencies of every query of every round, the lowest metric of a round."""
+    rates = [len(results) / wall for results, _, wall, _ in runs]
+    seconds = [s for _, times, _, _ in runs for s in times]
+    ms = np.array(seconds) * 1e3
+    return {
+        "queries": len(seconds),
+        "queries_per_s": round(statistics.median(rates), 3),
+        "queries_per_s_rounds": [round(r, 3) for r in rates],
+        # four significant figures: a peer's query may take microseconds
+        "p50_ms": float(f"{np.percentile(ms, 50):.4g}"),
+        "p90_ms": float(f"{np.percentile(ms, 90):.4g}"),
+        "p99_ms": float(f"{np.percentile(ms, 99):.4g}"),
+        "p99_backed_by": len(seconds),  # a P99 over fewer than 100 queries is their maximum
+        "metric": round(min(score(reference, results) for results, *_ in runs), 6),
+    }
+
+
+def _versus(kiln: list[Pass], other: list[Pass], ways: dict, name: str) -> dict[str, Any]:
+    """Kiln's queries/s over `name`'s (the medians' ratio, the per-round ratios' range and the
+    verdict) and its P99 over theirs."""
+    ratios = [(len(k[0]) / k[2]) / (len(o[0]) / o[2]) for k, o in zip(kiln, other, strict=True)]
+    value = _ratio(ways["kiln"], ways[name], "queries_per_s")
+    enough = len(ratios) >= MIN_ROUNDS_FOR_SPREAD and value is not None
+    low, high = (min(*ratios, value), max(*ratios, value)) if enough else (None, None)
+    return {
+        f"speedup_vs_{name}": value,
+        f"speedup_vs_{name}_spread": [round(low, 4), round(high, 4)] if enough else None,
+        f"speedup_vs_{name}_verdict": verdict_of(low, high) if enough else UNKNOWN,
+        f"p99_vs_{name}": _ratio(ways["kiln"], ways[name], "p99_ms"),
+    }
 
 
 def _metric(manifest: dict[str, Any]) -> tuple[str, Metric]:
@@ -111,30 +180,17 @@ def _metric(manifest: dict[str, Any]) -> tuple[str, Metric]:
         return load_metric("exact")
 
 
-def _kiln_way(pipe: Pipeline, inputs: list, n: int, reference: list, score: Metric) -> dict:
-    start = time.perf_counter()
-    results = pipe.map(inputs, streams=n)
-    wall = time.perf_counter() - start
-    run = pipe.last_run
-    assert run is not None  # map just set it
-    return {**figures(results, run.seconds, wall, reference, score), "stages": run.stages}
-
-
-def _way(answer: Callable[[Any, int], Any], inputs: list, n: int, reference: list,
-         score: Metric) -> dict:  # fmt: skip
-    results, seconds, wall = run_queries(answer, inputs, n)
-    return figures(results, seconds, wall, reference, score)
-
-
 def run_queries(answer: Callable[[Any, int], Any], inputs: list, streams: int):
     """Each of `streams` threads takes the next input when its last is answered; each
-    query's result and seconds, in input order, and the wall time."""
+    query's result and seconds, in input order, and the wall time (from when every thread is
+    up: starting threads is not the queries' time)."""
     results: list[Any] = [None] * len(inputs)
     seconds = [0.0] * len(inputs)
     queue = iter(range(len(inputs)))
-    lock = threading.Lock()
+    lock, ready = threading.Lock(), threading.Barrier(streams + 1)
 
     def stream() -> None:
+        ready.wait()
         while True:
             with lock:
                 index = next(queue, None)
@@ -144,26 +200,13 @@ def run_queries(answer: Callable[[Any, int], Any], inputs: list, streams: int):
             results[index] = answer(inputs[index], index)
             seconds[index] = time.perf_counter() - start
 
-    start = time.perf_counter()
     with ThreadPoolExecutor(streams, thread_name_prefix="kiln-bench-stream") as pool:
-        for done in [pool.submit(stream) for _ in range(streams)]:
+        running = [pool.submit(stream) for _ in range(streams)]
+        ready.wait()
+        start = time.perf_counter()
+        for done in running:
             done.result()
     return results, seconds, time.perf_counter() - start
-
-
-def figures(results: list, seconds: list[float], wall: float, reference: list,
-            score: Metric) -> dict[str, Any]:  # fmt: skip
-    ms = np.array(seconds) * 1e3
-    return {
-        "queries": len(results),
-        "queries_per_s": round(len(results) / wall, 3),
-        # four significant figures: a peer's query may take microseconds
-        "p50_ms": float(f"{np.percentile(ms, 50):.4g}"),
-        "p90_ms": float(f"{np.percentile(ms, 90):.4g}"),
-        "p99_ms": float(f"{np.percentile(ms, 99):.4g}"),
-        "p99_backed_by": len(results),  # a P99 over fewer than 100 queries is their maximum
-        "metric": round(score(reference, results), 6),
-    }
 
 
 def _ratio(a: dict, b: dict, key: str) -> float | None:

@@ -164,8 +164,11 @@ def run_streams(
     seconds = [0.0] * len(items)
     feed = iter(items)
     lock, failed = threading.Lock(), threading.Event()
+    count = max(1, streams)
+    ready = threading.Barrier(count + 1)  # the clock starts once every stream is up
 
     def stream() -> None:
+        ready.wait()
         for index, value in _take(feed, lock, failed):
             start = time.perf_counter()
             try:
@@ -175,15 +178,17 @@ def run_streams(
                 raise
             seconds[index] = time.perf_counter() - start
 
-    begin = time.perf_counter()
     try:
-        with ThreadPoolExecutor(max(1, streams), thread_name_prefix="kiln-stream") as pool:
-            for done in [pool.submit(stream) for _ in range(max(1, streams))]:
+        with ThreadPoolExecutor(count, thread_name_prefix="kiln-stream") as pool:
+            running = [pool.submit(stream) for _ in range(count)]
+            ready.wait()
+            begin = time.perf_counter()
+            for done in running:
                 done.result()
+            wall = time.perf_counter() - begin
     finally:
         for stage in stages.values():
             stage.close()
-    wall = time.perf_counter() - begin
     return StreamsRun(results, seconds, wall, {n: s.stats.to_json() for n, s in stages.items()})
 
 
