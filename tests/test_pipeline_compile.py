@@ -305,6 +305,8 @@ def test_kiln_optimize_compiles_a_pipeline_from_the_command_line(case, monkeypat
         (["--model", "embed", "--data", "x"], "NAME=PATH"),
         (["--model", "embed=a.onnx", "--model", "embed=b.onnx", "--data", "x"], "given twice"),
         (["--data", "glue.py:inputs"], "gives none for embed"),
+        (["--model", "embed=embed.onnx", "--model", "cls=cls.onnx", "--data", "glue.py:inputs",
+          "--metric", "cosine"], "--metric cosine: use exact or MODULE:FUNCTION"),
     ],
 )
 def test_kiln_optimize_refuses_a_bad_pipeline_in_one_line(case, monkeypatch, capsys, args, words):

@@ -12,6 +12,7 @@ the end-to-end budget.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -91,7 +92,10 @@ def optimize_pipeline(
     if data is None:
         raise KilnError("a pipeline is recorded and judged on its data: give --data DIR or "
                         "--data MODULE:FUNCTION.")  # fmt: skip
-    metric = "exact" if config.metric == CompileConfig().metric else config.metric
+    # The single-model default (cosine) stands for "not given": a pipeline's is exact. Given
+    # by name it is refused as any other single-model metric is (load_metric).
+    given = any(a == "--metric" or a.startswith("--metric=") for a in sys.argv)
+    metric = "exact" if config.metric == CompileConfig().metric and not given else config.metric
     lossy = lossy_precisions(config.precision, config.engine)
     out = output or Path(f"{spec.rpartition(':')[2]}.kiln")
     with progress() as bar:
