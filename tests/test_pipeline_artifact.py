@@ -72,3 +72,11 @@ def test_a_path_that_is_not_there_is_named_missing(tmp_path, monkeypatch, capsys
         code, _, err = kiln_cli(monkeypatch, capsys, *args, "-o", str(tmp_path / "o.jsonl")) \
             if verb == "run" else kiln_cli(monkeypatch, capsys, *args)  # fmt: skip
         assert code == 2 and "nothere.kiln: no such file" in err, (verb, err)
+
+
+def test_kiln_run_of_a_pipeline_writes_json_lines_only(artifact, tmp_path, monkeypatch, capsys):
+    data = f"{artifact.parent}/flow.py:inputs"
+    code, _, err = kiln_cli(monkeypatch, capsys, "run", str(artifact), "--data", data,
+                            "-o", str(tmp_path / "out.npz"))  # fmt: skip
+    assert code == 2 and "a pipeline's results are JSON lines" in err
+    assert not (tmp_path / "out.npz").exists()

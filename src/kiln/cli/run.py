@@ -81,6 +81,9 @@ def _run_pipeline(artifact: Path, data: str | None, output: Path, streams: int,
         raise KilnError(
             f"{artifact} is a pipeline: give its inputs with --data DIR|MODULE:FUNCTION."
         )
+    if output.suffix != ".jsonl":  # an .npz would hold JSON lines under a name that lies
+        raise KilnError(f"-o {output}: a pipeline's results are JSON lines, one an input; "
+                        "give a path ending in .jsonl.")  # fmt: skip
     count = run_over(artifact, data, output, streams)
     if as_json:
         emit_json({"artifact": str(artifact), "data": data, "output": str(output),
