@@ -333,7 +333,9 @@ def _rejection(drop: float, max_drop: float, pace: Speedup) -> str:
     if pace.verdict == SLOWER:
         return f"slower: {pace.value:.2f}x the stage's current choice"
     if pace.verdict != FASTER:
-        return f"not faster: {pace.value:.2f}x the stage's current choice, {pace.verdict}"
+        rounds = (f" (rounds {pace.spread[0]:.2f}-{pace.spread[1]:.2f})"
+                  if pace.spread else "")  # fmt: skip
+        return f"not faster: {pace.value:.2f}x the stage's current choice{rounds}, {pace.verdict}"
     return ""
 
 
