@@ -5,8 +5,10 @@ OpenCV, which release the GIL) of one stream overlaps the engines' work for othe
 sits behind a `kiln.runtime.batcher.Batcher`: the calls streams make at about the same time
 run as one batch where their shapes allow (the session's `run_batch` groups requests of equal
 shape, and pads within a bucket), so a recogniser's crops from sixteen images run together
-instead of one image's at a time. Queues are bounded by the number of streams: a stream holds
-at most one call per stage at once, because its function waits for the answer.
+instead of one image's at a time — except for a stage whose batch the compile measured no
+faster per sample (merging.py), whose calls run apart, side by side. Queues are bounded by
+the number of streams: a stream holds at most one call per stage at once, because its
+function waits for the answer.
 """
 
 from __future__ import annotations
