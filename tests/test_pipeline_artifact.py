@@ -3,6 +3,7 @@ with the reason; a path that is not there is named as missing, not as a wrong ki
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,13 @@ def test_kiln_run_of_a_pipeline_writes_json_lines_only(artifact, tmp_path, monke
                             "-o", str(tmp_path / "out.npz"))  # fmt: skip
     assert code == 2 and "a pipeline's results are JSON lines" in err
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_manifest_missing_a_stage_is_named_damaged(artifact, tmp_path) -> None:
+    damaged = tmp_path / "damaged.kiln"
+    shutil.copytree(artifact, damaged)
+    manifest = json.loads((damaged / "pipeline.json").read_text())
+    del manifest["stages"]["det"]
+    (damaged / "pipeline.json").write_text(json.dumps(manifest))
+    with pytest.raises(KilnError, match="are not the models double_all takes: the artifact is"):
+        Pipeline(str(damaged))

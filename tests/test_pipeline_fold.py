@@ -164,6 +164,13 @@ def test_a_fold_for_many_streams_is_timed_with_that_many_calls_at_once(case, tmp
     assert len(set(seen[4])) == at_once and len(seen[4]) == at_once * len(seen[1])
 
 
+def test_a_feed_that_only_starts_a_chain_has_nothing_to_fold(case) -> None:
+    (call, *_) = case["recording"].of("rec")
+    root = type(call)(call.model, call.query, call.feeds, call.outputs, call.seconds,
+                      pre={"x": (call.feeds["x"], ())})  # the glue ran ops on it, not to it
+    assert find_fold([root]) == Fold()
+
+
 def test_a_stage_without_kiln_ops_around_it_is_not_folded(case, tmp_path) -> None:
     calls = case["recording"].of("rec")
     for call in calls:

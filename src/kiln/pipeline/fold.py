@@ -92,6 +92,7 @@ def find_fold(calls: Sequence[Call]) -> Fold:
 
 
 def _common(name: str, chains: list[Chain], calls: Sequence[Call]) -> dict[str, Chain]:
+    chains = [c for c in chains if c]  # a feed an op's chain started from: nothing to fold
     if not chains:
         return {}
     chain, count = Counter(chains).most_common(1)[0]
@@ -319,8 +320,9 @@ def _fold_stage(
         roots = {n: matched[0].pre[n][0] for n in fold.pre}
         onnx.save(build_folded(onnx.load(where / MODEL_FILE), fold, roots), where / FOLDED_FILE)
         problem, result = _check(where, fold, matched, measure)
-    except (ValueError, OSError, KilnError) as exc:
-        problem, result = f"the chain could not be folded: {exc}", None
+    except (ValueError, OSError, KilnError) as exc:  # named without the compile's temp path
+        why = str(exc).replace(f"{where / FOLDED_FILE}: ", "").replace(str(where), name)
+        problem, result = f"the chain could not be folded: {why}", None
     if result is None or result.verdict != FASTER:
         (where / FOLDED_FILE).unlink(missing_ok=True)
     if result is None:

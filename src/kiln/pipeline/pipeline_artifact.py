@@ -23,7 +23,12 @@ from typing import Any
 from kiln import __version__
 from kiln.errors import KilnError
 from kiln.home import replace_directory
-from kiln.pipeline.function import PipelineFunction, load_function, source_hash
+from kiln.pipeline.function import (
+    PipelineFunction,
+    check_models,
+    load_function,
+    source_hash,
+)
 
 FORMAT = "kiln-pipeline"
 VERSION = 1
@@ -93,4 +98,11 @@ def read_pipeline(path: str | Path) -> tuple[PipelineFunction, dict[str, Path], 
             "compiled. Restore the file, or compile the pipeline again."
         )
     stages = {name: root / s["artifact"] for name, s in manifest["stages"].items()}
+    try:
+        check_models(fn, list(stages), "")
+    except KilnError:
+        raise KilnError(
+            f"{root / MANIFEST}: its stages ({', '.join(stages) or 'none'}) are not the models "
+            f"{function['name']} takes: the artifact is damaged; compile the pipeline again."
+        ) from None
     return fn, stages, manifest
