@@ -91,3 +91,16 @@ def test_a_manifest_missing_a_stage_is_named_damaged(artifact, tmp_path) -> None
     (damaged / "pipeline.json").write_text(json.dumps(manifest))
     with pytest.raises(KilnError, match="are not the models double_all takes: the artifact is"):
         Pipeline(str(damaged))
+
+
+def test_a_stage_model_changed_after_the_compile_is_refused(artifact, tmp_path) -> None:
+    altered = tmp_path / "altered.kiln"
+    shutil.copytree(artifact, altered)
+    model_file = altered / "stages" / "det.kiln" / "model.onnx"
+    model = onnx.load(model_file)
+    for weight in model.graph.initializer:  # still a valid model, other weights
+        weight.CopyFrom(helper.make_tensor(weight.name, weight.data_type, weight.dims,
+                                           [3.0] * max(1, len(weight.float_data or [0]))))
+    onnx.save(model, model_file)
+    with pytest.raises(KilnError, match="det.kiln changed after the compile"):
+        Pipeline(str(altered))

@@ -6,13 +6,15 @@
                          and final figures, the reference run's times and shapes, and the
                          search: every end-to-end trial with its metric and the stage's time
       <module>.py        the function's module file, as it was compiled
-      stages/NAME.kiln   each stage's verified artifact (kiln.compile)
+      stages/NAME.kiln   each stage's verified artifact (kiln.compile), its files' SHA-256 in
+                         pipeline.json, checked at load as the module's is
 
 Written whole or not at all (kiln.home.replace_directory).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import shutil
@@ -64,6 +66,7 @@ def write_pipeline(
         (tmp / "stages").mkdir()
         for name, stage in stages.items():
             shutil.copytree(stage.candidates[stage.choice], tmp / "stages" / f"{name}.kiln")
+            manifest["stages"][name]["sha256"] = _digest(tmp / "stages" / f"{name}.kiln")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
     replace_directory(Path(output), fill)
@@ -74,6 +77,28 @@ def _engine(artifact: str | Path) -> str:
     """The engine a stage's artifact runs on, from its manifest."""
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     return str(manifest.get("config", {}).get("engine", ""))
+
+
+def _digest(folder: Path) -> str:
+    """SHA-256 over every file of a stage's artifact, names and bytes, in name order: what
+    the stage was verified as, so that a model changed since is noticed at load."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        with path.open("rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_stages(root: Path, stages: dict[str, Path], manifest: dict[str, Any]) -> None:
+    for name, folder in stages.items():
+        recorded = manifest["stages"][name].get("sha256")
+        if recorded is not None and folder.is_dir() and _digest(folder) != recorded:
+            raise KilnError(
+                f"{folder} changed after the compile (its SHA-256 is not the one {MANIFEST} "
+                "records): the stage was verified as compiled. Compile the pipeline again."
+            )
 
 
 def is_pipeline(path: str | Path) -> bool:
@@ -98,6 +123,7 @@ def read_pipeline(path: str | Path) -> tuple[PipelineFunction, dict[str, Path], 
             "compiled. Restore the file, or compile the pipeline again."
         )
     stages = {name: root / s["artifact"] for name, s in manifest["stages"].items()}
+    _check_stages(root, stages, manifest)
     try:
         check_models(fn, list(stages), "")
     except KilnError:
