@@ -20,7 +20,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from kiln.pipeline.function import load_function
 from kiln.pipeline.pipeline_artifact import read_pipeline
 from kiln.pipeline.recording import call_function
 from kiln.pipeline.runtime import Pipeline
+from kiln.pipeline.streams import on_streams
 from kiln.runtime.metadata import graph_inputs, node_arg
 from kiln.timing import MIN_ROUNDS_FOR_SPREAD, UNKNOWN, verdict_of
 
@@ -98,17 +98,17 @@ def bench_pipeline(
         for n in streams:
             passes: dict[str, Callable[[], Pass]] = {
                 "kiln": lambda n=n: _kiln_pass(pipe, inputs, n),
-                "plain": lambda n=n: run_queries(
+                "plain": lambda n=n: (*run_queries(
                     lambda x, i: call_function(function, x, i, plain), inputs, n
-                ),
+                ), None),
             }  # fmt: skip
             if peer is not None:
-                passes["peer"] = lambda n=n: run_queries(lambda x, i: peer(x), inputs, n)
+                passes["peer"] = lambda n=n: (*run_queries(lambda x, i: peer(x), inputs, n), None)
             runs = _interleaved(passes, rounds, lambda r, n=n: say(f"{n} streams, round {r}"))
             ways: dict[str, Any] = {w: _way(p, reference, score) for w, p in runs.items()}
             ways["kiln"]["stages"] = runs["kiln"][-1][3]
             for other in [w for w in ("plain", "peer") if w in runs]:
-                ways.update(_versus(runs["kiln"], runs[other], ways, other))
+                ways.update(_versus(ways, other))
             out["streams"][str(n)] = ways
     return out
 
@@ -118,7 +118,7 @@ def bench_pipeline(
 Pass = tuple[list, list[float], float, Any]
 
 
-def _interleaved(passes: dict[str, Callable[[], Any]], rounds: int,
+def _interleaved(passes: dict[str, Callable[[], Pass]], rounds: int,
                  on_round: Callable[[int], None]) -> dict[str, list[Pass]]:  # fmt: skip
     """Every way's passes, `rounds` of each, the ways taking turns from a shifting start."""
     names, out = list(passes), {name: [] for name in passes}
@@ -126,8 +126,7 @@ def _interleaved(passes: dict[str, Callable[[], Any]], rounds: int,
         on_round(r + 1)
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            done = passes[name]()
-            out[name].append(tuple(done) if len(done) == 4 else (*done, None))
+            out[name].append(passes[name]())
     return out
 
 
@@ -157,10 +156,12 @@ def _way(runs: list[Pass], reference: list, score: Metric) -> dict[str, Any]:
     }
 
 
-def _versus(kiln: list[Pass], other: list[Pass], ways: dict, name: str) -> dict[str, Any]:
+def _versus(ways: dict[str, Any], name: str) -> dict[str, Any]:
     """Kiln's queries/s over `name`'s (the medians' ratio, the per-round ratios' range and the
     verdict) and its P99 over theirs."""
-    ratios = [(len(k[0]) / k[2]) / (len(o[0]) / o[2]) for k, o in zip(kiln, other, strict=True)]
+    pairs = zip(ways["kiln"]["queries_per_s_rounds"], ways[name]["queries_per_s_rounds"],
+                strict=True)  # fmt: skip
+    ratios = [k / o for k, o in pairs]
     value = _ratio(ways["kiln"], ways[name], "queries_per_s")
     enough = len(ratios) >= MIN_ROUNDS_FOR_SPREAD and value is not None
     low, high = (min(*ratios, value), max(*ratios, value)) if enough else (None, None)
@@ -187,10 +188,9 @@ def run_queries(answer: Callable[[Any, int], Any], inputs: list, streams: int):
     results: list[Any] = [None] * len(inputs)
     seconds = [0.0] * len(inputs)
     queue = iter(range(len(inputs)))
-    lock, ready = threading.Lock(), threading.Barrier(streams + 1)
+    lock = threading.Lock()
 
     def stream() -> None:
-        ready.wait()
         while True:
             with lock:
                 index = next(queue, None)
@@ -200,13 +200,7 @@ def run_queries(answer: Callable[[Any, int], Any], inputs: list, streams: int):
             results[index] = answer(inputs[index], index)
             seconds[index] = time.perf_counter() - start
 
-    with ThreadPoolExecutor(streams, thread_name_prefix="kiln-bench-stream") as pool:
-        running = [pool.submit(stream) for _ in range(streams)]
-        ready.wait()
-        start = time.perf_counter()
-        for done in running:
-            done.result()
-    return results, seconds, time.perf_counter() - start
+    return results, seconds, on_streams(stream, streams, "kiln-bench-stream")
 
 
 def _ratio(a: dict, b: dict, key: str) -> float | None:

@@ -80,18 +80,17 @@ def _engine(artifact: str | Path) -> str:
 
 
 def _digest(folder: Path) -> str:
-    """SHA-256 over every file of a stage's artifact, names and bytes, in name order: what
-    the stage was verified as, so that a model changed since is noticed at load."""
+    """SHA-256 over every file of a stage's artifact (each name and its file's SHA-256, in
+    name order): what the stage was verified as, so that a model changed since is noticed."""
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
         with path.open("rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
+            own = hashlib.file_digest(file, "sha256").digest()
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + own)
     return digest.hexdigest()
 
 
-def _check_stages(root: Path, stages: dict[str, Path], manifest: dict[str, Any]) -> None:
+def _check_stages(stages: dict[str, Path], manifest: dict[str, Any]) -> None:
     for name, folder in stages.items():
         recorded = manifest["stages"][name].get("sha256")
         if recorded is not None and folder.is_dir() and _digest(folder) != recorded:
@@ -116,14 +115,15 @@ def read_pipeline(path: str | Path) -> tuple[PipelineFunction, dict[str, Path], 
         raise KilnError(f"{root}: {MANIFEST} is not a kiln pipeline of format version {VERSION}.")
     function = manifest["function"]
     fn = load_function(f"{root / function['module_file']}:{function['name']}")
-    if source_hash(fn) != function.get("source_sha256", source_hash(fn)):
+    recorded = function.get("source_sha256")
+    if recorded is not None and source_hash(fn) != recorded:
         raise KilnError(
             f"{root / function['module_file']} changed after the compile (its SHA-256 is not "
             f"the one {MANIFEST} records): the stages' choices were judged on the function as "
             "compiled. Restore the file, or compile the pipeline again."
         )
     stages = {name: root / s["artifact"] for name, s in manifest["stages"].items()}
-    _check_stages(root, stages, manifest)
+    _check_stages(stages, manifest)
     try:
         check_models(fn, list(stages), "")
     except KilnError:

@@ -17,7 +17,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,11 +166,8 @@ def run_streams(
     seconds = [0.0] * len(items)
     feed = iter(items)
     lock, failed = threading.Lock(), threading.Event()
-    count = max(1, streams)
-    ready = threading.Barrier(count + 1)  # the clock starts once every stream is up
 
     def stream() -> None:
-        ready.wait()
         for index, value in _take(feed, lock, failed):
             start = time.perf_counter()
             try:
@@ -181,17 +178,29 @@ def run_streams(
             seconds[index] = time.perf_counter() - start
 
     try:
-        with ThreadPoolExecutor(count, thread_name_prefix="kiln-stream") as pool:
-            running = [pool.submit(stream) for _ in range(count)]
-            ready.wait()
-            begin = time.perf_counter()
-            for done in running:
-                done.result()
-            wall = time.perf_counter() - begin
+        wall = on_streams(stream, max(1, streams), "kiln-stream")
     finally:
         for stage in stages.values():
             stage.close()
     return StreamsRun(results, seconds, wall, {n: s.stats.to_json() for n, s in stages.items()})
+
+
+def on_streams(stream: Callable[[], None], count: int, prefix: str) -> float:
+    """`stream` on `count` threads at once; the seconds from when every thread is up (their
+    start is not the work's time) until the last is done. A stream's failure is raised."""
+    ready = threading.Barrier(count + 1)
+
+    def started() -> None:
+        ready.wait()
+        stream()
+
+    with ThreadPoolExecutor(count, thread_name_prefix=prefix) as pool:
+        running = [pool.submit(started) for _ in range(count)]
+        ready.wait()
+        begin = time.perf_counter()
+        for done in running:
+            done.result()
+        return time.perf_counter() - begin
 
 
 def _take(

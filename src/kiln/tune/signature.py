@@ -96,8 +96,5 @@ def content_digest(source: str) -> str:
     target = path / "manifest.json" if path.is_dir() else path
     if not target.is_file():
         return ""
-    digest = hashlib.sha256()
     with target.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return f"-{digest.hexdigest()[:8]}"
+        return f"-{hashlib.file_digest(file, 'sha256').hexdigest()[:8]}"
